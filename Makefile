@@ -1,0 +1,42 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell md5sum pyproject.toml | cut -c1-8)
+
+.PHONY: demo test lint unit integration e2e bench os-deps clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[fleet,dev]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+os-deps:
+	@deploy/bin/os-deps
+
+demo: $(STAMP) os-deps
+	@deploy/bin/demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy .
+
+unit: $(STAMP)
+	$(BIN)/pytest tests/unit
+
+integration: $(STAMP) os-deps
+	$(BIN)/pytest tests/integration
+
+e2e: $(STAMP) os-deps
+	$(BIN)/pytest tests/e2e
+
+test: $(STAMP) os-deps lint
+	$(BIN)/pytest tests/unit tests/integration tests/e2e
+
+bench: $(STAMP) os-deps
+	$(BIN)/pytest tests/bench -p no:cacheprovider
+
+clean:
+	rm -rf var/devfleet var/test-* var/screenshots

@@ -1,0 +1,336 @@
+"""A local fleet of real tritonserver processes (from the nvidia-pytriton wheel) and a Prometheus
+that scrapes them, for the demo and the integration tests.
+
+Every process is started in its own session and recorded in a state file with its command line;
+`down` stops only processes whose /proc entry still shows that exact command line, so it never
+kills a process it did not start (or one that reused a recorded pid).
+"""
+
+import ctypes.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pytriton
+
+from apps.fleet.triton import TritonClient, TritonError
+from apps.registry.codec import ensemble_steps, pin_versions, to_json
+from apps.registry.repository import read_model
+
+START_TIMEOUT_S = 60.0
+# The stub must match the Python it embeds; pytriton ships one per version.
+PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+class DevfleetError(Exception):
+    """Something the user must fix; the message says what and how, in one line."""
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+    argv: list[str]
+    log: str
+    ports: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def running(self) -> bool:
+        """True only while `pid` is still the process we started (same command line)."""
+        try:
+            cmdline = Path(f"/proc/{self.pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+        return cmdline.split(b"\0")[:-1] == [arg.encode() for arg in self.argv]
+
+
+@dataclass
+class FleetState:
+    nodes: list[Proc] = field(default_factory=list)
+    prometheus: Proc | None = None
+
+    def node_urls(self, node: Proc) -> dict[str, str]:
+        return {
+            "http_url": f"http://127.0.0.1:{node.ports['http']}",
+            "grpc_url": f"127.0.0.1:{node.ports['grpc']}",
+            "metrics_url": f"http://127.0.0.1:{node.ports['metrics']}/metrics",
+        }
+
+    @property
+    def prometheus_url(self) -> str:
+        assert self.prometheus is not None
+        return f"http://127.0.0.1:{self.prometheus.ports['web']}"
+
+
+class Devfleet:
+    def __init__(self, *, home: Path, repository: Path) -> None:
+        self.home = home
+        self.repository = repository.resolve()
+        self.state_file = home / "state.json"
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state(self) -> FleetState:
+        if not self.state_file.exists():
+            return FleetState()
+        raw = json.loads(self.state_file.read_text())
+        prometheus = raw.get("prometheus")
+        return FleetState(
+            nodes=[Proc(**node) for node in raw["nodes"]],
+            prometheus=Proc(**prometheus) if prometheus else None,
+        )
+
+    def _save(self, state: FleetState) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        data = {
+            "nodes": [asdict(n) for n in state.nodes],
+            "prometheus": asdict(state.prometheus) if state.prometheus else None,
+        }
+        self.state_file.write_text(json.dumps(data, indent=2))
+
+    # -- up / down -------------------------------------------------------------------------------
+
+    def up(
+        self, *, nodes: int, pool: str, base_port: int | None, prometheus_port: int | None
+    ) -> FleetState:
+        state = self.state()
+        if any(proc.running for proc in state.nodes):
+            raise DevfleetError(
+                f"a fleet is already running (see {self.state_file}); run `devfleet down` first"
+            )
+        tritonserver, backends = self._triton_install()
+        prometheus = _require_binary("prometheus", "apt-get install -y prometheus")
+        ports = _ports(nodes * 3, base_port)
+        state = FleetState()
+        try:
+            for i in range(nodes):
+                name = f"{pool}-{i + 1}"
+                http, grpc, metrics = ports[3 * i : 3 * i + 3]
+                argv = [
+                    tritonserver,
+                    f"--model-repository={self.repository}",
+                    f"--backend-directory={backends}",
+                    "--model-control-mode=explicit",
+                    "--strict-readiness=false",
+                    "--metrics-config=summary_latencies=true",
+                    "--metrics-interval-ms=1000",
+                    f"--http-port={http}",
+                    f"--grpc-port={grpc}",
+                    f"--metrics-port={metrics}",
+                    "--http-address=127.0.0.1",
+                    "--grpc-address=127.0.0.1",
+                    "--metrics-address=127.0.0.1",
+                    f"--id={name}",
+                ]
+                env = {
+                    **os.environ,
+                    "LD_LIBRARY_PATH": str(
+                        Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
+                    ),
+                }
+                proc = self._spawn(
+                    name, argv, {"http": http, "grpc": grpc, "metrics": metrics}, env
+                )
+                state.nodes.append(proc)
+                self._save(state)
+            for proc in state.nodes:
+                _wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
+            web = _ports(1, prometheus_port)[0]
+            state.prometheus = self._start_prometheus(prometheus, state, pool, web)
+            self._save(state)
+            _wait_http(f"{state.prometheus_url}/-/ready", state.prometheus)
+        except BaseException:
+            self.down()
+            raise
+        return state
+
+    def down(self) -> list[str]:
+        """Stop what `up` started; returns one line per process saying what happened."""
+        state = self.state()
+        lines = []
+        for proc in [*state.nodes, *([state.prometheus] if state.prometheus else [])]:
+            if not proc.running:
+                lines.append(f"{proc.name}: not running (pid {proc.pid})")
+                continue
+            os.killpg(proc.pid, signal.SIGTERM)
+            if not _wait_gone(proc, 15.0):
+                os.killpg(proc.pid, signal.SIGKILL)
+                _wait_gone(proc, 5.0)
+            lines.append(f"{proc.name}: stopped (pid {proc.pid})")
+        self.state_file.unlink(missing_ok=True)
+        return lines
+
+    def _spawn(
+        self, name: str, argv: list[str], ports: dict[str, int], env: dict[str, str] | None = None
+    ) -> Proc:
+        log = self.home / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("wb") as out:
+            popen = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        return Proc(name=name, pid=popen.pid, argv=argv, log=str(log), ports=ports)
+
+    def _start_prometheus(self, binary: str, state: FleetState, pool: str, port: int) -> Proc:
+        scrape = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [
+                {
+                    "job_name": "triton",
+                    "static_configs": [
+                        {
+                            "targets": [f"127.0.0.1:{n.ports['metrics']}"],
+                            "labels": {"node": n.name, "pool": pool},
+                        }
+                        for n in state.nodes
+                    ],
+                }
+            ],
+        }
+        config = self.home / "prometheus.yml"
+        config.write_text(json.dumps(scrape, indent=2))  # JSON is valid YAML
+        data = self.home / "prometheus-data"
+        shutil.rmtree(data, ignore_errors=True)
+        argv = [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={data}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--storage.tsdb.retention.time=2d",
+            "--web.enable-admin-api",
+        ]
+        return self._spawn("prometheus", argv, {"web": port})
+
+    def _triton_install(self) -> tuple[str, Path]:
+        """tritonserver and a backend directory with the Python backend and the stub for the
+        running interpreter's Python version (the stub embeds the system libpython)."""
+        root = Path(pytriton.__file__).parent / "tritonserver"
+        tritonserver = root / "bin" / "tritonserver"
+        python = PYTHON_VERSION
+        stub = root / "python_backend_stubs" / python / "triton_python_backend_stub"
+        if not tritonserver.exists():
+            raise DevfleetError(
+                f"{tritonserver} is missing: reinstall the fleet extra (pip install -e '.[fleet]')"
+            )
+        if not stub.exists():
+            raise DevfleetError(
+                f"no Python backend stub for Python {python} in {stub.parent.parent}; use 3.11"
+            )
+        if not ctypes.util.find_library(f"python{python}"):
+            raise DevfleetError(
+                f"the stub needs the system libpython{python}: apt-get install -y libpython{python}"
+            )
+        system_numpy = subprocess.run(
+            [f"/usr/bin/python{python}", "-I", "-c", "import numpy"], capture_output=True
+        )
+        if system_numpy.returncode != 0:
+            raise DevfleetError(
+                "the Python backend stub needs the system numpy: apt-get install -y python3-numpy"
+            )
+        backends = self.home / "backends" / "python"
+        backends.mkdir(parents=True, exist_ok=True)
+        for source in [*(root / "backends" / "python").iterdir(), stub]:
+            link = backends / source.name
+            link.unlink(missing_ok=True)
+            link.symlink_to(source)
+        return str(tritonserver), backends.parent
+
+    # -- models ----------------------------------------------------------------------------------
+
+    def load_release(self, client: TritonClient, model: str, version: int) -> None:
+        """Load `model` at `version` from the repository; for an ensemble, its pinned steps first.
+        Succeeds only when the repository index shows every loaded version READY."""
+        release = read_model(self.repository, model)
+        if version not in release.configs:
+            raise DevfleetError(
+                f"{model} has no version {version} in {self.repository} (has {release.versions})"
+            )
+        loads = []
+        for name, pinned in ensemble_steps(release.configs[version]):
+            step = read_model(self.repository, name)
+            resolved = pinned if pinned > 0 else max(step.versions)
+            loads.append((name, resolved, step.configs[resolved]))
+        loads.append((model, version, release.configs[version]))
+        for name, each_version, config in loads:
+            client.load(name, config_json=to_json(pin_versions(config, [each_version])))
+        index = {(entry.model, entry.version): entry for entry in client.repository_index()}
+        for name, each_version, _ in loads:
+            entry = index.get((name, each_version))
+            if entry is None or entry.state != "READY":
+                reason = entry.reason if entry else "absent from the repository index"
+                raise TritonError(
+                    client.node, f"{name} v{each_version} is not READY after load: {reason}"
+                )
+
+
+def _require_binary(name: str, install: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise DevfleetError(f"`{name}` is not installed: {install}")
+    return path
+
+
+def _ports(count: int, base: int | None) -> list[int]:
+    """`count` ports: consecutive from `base` (each checked free), or free ones the OS picks."""
+    if base is None:
+        sockets = [socket.socket() for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        ports = [sock.getsockname()[1] for sock in sockets]
+        for sock in sockets:
+            sock.close()
+        return ports
+    ports = list(range(base, base + count))
+    for port in ports:
+        with socket.socket() as sock:
+            # Like the servers themselves, ignore TIME_WAIT left by a fleet that just stopped.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                raise DevfleetError(
+                    f"port {port} is already taken; pick other ports with --base-port"
+                ) from None
+    return ports
+
+
+def _wait_http(url: str, proc: Proc) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not proc.running:
+            tail = Path(proc.log).read_text(errors="replace").strip().splitlines()[-3:]
+            raise DevfleetError(
+                f"{proc.name} exited during start-up; {proc.log} ends with: {' | '.join(tail)}"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - our own localhost URL
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise DevfleetError(
+        f"{proc.name} did not answer {url} within {START_TIMEOUT_S:.0f} s; see {proc.log}"
+    )
+
+
+def _wait_gone(proc: Proc, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.running:
+            return True
+        time.sleep(0.1)
+    return False

@@ -1,0 +1,112 @@
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from apps.fleet.devfleet import Devfleet, DevfleetError
+from apps.fleet.models import Node
+from apps.fleet.selectors import node_list
+from apps.fleet.services import node_register
+from apps.fleet.traffic import send_traffic
+from apps.fleet.triton import TritonClient, TritonError
+
+
+class Command(BaseCommand):
+    help = "Run a local fleet of real tritonserver nodes and a Prometheus that scrapes them."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--home", type=Path, default=settings.VAR_DIR / "devfleet")
+        parser.add_argument(
+            "--repository", type=Path, default=settings.BASE_DIR / "deploy" / "models"
+        )
+        sub = parser.add_subparsers(dest="action", required=True)
+        up = sub.add_parser("up", help="start the nodes and Prometheus, register the nodes")
+        up.add_argument("--nodes", type=int, default=3)
+        up.add_argument("--pool", default="demo")
+        up.add_argument("--base-port", type=int, default=8100, help="0 picks free ports")
+        up.add_argument("--prometheus-port", type=int, default=9090)
+        up.add_argument(
+            "--load",
+            action="append",
+            default=[],
+            metavar="MODEL:VERSION",
+            help="load this release on every node (ensembles bring their pinned steps)",
+        )
+        sub.add_parser("down", help="stop exactly the processes `up` started")
+        sub.add_parser("status", help="list the fleet's processes and registered nodes")
+        traffic = sub.add_parser("traffic", help="send real inference requests round-robin")
+        traffic.add_argument("--model", required=True)
+        traffic.add_argument("--rps", type=float, default=5.0)
+        traffic.add_argument("--seconds", type=float, default=60.0)
+        traffic.add_argument("--pool", default="")
+
+    def handle(self, *args: object, **options: object) -> None:
+        fleet = Devfleet(home=options["home"], repository=options["repository"])  # type: ignore[arg-type]
+        try:
+            getattr(self, f"_{options['action']}")(fleet, **options)
+        except (DevfleetError, TritonError) as exc:
+            raise CommandError(str(exc)) from None
+
+    def _up(
+        self, fleet: Devfleet, *, nodes: int, pool: str, base_port: int, **options: object
+    ) -> None:
+        if not 1 <= nodes <= 16:
+            raise CommandError("--nodes must be between 1 and 16")
+        state = fleet.up(
+            nodes=nodes,
+            pool=pool,
+            base_port=base_port or None,
+            prometheus_port=options["prometheus_port"] or None,  # type: ignore[arg-type]
+        )
+        for proc in state.nodes:
+            node_register(
+                name=proc.name, pool=pool, actor="system:devfleet", **state.node_urls(proc)
+            )
+            self.stdout.write(f"{proc.name}: {state.node_urls(proc)['http_url']} (log {proc.log})")
+        self.stdout.write(f"prometheus: {state.prometheus_url}")
+        for release in options["load"]:  # type: ignore[attr-defined]
+            model, _, version = release.partition(":")
+            if not version.isdigit():
+                raise CommandError(
+                    f"--load {release!r}: expected MODEL:VERSION, e.g. rag_pipeline:1"
+                )
+            for proc in state.nodes:
+                client = TritonClient(state.node_urls(proc)["http_url"], node=proc.name)
+                fleet.load_release(client, model, int(version))
+            self.stdout.write(f"loaded {model} v{version} on {len(state.nodes)} nodes")
+
+    def _down(self, fleet: Devfleet, **options: object) -> None:
+        for line in fleet.down() or ["nothing to stop"]:
+            self.stdout.write(line)
+
+    def _status(self, fleet: Devfleet, **options: object) -> None:
+        state = fleet.state()
+        for proc in [*state.nodes, *([state.prometheus] if state.prometheus else [])]:
+            status = "running" if proc.running else "stopped"
+            ports = " ".join(f"{k}={v}" for k, v in proc.ports.items())
+            self.stdout.write(f"{proc.name:<12} pid {proc.pid:<8} {status:<8} {ports}")
+        for node in node_list():
+            models = ", ".join(f"{e['model']} v{e['version']}" for e in node.ready_models) or "-"
+            self.stdout.write(f"node {node.name:<12} {node.health:<12} {node.http_url}  {models}")
+
+    def _traffic(
+        self,
+        fleet: Devfleet,
+        *,
+        model: str,
+        rps: float,
+        seconds: float,
+        pool: str,
+        **options: object,
+    ) -> None:
+        if not (0 < rps <= 500 and 0 < seconds <= 24 * 3600):
+            raise CommandError("--rps must be in (0, 500] and --seconds in (0, 86400]")
+        nodes = Node.objects.exclude(health=Node.Health.UNREACHABLE)
+        if pool:
+            nodes = nodes.filter(pool__name=pool)
+        clients = [TritonClient(n.http_url, node=n.name) for n in nodes]
+        if not clients:
+            raise CommandError("no reachable nodes registered; start them with `devfleet up`")
+        results = send_traffic(clients, model=model, rps=rps, seconds=seconds)
+        for key, count in sorted(results.items()):
+            self.stdout.write(f"{key}: {count}")

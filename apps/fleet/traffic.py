@@ -1,0 +1,67 @@
+"""Bounded synthetic traffic: real inference requests sent round-robin across nodes."""
+
+import itertools
+import random
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from apps.fleet.triton import TritonClient, TritonError, numpy_dtype
+
+QUESTIONS = [
+    "How do I track my order?",
+    "when will my refund arrive",
+    "Can I still cancel my order?",
+    "how much is shipping to Germany",
+    "I forgot my password",
+    "The blender arrived broken, what now?",
+    "Do you accept PayPal?",
+    "where is my invoice",
+    "do gift cards expire",
+    "How do I return shoes that do not fit?",
+]
+
+
+def sample_inputs(
+    spec: list[tuple[str, str, list[int]]], rng: random.Random
+) -> dict[str, np.ndarray]:
+    """One request's inputs (batch of 1) from the model's metadata; strings get a question."""
+    inputs = {}
+    for name, datatype, shape in spec:
+        dims = [1 if d < 0 else d for d in shape]
+        dims[0] = 1  # batch dimension (or a variable first dimension)
+        if datatype == "BYTES":
+            inputs[name] = np.full(dims, rng.choice(QUESTIONS).encode(), dtype=np.object_)
+        else:
+            noise = np.random.default_rng(rng.randrange(2**32)).random(dims)
+            inputs[name] = noise.astype(numpy_dtype(datatype))
+    return inputs
+
+
+def send_traffic(
+    clients: list[TritonClient], *, model: str, rps: float, seconds: float, seed: int = 0
+) -> Counter[str]:
+    """Send about `rps * seconds` requests, then stop; counts results as `node ok|failed`."""
+    rng = random.Random(seed)
+    spec = clients[0].model_inputs(model)
+    results: Counter[str] = Counter()
+    nodes = itertools.cycle(clients)
+
+    def one(client: TritonClient, inputs: dict[str, np.ndarray]) -> None:
+        try:
+            client.infer(model, inputs)
+            results[f"{client.node} ok"] += 1
+        except TritonError:
+            results[f"{client.node} failed"] += 1
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for sent in itertools.count():
+            due = start + sent / rps
+            if due - start >= seconds:
+                break
+            time.sleep(max(0.0, due - time.monotonic()))
+            pool.submit(one, next(nodes), sample_inputs(spec, rng))
+    return results

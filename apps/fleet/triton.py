@@ -1,0 +1,129 @@
+"""The only module that talks to Triton (HTTP/REST protocol through tritonclient).
+
+Every call has a timeout. Errors become `TritonUnreachable` (transient: the node did not answer) or
+`TritonRejected` (Triton answered with an error; its text is kept verbatim for the operator).
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import gevent
+import numpy as np
+import tritonclient.http as httpclient
+from django.conf import settings
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype, triton_to_np_dtype
+
+# Loading a model runs its initialize(): far slower than any other repository call.
+LOAD_TIMEOUT_S = 120.0
+
+
+class TritonError(Exception):
+    def __init__(self, node: str, message: str) -> None:
+        self.node, self.message = node, message
+        super().__init__(f"{node}: {message}")
+
+
+class TritonUnreachable(TritonError):
+    """Connection refused, reset or timed out: worth retrying."""
+
+
+class TritonRejected(TritonError):
+    """Triton answered with an error (bad config, unknown model...): retrying will not help."""
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    model: str
+    version: int | None
+    state: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ServerMetadata:
+    version: str
+    extensions: list[str]
+
+
+def numpy_dtype(datatype: str) -> np.dtype:
+    """The numpy dtype of a Triton tensor datatype (FP32, INT64, BYTES...)."""
+    return np.dtype(triton_to_np_dtype(datatype))
+
+
+class TritonClient:
+    def __init__(self, http_url: str, *, node: str = "", timeout: float | None = None) -> None:
+        parts = urlsplit(http_url)
+        self.address = parts.netloc
+        self.node = node or self.address
+        self.timeout = timeout if timeout is not None else settings.TRITON_TIMEOUT_S
+
+    @contextmanager
+    def _client(self, timeout: float | None = None) -> Iterator[httpclient.InferenceServerClient]:
+        client = httpclient.InferenceServerClient(
+            self.address,
+            connection_timeout=min(self.timeout, 5.0),
+            network_timeout=timeout or self.timeout,
+        )
+        try:
+            yield client
+        except InferenceServerException as exc:
+            raise TritonRejected(self.node, exc.message() or str(exc)) from exc
+        except (OSError, gevent.Timeout) as exc:
+            raise TritonUnreachable(self.node, f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            client.close()
+
+    def health(self) -> str:
+        """'ready' or 'live' (up, but some model failed or the server is still starting)."""
+        with self._client() as client:
+            live = client.is_server_live()
+            return "ready" if live and client.is_server_ready() else "live"
+
+    def server_metadata(self) -> ServerMetadata:
+        with self._client() as client:
+            data = client.get_server_metadata()
+        return ServerMetadata(version=data["version"], extensions=list(data.get("extensions", [])))
+
+    def repository_index(self) -> list[IndexEntry]:
+        with self._client() as client:
+            rows = client.get_model_repository_index()
+        return [
+            IndexEntry(
+                model=row["name"],
+                version=int(row["version"]) if row.get("version") else None,
+                state=row.get("state", ""),
+                reason=row.get("reason", ""),
+            )
+            for row in rows
+        ]
+
+    def load(self, model: str, *, config_json: str | None = None) -> None:
+        """Load or reload `model`; returns once Triton is done (callers read the index back)."""
+        with self._client(LOAD_TIMEOUT_S) as client:
+            client.load_model(model, config=config_json)
+
+    def unload(self, model: str, *, unload_dependents: bool = False) -> None:
+        with self._client() as client:
+            client.unload_model(model, unload_dependents=unload_dependents)
+
+    def model_inputs(self, model: str) -> list[tuple[str, str, list[int]]]:
+        """(name, datatype, shape) of each input of the loaded `model`."""
+        with self._client() as client:
+            metadata = client.get_model_metadata(model)
+        return [
+            (i["name"], i["datatype"], [int(d) for d in i["shape"]]) for i in metadata["inputs"]
+        ]
+
+    def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One inference; every input carries its batch dimension. Returns every output."""
+        tensors = []
+        for name, array in inputs.items():
+            tensor = httpclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        with self._client() as client:
+            result = client.infer(model, tensors)
+            outputs = result.get_response()["outputs"]
+            return {out["name"]: result.as_numpy(out["name"]) for out in outputs}

@@ -1,0 +1,21 @@
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render
+
+from apps.audit.models import AuditEvent
+from apps.fleet.selectors import fleet_summary, node_list
+
+
+def overview(request: HttpRequest) -> HttpResponse:
+    nodes = list(node_list())
+    context = {
+        "summary": fleet_summary(nodes),
+        "nodes": nodes,
+        "events": AuditEvent.objects.all()[:8],
+    }
+    return render(request, "fleet/overview.html", context)
+
+
+def nodes(request: HttpRequest) -> HttpResponse:
+    """The full page, or for htmx polling just the table (`#node-table`)."""
+    template = "fleet/nodes.html#node-table" if request.htmx else "fleet/nodes.html"
+    return render(request, template, {"nodes": node_list()})

@@ -1,0 +1,85 @@
+"""Plotly figures from Prometheus series, with vertical markers for what changed."""
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import plotly.graph_objects as go
+
+from apps.observability.catalog import METRICS, build_query, step_for
+from apps.observability.prometheus import PrometheusUnavailable, Series, range_query
+
+
+@dataclass(frozen=True)
+class Marker:
+    at: datetime
+    text: str
+
+
+@dataclass(frozen=True)
+class Chart:
+    title: str
+    figure_json: str = ""
+    message: str = ""  # shown instead of the figure: no data, Prometheus down...
+
+
+def series_name(labels: dict[str, str]) -> str:
+    parts = [labels.get("model", "all"), f"v{labels['version']}" if "version" in labels else ""]
+    parts.append(labels.get("reason", ""))
+    return " ".join(p for p in parts if p)
+
+
+def figure(series: list[Series], *, unit: str, markers: list[Marker]) -> go.Figure:
+    fig = go.Figure()
+    for each in series:
+        fig.add_trace(
+            go.Scatter(
+                x=each.times,
+                y=each.values,
+                mode="lines",
+                name=series_name(each.labels),
+                hovertemplate="%{y:.3g} " + unit + "<br>%{x}<extra>%{fullData.name}</extra>",
+            )
+        )
+    for marker in markers:
+        fig.add_vline(x=marker.at.timestamp() * 1000, line={"dash": "dot", "color": "#b45309"})
+        fig.add_annotation(
+            x=marker.at,
+            y=1,
+            yref="paper",
+            text=marker.text,
+            showarrow=False,
+            yanchor="bottom",
+            font={"size": 10, "color": "#b45309"},
+        )
+    fig.update_layout(
+        margin={"l": 56, "r": 16, "t": 24, "b": 40},
+        height=300,
+        template="plotly_white",
+        yaxis_title=unit,
+        legend={"orientation": "h", "y": -0.2},
+    )
+    return fig
+
+
+def metric_chart(
+    key: str,
+    *,
+    start: datetime,
+    end: datetime,
+    model: str = "",
+    pool: str = "",
+    markers: list[Marker] | None = None,
+) -> Chart:
+    metric = METRICS[key]
+    step = step_for((end - start).total_seconds())
+    query = build_query(metric, model=model, pool=pool, window_s=max(30, 4 * step))
+    try:
+        series = range_query(query, start=start, end=end, step_s=step)
+    except PrometheusUnavailable as exc:
+        return Chart(title=metric.title, message=str(exc))
+    if not series:
+        return Chart(title=metric.title, message="No data in this range.")
+    fig = figure(series, unit=metric.unit, markers=markers or [])
+    # Escaped so that no label value can close the <script type="application/json"> it sits in.
+    safe_json = fig.to_json().replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return Chart(title=metric.title, figure_json=safe_json)

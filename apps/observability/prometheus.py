@@ -1,0 +1,53 @@
+"""The only module that talks to Prometheus. Every call has a timeout; failures become
+`PrometheusUnavailable` with a message fit for the page."""
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import requests
+from django.conf import settings
+from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from urllib3.util.retry import Retry
+
+
+class PrometheusUnavailable(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Series:
+    labels: dict[str, str]
+    times: list[datetime]
+    values: list[float]
+
+
+def escape_label(value: str) -> str:
+    """A PromQL double-quoted label value: user text never escapes its quotes."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _connect() -> PrometheusConnect:
+    # One quick retry at most: a page waits on this, and the next refresh tries again anyway.
+    return PrometheusConnect(
+        url=settings.PROMETHEUS_URL,
+        disable_ssl=True,
+        retry=Retry(total=1, backoff_factor=0.1),
+        timeout=settings.PROMETHEUS_TIMEOUT_S,
+    )
+
+
+def range_query(query: str, *, start: datetime, end: datetime, step_s: int) -> list[Series]:
+    try:
+        result = _connect().custom_query_range(query, start, end, step=f"{step_s}s")
+    except (PrometheusApiClientException, requests.RequestException) as exc:
+        raise PrometheusUnavailable(
+            f"Prometheus at {settings.PROMETHEUS_URL} did not answer: {exc}"
+        ) from exc
+    return [
+        Series(
+            labels=row["metric"],
+            times=[datetime.fromtimestamp(float(t), tz=start.tzinfo) for t, _ in row["values"]],
+            values=[float(v) for _, v in row["values"]],
+        )
+        for row in result
+    ]

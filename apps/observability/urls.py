@@ -1,0 +1,6 @@
+from django.urls import path
+
+from apps.observability import views
+
+app_name = "observability"
+urlpatterns = [path("", views.metrics, name="metrics")]

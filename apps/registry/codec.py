@@ -1,0 +1,58 @@
+"""Triton model configs through Triton's own protobuf schema: pbtxt in, pbtxt or JSON out."""
+
+import json
+from typing import Any
+
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2
+
+ModelConfig = model_config_pb2.ModelConfig
+
+
+class ConfigSyntaxError(ValueError):
+    """A config.pbtxt that Triton could not parse; names the file, line and column."""
+
+    def __init__(self, source: str, line: int, column: int, message: str) -> None:
+        self.source, self.line, self.column = source, line, column
+        super().__init__(f"{source}:{line}:{column}: {message}")
+
+
+def parse_pbtxt(text: str, *, source: str = "config.pbtxt") -> Any:
+    config = ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        raise ConfigSyntaxError(
+            source, exc.GetLine() or 0, exc.GetColumn() or 0, str(exc).split(" : ", 1)[-1]
+        ) from exc
+    return config
+
+
+def to_pbtxt(config: Any) -> str:
+    return text_format.MessageToString(config)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The JSON shape Triton's repository API takes as the `config` load parameter."""
+    return json_format.MessageToDict(config, preserving_proto_field_name=True)
+
+
+def to_json(config: Any) -> str:
+    return json.dumps(to_dict(config), sort_keys=True)
+
+
+def from_dict(data: dict[str, Any]) -> Any:
+    return json_format.ParseDict(data, ModelConfig())
+
+
+def pin_versions(config: Any, versions: list[int]) -> Any:
+    """A copy of `config` whose version policy serves exactly `versions`."""
+    pinned = ModelConfig()
+    pinned.CopyFrom(config)
+    pinned.version_policy.specific.versions[:] = sorted(versions)
+    return pinned
+
+
+def ensemble_steps(config: Any) -> list[tuple[str, int]]:
+    """(model, version) of each step of an ensemble; -1 means the latest version."""
+    return [(s.model_name, s.model_version) for s in config.ensemble_scheduling.step]

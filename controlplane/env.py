@@ -1,0 +1,81 @@
+"""Typed readers for environment variables: a bad value stops start-up with the variable's name."""
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from django.core.exceptions import ImproperlyConfigured
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_str(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean; use true or false.")
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_url(name: str, default: str, schemes: tuple[str, ...]) -> str:
+    raw = os.environ.get(name, default)
+    parts = urlsplit(raw)
+    if parts.scheme not in schemes or not (parts.hostname or parts.path):
+        raise ImproperlyConfigured(
+            f"{name}={raw!r} is not a valid URL; expected one of {', '.join(schemes)}://..."
+        )
+    return raw
+
+
+def database_from_url(name: str, default: str, base_dir: Path) -> dict[str, object]:
+    """Django DATABASES entry from `sqlite:///relative/or//absolute` or `postgres://user@host/db`."""
+    raw = os.environ.get(name, default)
+    parts = urlsplit(raw)
+    if parts.scheme == "sqlite":
+        path = Path(unquote(parts.path).removeprefix("/"))
+        if not path.name:
+            raise ImproperlyConfigured(f"{name}={raw!r} names no SQLite file.")
+        path = path if path.is_absolute() else base_dir / path
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": str(path),
+            "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+            "TEST": {"NAME": str(path.with_name(f"test_{path.name}"))},
+        }
+    if parts.scheme in {"postgres", "postgresql"}:
+        database = unquote(parts.path.removeprefix("/"))
+        if not database:
+            raise ImproperlyConfigured(f"{name}={raw!r} names no database.")
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"{name}={raw!r} has an invalid port.") from exc
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": database,
+            "USER": unquote(parts.username or ""),
+            "PASSWORD": unquote(parts.password or ""),
+            "HOST": parts.hostname or "",
+            "PORT": str(port or ""),
+            "CONN_MAX_AGE": 60,
+            "CONN_HEALTH_CHECKS": True,
+        }
+    raise ImproperlyConfigured(
+        f"{name}={raw!r} is not supported; use sqlite:///path or postgres://user@host:port/db."
+    )

@@ -1,0 +1,12 @@
+from django.contrib import admin
+from django.urls import include, path
+
+urlpatterns = [
+    path("", include("apps.fleet.urls")),
+    path("accounts/", include("apps.accounts.urls")),
+    path("models/", include("apps.registry.urls")),
+    path("rollouts/", include("apps.rollouts.urls")),
+    path("metrics/", include("apps.observability.urls")),
+    path("audit/", include("apps.audit.urls")),
+    path("admin/", admin.site.urls),
+]

@@ -1,0 +1,205 @@
+"""Shared code of the demo RAG models: real (small) text computation plus drill knobs.
+
+Each model version's `model.py` picks its algorithm from here and subclasses `StepModel`, which reads
+the `delay_ms` and `error_rate` config parameters so drills can slow a model down or make it fail.
+"""
+
+import hashlib
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+
+DIMS = 64
+STOPWORDS = frozenset(
+    "a an and are at be can do does for how i in is it my of on or the to what when where which "
+    "who why will with you your".split()
+)
+FAQ = json.loads((Path(__file__).parent / "faq.json").read_text())
+
+
+def tokens(text: str, *, refined: bool) -> list[str]:
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    if not refined:
+        return words
+    stems = [re.sub(r"(ing|ed|es|s)$", "", w) if len(w) > 4 else w for w in words]
+    kept = [w for w in stems if w not in STOPWORDS]
+    return kept + [f"{a}_{b}" for a, b in zip(kept, kept[1:], strict=False)]
+
+
+def embed(text: str, *, refined: bool) -> np.ndarray:
+    """Hashed bag of words, L2-normalized: texts sharing words get a high cosine similarity."""
+    vector = np.zeros(DIMS, dtype=np.float32)
+    for word in tokens(text, refined=refined):
+        digest = hashlib.blake2b(word.encode(), digest_size=4).digest()
+        index = int.from_bytes(digest, "little")
+        vector[index % DIMS] += 1.0 if index & (1 << 31) else -1.0
+    norm = float(np.linalg.norm(vector))
+    return vector / norm if norm else vector
+
+
+def retrieve(query: np.ndarray, *, refined: bool, k: int) -> list[dict]:
+    scored = [
+        {**entry, "score": float(np.dot(query, embed(entry["q"] + " " + entry["a"], refined=refined)))}
+        for entry in FAQ
+    ]
+    return sorted(scored, key=lambda entry: entry["score"], reverse=True)[:k]
+
+
+def rerank(question: str, candidates: list[dict], *, refined: bool) -> list[dict]:
+    """Word overlap between the question and each candidate's FAQ question, blended with retrieval."""
+    asked = set(tokens(question, refined=refined))
+    ranked = []
+    for candidate in candidates:
+        known = set(tokens(candidate["q"], refined=refined))
+        overlap = len(asked & known) / (len(asked | known) or 1)
+        ranked.append({**candidate, "score": 0.7 * overlap + 0.3 * candidate["score"]})
+    return sorted(ranked, key=lambda entry: entry["score"], reverse=True)
+
+
+def generate(question: str, contexts: list[dict], *, friendly: bool) -> tuple[str, str]:
+    best = contexts[0]
+    source = f"faq:{best['id']}"
+    if not friendly:
+        return best["a"], source
+    if best["score"] < 0.15:
+        return f"I am not sure I understood. The closest help article says: {best['a']}", source
+    return f"{best['a']} Anything else I can help with?", source
+
+
+def encode(items: list[dict]) -> np.ndarray:
+    return np.array([json.dumps(item).encode() for item in items], dtype=np.object_)
+
+
+def decode(row: np.ndarray) -> list[dict]:
+    return [json.loads(item) for item in row]
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class StepModel:
+    """Runs `infer` per request; `delay_ms` and `error_rate` come from the model config."""
+
+    inputs: tuple[str, ...] = ()
+
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        parameters = config.get("parameters", {})
+        self.delay_s = float(parameters.get("delay_ms", {}).get("string_value", "0")) / 1000
+        self.error_rate = float(parameters.get("error_rate", {}).get("string_value", "0"))
+
+    def execute(self, requests: list) -> list:
+        import triton_python_backend_utils as pb_utils  # only importable inside Triton's stub
+
+        responses = []
+        for request in requests:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if random.random() < self.error_rate:  # noqa: S311 - a drill, not security
+                error = pb_utils.TritonError(f"injected failure (error_rate={self.error_rate})")
+                responses.append(pb_utils.InferenceResponse(error=error))
+                continue
+            arrays = {
+                name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+                for name in self.inputs
+            }
+            outputs = self.infer_batch(arrays)
+            tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
+            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+        return responses
+
+    def infer_batch(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        batch = len(next(iter(arrays.values())))
+        rows = [self.infer({name: a[i] for name, a in arrays.items()}) for i in range(batch)]
+        return {name: np.stack([row[name] for row in rows]) for name in rows[0]}
+
+    def infer(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+
+class Embedder(StepModel):
+    inputs = ("QUESTION",)
+    refined = False
+
+    def infer(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"EMBEDDING": embed(text(row["QUESTION"][0]), refined=self.refined)}
+
+
+class Retriever(StepModel):
+    inputs = ("EMBEDDING",)
+    refined = False
+    k = 4
+
+    def infer(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"CANDIDATES": encode(retrieve(row["EMBEDDING"], refined=self.refined, k=self.k))}
+
+
+class Reranker(StepModel):
+    inputs = ("QUESTION", "CANDIDATES")
+    refined = False
+    slow_s = 0.0
+
+    def infer(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(self.slow_s)
+        ranked = rerank(text(row["QUESTION"][0]), decode(row["CANDIDATES"]), refined=self.refined)
+        scores = np.array([entry["score"] for entry in ranked], dtype=np.float32)
+        return {"RANKED": encode(ranked), "SCORES": scores}
+
+
+class Generator(StepModel):
+    inputs = ("QUESTION", "CONTEXTS")
+    friendly = False
+
+    def infer(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        answer, source = generate(
+            text(row["QUESTION"][0]), decode(row["CONTEXTS"]), friendly=self.friendly
+        )
+        return {
+            "ANSWER": np.array([answer.encode()], dtype=np.object_),
+            "SOURCE": np.array([source.encode()], dtype=np.object_),
+        }
+
+
+# The versions the demo repository ships: each `<model>/<version>/model.py` names one of these.
+class EmbedderV1(Embedder):
+    pass
+
+
+class EmbedderV2(Embedder):
+    refined = True
+
+
+class RetrieverV1(Retriever):
+    pass
+
+
+class RetrieverV2(Retriever):
+    refined = True
+    k = 6
+
+
+class RerankerV1(Reranker):
+    pass
+
+
+class RerankerV2(Reranker):
+    refined = True
+
+
+class RerankerV3(RerankerV2):
+    """Deliberately slow, for rollback drills: a canary that must lose on P99."""
+
+    slow_s = 0.25
+
+
+class GeneratorV1(Generator):
+    pass
+
+
+class GeneratorV2(Generator):
+    friendly = True

@@ -1,0 +1,13 @@
+// Draws every Plotly figure on the page (and in fragments htmx swaps in) from its JSON script tag.
+(function () {
+  function draw(root) {
+    root.querySelectorAll("[data-figure-id]").forEach(function (el) {
+      if (el.dataset.drawn || !window.Plotly) return;
+      var figure = JSON.parse(document.getElementById(el.dataset.figureId).textContent);
+      window.Plotly.newPlot(el, figure.data, figure.layout, {displaylogo: false, responsive: true});
+      el.dataset.drawn = "1";
+    });
+  }
+  window.addEventListener("load", function () { draw(document); });
+  document.addEventListener("htmx:afterSettle", function (event) { draw(event.target); });
+})();

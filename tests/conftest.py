@@ -1,0 +1,39 @@
+import os
+
+# Test settings come from the environment like everything else; only what the tests need is set.
+os.environ.setdefault("SECRET_KEY", "tests-only-secret-key-that-is-long-enough-for-django-checks")
+os.environ.setdefault("SECURE_COOKIES", "false")
+
+import pytest  # noqa: E402
+from django.contrib.auth.models import User  # noqa: E402
+
+from apps.accounts.roles import Role  # noqa: E402
+
+PASSWORD = "correct-horse-battery"
+
+
+@pytest.fixture(autouse=True)
+def fast_password_hashing(settings: object) -> None:
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # type: ignore[attr-defined]
+
+
+def make_user(role: Role) -> User:
+    from apps.accounts.services import roles_sync, user_ensure
+
+    roles_sync()
+    return user_ensure(username=f"{role.value}-user", password=PASSWORD, role=role)
+
+
+@pytest.fixture
+def viewer(db: None) -> User:
+    return make_user(Role.VIEWER)
+
+
+@pytest.fixture
+def operator(db: None) -> User:
+    return make_user(Role.OPERATOR)
+
+
+@pytest.fixture
+def admin_user(db: None) -> User:
+    return make_user(Role.ADMIN)

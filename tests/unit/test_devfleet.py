@@ -1,0 +1,65 @@
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from apps.fleet.devfleet import Devfleet, DevfleetError, FleetState, Proc, _ports
+
+REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
+
+
+def test_a_taken_port_is_a_one_line_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        taken = sock.getsockname()[1]
+        with pytest.raises(DevfleetError, match=f"port {taken} is already taken; pick other ports"):
+            _ports(1, taken)
+
+
+def test_down_never_kills_a_process_it_did_not_start(tmp_path: Path) -> None:
+    stranger = subprocess.Popen(["sleep", "30"])
+    try:
+        fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
+        # A state file whose pid was reused by another program: same pid, other command line.
+        fleet._save(FleetState(nodes=[Proc(name="demo-1", pid=stranger.pid, argv=["tritonserver"], log="")]))
+        assert fleet.down() == [f"demo-1: not running (pid {stranger.pid})"]
+        assert stranger.poll() is None
+        assert not (tmp_path / "state.json").exists()
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_down_stops_what_it_started(tmp_path: Path) -> None:
+    fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
+    proc = fleet._spawn("sleeper", ["sleep", "30"], {})
+    fleet._save(FleetState(nodes=[proc]))
+    assert proc.running
+    assert fleet.down() == [f"sleeper: stopped (pid {proc.pid})"]
+    assert not proc.running
+
+
+def test_missing_prometheus_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no prometheus on this PATH
+    fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
+    with pytest.raises(DevfleetError, match=r"`prometheus` is not installed: apt-get install -y prometheus"):
+        fleet.up(nodes=1, pool="t", base_port=None, prometheus_port=None)
+
+
+def test_missing_stub_is_a_one_line_command_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("apps.fleet.devfleet.PYTHON_VERSION", "3.99")
+    with pytest.raises(CommandError, match="no Python backend stub for Python 3.99"):
+        call_command("devfleet", "--home", str(tmp_path), "up", "--nodes", "1", "--base-port", "0")
+
+
+def test_load_of_an_unknown_version_names_what_exists(tmp_path: Path) -> None:
+    fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
+    with pytest.raises(DevfleetError, match=r"rag_pipeline has no version 9 .* \(has \[1, 2, 3, 4\]\)"):
+        fleet.load_release(None, "rag_pipeline", 9)  # type: ignore[arg-type]

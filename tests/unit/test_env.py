@@ -1,0 +1,55 @@
+from pathlib import Path
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from controlplane.env import database_from_url, env_bool, env_url
+
+
+def test_sqlite_url_relative_to_the_project(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATABASE_URL", "sqlite:///var/db.sqlite3")
+    db = database_from_url("DATABASE_URL", "", Path("/srv/app"))
+    assert db["ENGINE"] == "django.db.backends.sqlite3"
+    assert db["NAME"] == "/srv/app/var/db.sqlite3"
+
+
+def test_postgres_url_is_split_into_django_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATABASE_URL", "postgres://cp:s%40cret@db.internal:6432/controlplane")
+    db = database_from_url("DATABASE_URL", "", Path("/srv/app"))
+    assert (db["ENGINE"], db["NAME"], db["USER"], db["PASSWORD"], db["HOST"], db["PORT"]) == (
+        "django.db.backends.postgresql", "controlplane", "cp", "s@cret", "db.internal", "6432",
+    )
+
+
+@pytest.mark.parametrize(
+    "url", ["mysql://root@localhost/db", "postgres://localhost", "sqlite://", "postgres://h:99999x/d"]
+)
+def test_bad_database_url_names_the_variable(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    monkeypatch.setenv("DATABASE_URL", url)
+    with pytest.raises(ImproperlyConfigured, match="DATABASE_URL"):
+        database_from_url("DATABASE_URL", "", Path("/srv/app"))
+
+
+def test_bad_boolean_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEBUG", "maybe")
+    with pytest.raises(ImproperlyConfigured, match="DEBUG='maybe'"):
+        env_bool("DEBUG", False)
+
+
+def test_broker_must_be_redis(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CELERY_BROKER_URL", "amqp://guest@localhost//")
+    with pytest.raises(ImproperlyConfigured, match="CELERY_BROKER_URL"):
+        env_url("CELERY_BROKER_URL", "", ("redis", "rediss"))
+
+
+def test_settings_refuse_to_start_without_a_secret_key_in_production(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = {"PATH": "/usr/bin:/bin", "DEBUG": "false", "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
+    result = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()"],
+        env=env, capture_output=True, text=True, cwd=Path(__file__).parents[2],
+    )
+    assert result.returncode != 0
+    assert "SECRET_KEY must be set" in result.stderr

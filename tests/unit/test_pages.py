@@ -1,0 +1,72 @@
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.db import connection
+
+from apps.fleet.models import Node, NodePool
+
+PAGES = ["/", "/nodes/", "/models/", "/rollouts/", "/metrics/", "/audit/", "/audit/timeline/"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url", [*PAGES, "/admin/"])
+def test_anonymous_requests_redirect_to_login(client: Client, url: str) -> None:
+    response = client.get(url)
+    assert response.status_code == 302
+    assert response["Location"].startswith("/accounts/login/") or "/admin/login/" in response["Location"]
+
+
+@pytest.mark.parametrize("url", PAGES)
+def test_every_page_answers_a_viewer_with_the_navigation(
+    client: Client, viewer: User, url: str, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # nothing listens: charts must say so, not fail
+    client.force_login(viewer)
+    response = client.get(url)
+    assert response.status_code == 200
+    for label in ["Overview", "Nodes", "Models", "Rollouts", "Metrics", "Timeline", "Audit"]:
+        assert f">{label}</a>" in response.content.decode()
+
+
+def test_htmx_gets_only_the_node_table(client: Client, viewer: User) -> None:
+    pool = NodePool.objects.create(name="gpu-a")
+    Node.objects.create(name="node-1", pool=pool, http_url="http://10.0.0.1:8000")
+    client.force_login(viewer)
+    body = client.get("/nodes/", headers={"HX-Request": "true"}).content.decode()
+    assert body.lstrip().startswith('<div id="node-table"')
+    assert "node-1" in body and "<nav" not in body
+
+
+def test_node_list_query_count_does_not_grow_with_nodes(client: Client, viewer: User) -> None:
+    client.force_login(viewer)
+    pool = NodePool.objects.create(name="gpu-a")
+
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as captured:
+            client.get("/nodes/", headers={"HX-Request": "true"})
+        return len(captured)
+
+    Node.objects.create(name="node-1", pool=pool, http_url="http://10.0.0.1:8000")
+    one = queries()
+    for i in range(2, 12):
+        Node.objects.create(name=f"node-{i}", pool=pool, http_url=f"http://10.0.0.{i}:8000")
+    assert queries() == one
+
+
+def test_chart_fragment_says_prometheus_is_down(client: Client, viewer: User, settings: object) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"
+    client.force_login(viewer)
+    response = client.get("/metrics/?metric=p99", headers={"HX-Request": "true"})
+    assert response.status_code == 200
+    assert "did not answer" in response.content.decode()
+
+
+def test_pages_carry_a_content_security_policy_without_cdn(client: Client, viewer: User) -> None:
+    client.force_login(viewer)
+    response = client.get("/metrics/")
+    assert "script-src 'self' 'nonce-" in response["Content-Security-Policy"]
+    body = response.content.decode()
+    assert "/static/plotly/plotly.min.js" in body
+    assert "/static/django_htmx/htmx" in body or "htmx" in body
+    assert "https://" not in body
