@@ -21,7 +21,7 @@ demo: $(STAMP) os-deps
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy .
+	DEBUG=true $(BIN)/mypy .
 
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit

@@ -4,10 +4,10 @@ import os
 os.environ.setdefault("SECRET_KEY", "tests-only-secret-key-that-is-long-enough-for-django-checks")
 os.environ.setdefault("SECURE_COOKIES", "false")
 
-import pytest  # noqa: E402
-from django.contrib.auth.models import User  # noqa: E402
+import pytest
+from django.contrib.auth.models import User
 
-from apps.accounts.roles import Role  # noqa: E402
+from apps.accounts.roles import Role
 
 PASSWORD = "correct-horse-battery"
 

@@ -1,6 +1,6 @@
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+from django.contrib.auth.models import AnonymousUser, User
 from django.db import transaction
 
 from apps.audit.models import AuditEvent
@@ -8,7 +8,7 @@ from apps.audit.models import AuditEvent
 
 def audit_record(
     *,
-    actor: str | AbstractBaseUser | AnonymousUser,
+    actor: str | User | AnonymousUser,
     action: str,
     target: str,
     before: dict[str, Any] | None = None,
@@ -18,7 +18,7 @@ def audit_record(
 ) -> AuditEvent:
     """Append one event. Callers run inside their own transaction, so the event commits with
     the change it records, or not at all."""
-    user = actor if isinstance(actor, AbstractBaseUser) else None
+    user = actor if isinstance(actor, User) else None
     with transaction.atomic():
         return AuditEvent.objects.create(
             actor=actor if isinstance(actor, str) else actor.get_username(),

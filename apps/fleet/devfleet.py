@@ -1,9 +1,9 @@
 """A local fleet of real tritonserver processes (from the nvidia-pytriton wheel) and a Prometheus
 that scrapes them, for the demo and the integration tests.
 
-Every process is started in its own session and recorded in a state file with its command line;
-`down` stops only processes whose /proc entry still shows that exact command line, so it never
-kills a process it did not start (or one that reused a recorded pid).
+Every process is started in its own session and recorded in a state file with its pid and its
+start time; `down` stops only a process whose /proc entry still shows that pid *and* start time, so
+it never kills a process it did not start, even one that reused a recorded pid.
 """
 
 import ctypes.util
@@ -40,16 +40,14 @@ class Proc:
     pid: int
     argv: list[str]
     log: str
+    started: int  # start time in clock ticks since boot: with the pid, identifies the process
     ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def running(self) -> bool:
-        """True only while `pid` is still the process we started (same command line)."""
-        try:
-            cmdline = Path(f"/proc/{self.pid}/cmdline").read_bytes()
-        except OSError:
-            return False
-        return cmdline.split(b"\0")[:-1] == [arg.encode() for arg in self.argv]
+        """True only while `pid` is still the process we started, and not a zombie."""
+        stat = _proc_stat(self.pid)
+        return stat is not None and stat[0] != "Z" and int(stat[19]) == self.started
 
 
 @dataclass
@@ -107,6 +105,7 @@ class Devfleet:
                 f"a fleet is already running (see {self.state_file}); run `devfleet down` first"
             )
         tritonserver, backends = self._triton_install()
+        self._precompile()
         prometheus = _require_binary("prometheus", "apt-get install -y prometheus")
         ports = _ports(nodes * 3, base_port)
         state = FleetState()
@@ -182,7 +181,9 @@ class Devfleet:
                 env=env,
                 start_new_session=True,
             )
-        return Proc(name=name, pid=popen.pid, argv=argv, log=str(log), ports=ports)
+        stat = _proc_stat(popen.pid)
+        started = int(stat[19]) if stat else -1
+        return Proc(name=name, pid=popen.pid, argv=argv, log=str(log), started=started, ports=ports)
 
     def _start_prometheus(self, binary: str, state: FleetState, pool: str, port: int) -> Proc:
         scrape = {
@@ -213,6 +214,17 @@ class Devfleet:
             "--web.enable-admin-api",
         ]
         return self._spawn("prometheus", argv, {"web": port})
+
+    def _precompile(self) -> None:
+        """Write the models' bytecode before Triton loads them. Otherwise the Python backend writes
+        `<model>/<version>/__pycache__` during the load, the directory looks modified afterwards,
+        and the next ensemble load re-reads that step from disk, dropping its config override
+        (Triton's ModelRepositoryManager::PollModels / IsModified)."""
+        subprocess.run(
+            [f"/usr/bin/python{PYTHON_VERSION}", "-m", "compileall", "-q", str(self.repository)],
+            check=True,
+            capture_output=True,
+        )
 
     def _triton_install(self) -> tuple[str, Path]:
         """tritonserver and a backend directory with the Python backend and the stub for the
@@ -274,6 +286,15 @@ class Devfleet:
                 raise TritonError(
                     client.node, f"{name} v{each_version} is not READY after load: {reason}"
                 )
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (state first), or None if gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw.rsplit(")", 1)[1].split()
 
 
 def _require_binary(name: str, install: str) -> str:

@@ -3,6 +3,7 @@ from django.shortcuts import render
 
 from apps.audit.models import AuditEvent
 from apps.fleet.selectors import fleet_summary, node_list
+from controlplane.htmx import HtmxHttpRequest
 
 
 def overview(request: HttpRequest) -> HttpResponse:
@@ -15,7 +16,7 @@ def overview(request: HttpRequest) -> HttpResponse:
     return render(request, "fleet/overview.html", context)
 
 
-def nodes(request: HttpRequest) -> HttpResponse:
+def nodes(request: HtmxHttpRequest) -> HttpResponse:
     """The full page, or for htmx polling just the table (`#node-table`)."""
     template = "fleet/nodes.html#node-table" if request.htmx else "fleet/nodes.html"
     return render(request, template, {"nodes": node_list()})

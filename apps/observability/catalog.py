@@ -21,7 +21,7 @@ METRICS = {
             "p99",
             "P99 latency",
             "ms",
-            'max by (model, version) '
+            "max by (model, version) "
             '(nv_inference_request_summary_us{{quantile="0.99",{selector}}}) / 1000',
         ),
         Metric(

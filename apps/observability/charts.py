@@ -81,5 +81,7 @@ def metric_chart(
         return Chart(title=metric.title, message="No data in this range.")
     fig = figure(series, unit=metric.unit, markers=markers or [])
     # Escaped so that no label value can close the <script type="application/json"> it sits in.
-    safe_json = fig.to_json().replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    safe_json = (
+        fig.to_json().replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    )
     return Chart(title=metric.title, figure_json=safe_json)

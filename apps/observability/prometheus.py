@@ -39,9 +39,19 @@ def _connect() -> PrometheusConnect:
 def range_query(query: str, *, start: datetime, end: datetime, step_s: int) -> list[Series]:
     try:
         result = _connect().custom_query_range(query, start, end, step=f"{step_s}s")
-    except (PrometheusApiClientException, requests.RequestException) as exc:
+    except requests.Timeout as exc:
+        reason = f"no answer within {settings.PROMETHEUS_TIMEOUT_S:g} s"
         raise PrometheusUnavailable(
-            f"Prometheus at {settings.PROMETHEUS_URL} did not answer: {exc}"
+            f"Prometheus at {settings.PROMETHEUS_URL} did not answer: {reason}."
+        ) from exc
+    except requests.RequestException as exc:
+        reason = "connection failed"
+        raise PrometheusUnavailable(
+            f"Prometheus at {settings.PROMETHEUS_URL} did not answer: {reason}."
+        ) from exc
+    except PrometheusApiClientException as exc:
+        raise PrometheusUnavailable(
+            f"Prometheus at {settings.PROMETHEUS_URL} refused the query: {exc}"
         ) from exc
     return [
         Series(

@@ -1,6 +1,6 @@
 from datetime import timedelta
 
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
 
@@ -8,6 +8,7 @@ from apps.fleet.models import NodePool
 from apps.observability.catalog import METRICS
 from apps.observability.charts import metric_chart
 from apps.registry.models import Model
+from controlplane.htmx import HtmxHttpRequest
 
 RANGES = {
     "15m": timedelta(minutes=15),
@@ -18,7 +19,7 @@ RANGES = {
 }
 
 
-def metrics(request: HttpRequest) -> HttpResponse:
+def metrics(request: HtmxHttpRequest) -> HttpResponse:
     """Metrics explorer; an htmx request gets only the chart (`#chart`)."""
     metric = request.GET.get("metric", "p99")
     metric = metric if metric in METRICS else "p99"
@@ -27,7 +28,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
     model = request.GET.get("model", "")
     pool = request.GET.get("pool", "")
     end = timezone.now()
-    context = {
+    context: dict[str, object] = {
         "metrics": METRICS.values(),
         "ranges": RANGES,
         "metric": metric,

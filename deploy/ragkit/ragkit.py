@@ -1,10 +1,11 @@
 """Shared code of the demo RAG models: real (small) text computation plus drill knobs.
 
-Each model version's `model.py` picks its algorithm from here and subclasses `StepModel`, which reads
+Each model version's `model.py` names one class from here; all subclass `StepModel`, which reads
 the `delay_ms` and `error_rate` config parameters so drills can slow a model down or make it fail.
 """
 
 import hashlib
+import itertools
 import json
 import random
 import re
@@ -15,8 +16,10 @@ import numpy as np
 
 DIMS = 64
 STOPWORDS = frozenset(
-    "a an and are at be can do does for how i in is it my of on or the to what when where which "
-    "who why will with you your".split()
+    (
+        "a an and are at be can do does for how i in is it my of on or the to what when where "
+        "which who why will with you your"
+    ).split()
 )
 FAQ = json.loads((Path(__file__).parent / "faq.json").read_text())
 
@@ -27,7 +30,7 @@ def tokens(text: str, *, refined: bool) -> list[str]:
         return words
     stems = [re.sub(r"(ing|ed|es|s)$", "", w) if len(w) > 4 else w for w in words]
     kept = [w for w in stems if w not in STOPWORDS]
-    return kept + [f"{a}_{b}" for a, b in zip(kept, kept[1:], strict=False)]
+    return kept + [f"{a}_{b}" for a, b in itertools.pairwise(kept)]
 
 
 def embed(text: str, *, refined: bool) -> np.ndarray:
@@ -43,14 +46,17 @@ def embed(text: str, *, refined: bool) -> np.ndarray:
 
 def retrieve(query: np.ndarray, *, refined: bool, k: int) -> list[dict]:
     scored = [
-        {**entry, "score": float(np.dot(query, embed(entry["q"] + " " + entry["a"], refined=refined)))}
+        {
+            **entry,
+            "score": float(np.dot(query, embed(entry["q"] + " " + entry["a"], refined=refined))),
+        }
         for entry in FAQ
     ]
     return sorted(scored, key=lambda entry: entry["score"], reverse=True)[:k]
 
 
 def rerank(question: str, candidates: list[dict], *, refined: bool) -> list[dict]:
-    """Word overlap between the question and each candidate's FAQ question, blended with retrieval."""
+    """Word overlap of the question with each candidate's FAQ question, blended with retrieval."""
     asked = set(tokens(question, refined=refined))
     ranked = []
     for candidate in candidates:
@@ -100,7 +106,7 @@ class StepModel:
         for request in requests:
             if self.delay_s:
                 time.sleep(self.delay_s)
-            if random.random() < self.error_rate:  # noqa: S311 - a drill, not security
+            if random.random() < self.error_rate:
                 error = pb_utils.TritonError(f"injected failure (error_rate={self.error_rate})")
                 responses.append(pb_utils.InferenceResponse(error=error))
                 continue

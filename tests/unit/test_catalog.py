@@ -18,8 +18,8 @@ def test_p99_takes_the_worst_node_never_an_average() -> None:
 
 def test_batch_size_is_inferences_per_execution() -> None:
     query = build_query(METRICS["batch"], model="embedder", window_s=60)
-    assert "rate(nv_inference_count{model=\"embedder\"}[60s])" in query
-    assert "rate(nv_inference_exec_count{model=\"embedder\"}[60s])" in query
+    assert 'rate(nv_inference_count{model="embedder"}[60s])' in query
+    assert 'rate(nv_inference_exec_count{model="embedder"}[60s])' in query
 
 
 def test_steps_keep_charts_at_a_few_hundred_points() -> None:

@@ -3,7 +3,13 @@ from pathlib import Path
 import pytest
 
 from apps.registry.codec import (
-    ConfigSyntaxError, ensemble_steps, from_dict, parse_pbtxt, pin_versions, to_dict, to_pbtxt,
+    ConfigSyntaxError,
+    ensemble_steps,
+    from_dict,
+    parse_pbtxt,
+    pin_versions,
+    to_dict,
+    to_pbtxt,
 )
 from apps.registry.repository import read_model, read_repository
 
@@ -34,15 +40,21 @@ def test_pinning_versions_leaves_the_original_untouched() -> None:
 def test_demo_repository_ships_every_model_with_two_or_more_versions() -> None:
     models = {m.name: m.versions for m in read_repository(REPOSITORY)}
     assert models == {
-        "embedder": [1, 2], "generator": [1, 2], "rag_pipeline": [1, 2, 3, 4],
-        "reranker": [1, 2, 3], "retriever": [1, 2],
+        "embedder": [1, 2],
+        "generator": [1, 2],
+        "rag_pipeline": [1, 2, 3, 4],
+        "reranker": [1, 2, 3],
+        "retriever": [1, 2],
     }
 
 
 def test_ensemble_versions_pin_their_steps() -> None:
     configs = read_model(REPOSITORY, "rag_pipeline").configs
     assert ensemble_steps(configs[1]) == [
-        ("embedder", 1), ("retriever", 1), ("reranker", 1), ("generator", 1),
+        ("embedder", 1),
+        ("retriever", 1),
+        ("reranker", 1),
+        ("generator", 1),
     ]
     assert ("reranker", 3) in ensemble_steps(configs[3])  # the slow chain
     assert "reranker" not in dict(ensemble_steps(configs[4]))  # the degraded chain

@@ -24,7 +24,13 @@ def test_down_never_kills_a_process_it_did_not_start(tmp_path: Path) -> None:
     try:
         fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
         # A state file whose pid was reused by another program: same pid, other command line.
-        fleet._save(FleetState(nodes=[Proc(name="demo-1", pid=stranger.pid, argv=["tritonserver"], log="")]))
+        fleet._save(
+            FleetState(
+                nodes=[
+                    Proc(name="demo-1", pid=stranger.pid, argv=["tritonserver"], log="", started=0)
+                ]
+            )
+        )
         assert fleet.down() == [f"demo-1: not running (pid {stranger.pid})"]
         assert stranger.poll() is None
         assert not (tmp_path / "state.json").exists()
@@ -47,7 +53,9 @@ def test_missing_prometheus_says_how_to_install_it(
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no prometheus on this PATH
     fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
-    with pytest.raises(DevfleetError, match=r"`prometheus` is not installed: apt-get install -y prometheus"):
+    with pytest.raises(
+        DevfleetError, match=r"`prometheus` is not installed: apt-get install -y prometheus"
+    ):
         fleet.up(nodes=1, pool="t", base_port=None, prometheus_port=None)
 
 
@@ -55,11 +63,13 @@ def test_missing_stub_is_a_one_line_command_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("apps.fleet.devfleet.PYTHON_VERSION", "3.99")
-    with pytest.raises(CommandError, match="no Python backend stub for Python 3.99"):
+    with pytest.raises(CommandError, match=r"no Python backend stub for Python 3\.99"):
         call_command("devfleet", "--home", str(tmp_path), "up", "--nodes", "1", "--base-port", "0")
 
 
 def test_load_of_an_unknown_version_names_what_exists(tmp_path: Path) -> None:
     fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
-    with pytest.raises(DevfleetError, match=r"rag_pipeline has no version 9 .* \(has \[1, 2, 3, 4\]\)"):
+    with pytest.raises(
+        DevfleetError, match=r"rag_pipeline has no version 9 .* \(has \[1, 2, 3, 4\]\)"
+    ):
         fleet.load_release(None, "rag_pipeline", 9)  # type: ignore[arg-type]

@@ -17,12 +17,18 @@ def test_postgres_url_is_split_into_django_fields(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("DATABASE_URL", "postgres://cp:s%40cret@db.internal:6432/controlplane")
     db = database_from_url("DATABASE_URL", "", Path("/srv/app"))
     assert (db["ENGINE"], db["NAME"], db["USER"], db["PASSWORD"], db["HOST"], db["PORT"]) == (
-        "django.db.backends.postgresql", "controlplane", "cp", "s@cret", "db.internal", "6432",
+        "django.db.backends.postgresql",
+        "controlplane",
+        "cp",
+        "s@cret",
+        "db.internal",
+        "6432",
     )
 
 
 @pytest.mark.parametrize(
-    "url", ["mysql://root@localhost/db", "postgres://localhost", "sqlite://", "postgres://h:99999x/d"]
+    "url",
+    ["mysql://root@localhost/db", "postgres://localhost", "sqlite://", "postgres://h:99999x/d"],
 )
 def test_bad_database_url_names_the_variable(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
     monkeypatch.setenv("DATABASE_URL", url)
@@ -46,10 +52,17 @@ def test_settings_refuse_to_start_without_a_secret_key_in_production(tmp_path: P
     import subprocess
     import sys
 
-    env = {"PATH": "/usr/bin:/bin", "DEBUG": "false", "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "DEBUG": "false",
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+    }
     result = subprocess.run(
         [sys.executable, "-c", "import django; django.setup()"],
-        env=env, capture_output=True, text=True, cwd=Path(__file__).parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
     )
     assert result.returncode != 0
     assert "SECRET_KEY must be set" in result.stderr

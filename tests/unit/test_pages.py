@@ -1,8 +1,8 @@
 import pytest
 from django.contrib.auth.models import User
+from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
-from django.db import connection
 
 from apps.fleet.models import Node, NodePool
 
@@ -14,7 +14,10 @@ PAGES = ["/", "/nodes/", "/models/", "/rollouts/", "/metrics/", "/audit/", "/aud
 def test_anonymous_requests_redirect_to_login(client: Client, url: str) -> None:
     response = client.get(url)
     assert response.status_code == 302
-    assert response["Location"].startswith("/accounts/login/") or "/admin/login/" in response["Location"]
+    assert (
+        response["Location"].startswith("/accounts/login/")
+        or "/admin/login/" in response["Location"]
+    )
 
 
 @pytest.mark.parametrize("url", PAGES)
@@ -54,7 +57,9 @@ def test_node_list_query_count_does_not_grow_with_nodes(client: Client, viewer: 
     assert queries() == one
 
 
-def test_chart_fragment_says_prometheus_is_down(client: Client, viewer: User, settings: object) -> None:
+def test_chart_fragment_says_prometheus_is_down(
+    client: Client, viewer: User, settings: object
+) -> None:
     settings.PROMETHEUS_URL = "http://127.0.0.1:1"
     client.force_login(viewer)
     response = client.get("/metrics/?metric=p99", headers={"HX-Request": "true"})

@@ -17,7 +17,9 @@ def closed_port() -> int:
 def test_a_node_becomes_unreachable_after_a_few_failed_polls_and_says_why(settings: object) -> None:
     settings.FLEET_UNREACHABLE_AFTER = 3
     node = Node.objects.create(
-        name="n1", pool=NodePool.objects.create(name="p"), health=Node.Health.READY,
+        name="n1",
+        pool=NodePool.objects.create(name="p"),
+        health=Node.Health.READY,
         http_url=f"http://127.0.0.1:{closed_port()}",
     )
     for _ in range(2):
@@ -33,10 +35,22 @@ def test_a_node_becomes_unreachable_after_a_few_failed_polls_and_says_why(settin
 
 @pytest.mark.django_db
 def test_registering_twice_with_the_same_addresses_is_one_audit_event() -> None:
-    urls = {"http_url": "http://127.0.0.1:8100", "grpc_url": "127.0.0.1:8101", "metrics_url": "http://127.0.0.1:8102/metrics"}
+    urls = {
+        "http_url": "http://127.0.0.1:8100",
+        "grpc_url": "127.0.0.1:8101",
+        "metrics_url": "http://127.0.0.1:8102/metrics",
+    }
     node_register(name="demo-1", pool="demo", actor="system:test", **urls)
     node_register(name="demo-1", pool="demo", actor="system:test", **urls)
-    node_register(name="demo-1", pool="demo", actor="system:test", **{**urls, "http_url": "http://127.0.0.1:8200"})
+    node_register(
+        name="demo-1",
+        pool="demo",
+        actor="system:test",
+        **{**urls, "http_url": "http://127.0.0.1:8200"},
+    )
     events = AuditEvent.objects.filter(action="node.register").order_by("id")
-    assert [e.after["http_url"] for e in events] == ["http://127.0.0.1:8100", "http://127.0.0.1:8200"]
+    assert [e.after["http_url"] for e in events] == [
+        "http://127.0.0.1:8100",
+        "http://127.0.0.1:8200",
+    ]
     assert events[1].before["http_url"] == "http://127.0.0.1:8100"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "deploy" / "ragkit"))
-import ragkit  # noqa: E402
+import ragkit
 
 
 def answer(question: str, *, version: int) -> tuple[str, str]:

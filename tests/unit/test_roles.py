@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 from django.contrib.auth.models import Group, User
 from django.core.management import call_command
@@ -21,7 +23,7 @@ def test_setup_roles_creates_four_nested_roles_and_demo_users() -> None:
 
 
 def test_each_role_holds_the_permissions_of_the_roles_below() -> None:
-    for lower, higher in zip(ROLE_ORDER, ROLE_ORDER[1:], strict=False):
+    for lower, higher in itertools.pairwise(ROLE_ORDER):
         assert set(role_permissions(lower)) < set(role_permissions(higher))
 
 

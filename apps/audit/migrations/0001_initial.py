@@ -6,7 +6,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -15,21 +14,44 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='AuditEvent',
+            name="AuditEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('created_at', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('actor', models.CharField(help_text='username, or system:<component>', max_length=150)),
-                ('action', models.CharField(db_index=True, max_length=80)),
-                ('target', models.CharField(db_index=True, max_length=200)),
-                ('before', models.JSONField(blank=True, default=dict)),
-                ('after', models.JSONField(blank=True, default=dict)),
-                ('result', models.CharField(choices=[('ok', 'Ok'), ('failed', 'Failed'), ('denied', 'Denied')], default='ok', max_length=10)),
-                ('message', models.TextField(blank=True)),
-                ('user', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True, db_index=True)),
+                (
+                    "actor",
+                    models.CharField(help_text="username, or system:<component>", max_length=150),
+                ),
+                ("action", models.CharField(db_index=True, max_length=80)),
+                ("target", models.CharField(db_index=True, max_length=200)),
+                ("before", models.JSONField(blank=True, default=dict)),
+                ("after", models.JSONField(blank=True, default=dict)),
+                (
+                    "result",
+                    models.CharField(
+                        choices=[("ok", "Ok"), ("failed", "Failed"), ("denied", "Denied")],
+                        default="ok",
+                        max_length=10,
+                    ),
+                ),
+                ("message", models.TextField(blank=True)),
+                (
+                    "user",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at', '-id'],
+                "ordering": ["-created_at", "-id"],
             },
         ),
     ]

@@ -5,46 +5,78 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='NodePool',
+            name="NodePool",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=60, unique=True)),
-                ('labels', models.JSONField(blank=True, default=dict)),
-                ('traffic_strategy', models.CharField(default='nodes', max_length=30)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.SlugField(max_length=60, unique=True)),
+                ("labels", models.JSONField(blank=True, default=dict)),
+                ("traffic_strategy", models.CharField(default="nodes", max_length=30)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='Node',
+            name="Node",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=60, unique=True)),
-                ('http_url', models.URLField()),
-                ('grpc_url', models.CharField(blank=True, max_length=200)),
-                ('metrics_url', models.URLField(blank=True)),
-                ('labels', models.JSONField(blank=True, default=dict)),
-                ('triton_version', models.CharField(blank=True, max_length=30)),
-                ('extensions', models.JSONField(blank=True, default=list)),
-                ('health', models.CharField(choices=[('unknown', 'Unknown'), ('ready', 'Ready'), ('live', 'live, not ready'), ('unreachable', 'Unreachable')], default='unknown', max_length=20)),
-                ('failed_polls', models.PositiveIntegerField(default=0)),
-                ('last_seen', models.DateTimeField(blank=True, null=True)),
-                ('last_error', models.TextField(blank=True)),
-                ('index', models.JSONField(blank=True, default=list, help_text='last repository index read')),
-                ('pool', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='nodes', to='fleet.nodepool')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.SlugField(max_length=60, unique=True)),
+                ("http_url", models.URLField()),
+                ("grpc_url", models.CharField(blank=True, max_length=200)),
+                ("metrics_url", models.URLField(blank=True)),
+                ("labels", models.JSONField(blank=True, default=dict)),
+                ("triton_version", models.CharField(blank=True, max_length=30)),
+                ("extensions", models.JSONField(blank=True, default=list)),
+                (
+                    "health",
+                    models.CharField(
+                        choices=[
+                            ("unknown", "Unknown"),
+                            ("ready", "Ready"),
+                            ("live", "live, not ready"),
+                            ("unreachable", "Unreachable"),
+                        ],
+                        default="unknown",
+                        max_length=20,
+                    ),
+                ),
+                ("failed_polls", models.PositiveIntegerField(default=0)),
+                ("last_seen", models.DateTimeField(blank=True, null=True)),
+                ("last_error", models.TextField(blank=True)),
+                (
+                    "index",
+                    models.JSONField(
+                        blank=True, default=list, help_text="last repository index read"
+                    ),
+                ),
+                (
+                    "pool",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="nodes",
+                        to="fleet.nodepool",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['pool__name', 'name'],
-                'permissions': [('operate_node', 'Load, unload and reload models on a node')],
+                "ordering": ["pool__name", "name"],
+                "permissions": [("operate_node", "Load, unload and reload models on a node")],
             },
         ),
     ]

@@ -6,7 +6,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -15,35 +14,85 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='Model',
+            name="Model",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=120, unique=True)),
-                ('kind', models.CharField(choices=[('standalone', 'Standalone'), ('ensemble', 'Ensemble')], default='standalone', max_length=20)),
-                ('backend', models.CharField(blank=True, help_text='backend or platform', max_length=60)),
-                ('description', models.TextField(blank=True)),
-                ('team', models.CharField(blank=True, max_length=120)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=120, unique=True)),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[("standalone", "Standalone"), ("ensemble", "Ensemble")],
+                        default="standalone",
+                        max_length=20,
+                    ),
+                ),
+                (
+                    "backend",
+                    models.CharField(blank=True, help_text="backend or platform", max_length=60),
+                ),
+                ("description", models.TextField(blank=True)),
+                ("team", models.CharField(blank=True, max_length=120)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='ModelVersion',
+            name="ModelVersion",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('version', models.PositiveIntegerField()),
-                ('config', models.JSONField(help_text="canonical ModelConfig, as Triton's JSON")),
-                ('artifact', models.CharField(blank=True, max_length=500)),
-                ('notes', models.TextField(blank=True)),
-                ('status', models.CharField(choices=[('draft', 'Draft'), ('released', 'Released'), ('deprecated', 'Deprecated')], default='draft', max_length=20)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('author', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
-                ('model', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='versions', to='registry.model')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("version", models.PositiveIntegerField()),
+                ("config", models.JSONField(help_text="canonical ModelConfig, as Triton's JSON")),
+                ("artifact", models.CharField(blank=True, max_length=500)),
+                ("notes", models.TextField(blank=True)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("draft", "Draft"),
+                            ("released", "Released"),
+                            ("deprecated", "Deprecated"),
+                        ],
+                        default="draft",
+                        max_length=20,
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "author",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "model",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="versions",
+                        to="registry.model",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['model__name', '-version'],
-                'constraints': [models.UniqueConstraint(fields=('model', 'version'), name='unique_model_version')],
+                "ordering": ["model__name", "-version"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("model", "version"), name="unique_model_version"
+                    )
+                ],
             },
         ),
     ]

@@ -6,30 +6,72 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('fleet', '0001_initial'),
-        ('registry', '0001_initial'),
+        ("fleet", "0001_initial"),
+        ("registry", "0001_initial"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Rollout',
+            name="Rollout",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('baseline_version', models.PositiveIntegerField()),
-                ('canary_version', models.PositiveIntegerField()),
-                ('state', models.CharField(choices=[('pending', 'Pending'), ('progressing', 'Progressing'), ('paused', 'Paused'), ('promoting', 'Promoting'), ('succeeded', 'Succeeded'), ('aborting', 'Aborting'), ('rolled_back', 'Rolled Back'), ('failed', 'Failed')], default='pending', max_length=20)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('model', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='rollouts', to='registry.model')),
-                ('pool', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='rollouts', to='fleet.nodepool')),
-                ('started_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("baseline_version", models.PositiveIntegerField()),
+                ("canary_version", models.PositiveIntegerField()),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("pending", "Pending"),
+                            ("progressing", "Progressing"),
+                            ("paused", "Paused"),
+                            ("promoting", "Promoting"),
+                            ("succeeded", "Succeeded"),
+                            ("aborting", "Aborting"),
+                            ("rolled_back", "Rolled Back"),
+                            ("failed", "Failed"),
+                        ],
+                        default="pending",
+                        max_length=20,
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "model",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="rollouts",
+                        to="registry.model",
+                    ),
+                ),
+                (
+                    "pool",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="rollouts",
+                        to="fleet.nodepool",
+                    ),
+                ),
+                (
+                    "started_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at'],
+                "ordering": ["-created_at"],
             },
         ),
     ]
