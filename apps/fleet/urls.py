@@ -6,4 +6,5 @@ app_name = "fleet"
 urlpatterns = [
     path("", views.overview, name="overview"),
     path("nodes/", views.nodes, name="nodes"),
+    path("nodes/serving/", views.serving, name="serving"),
 ]

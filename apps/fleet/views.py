@@ -16,6 +16,17 @@ def overview(request: HttpRequest) -> HttpResponse:
     return render(request, "fleet/overview.html", context)
 
 
+def serving(request: HttpRequest) -> HttpResponse:
+    """Nodes whose index shows `model` at `version` READY (a fragment for other pages)."""
+    model, version = request.GET.get("model", ""), request.GET.get("version", "")
+    found = [
+        node
+        for node in node_list()
+        if any(e["model"] == model and str(e["version"]) == version for e in node.ready_models)
+    ]
+    return render(request, "fleet/partials/serving.html", {"nodes": found})
+
+
 def nodes(request: HtmxHttpRequest) -> HttpResponse:
     """The full page, or for htmx polling just the table (`#node-table`)."""
     template = "fleet/nodes.html#node-table" if request.htmx else "fleet/nodes.html"

@@ -53,6 +53,14 @@ def pin_versions(config: Any, versions: list[int]) -> Any:
     return pinned
 
 
+def without_version_policy(config: Any) -> Any:
+    """A copy of `config` without its version policy (the deployment decides which versions)."""
+    copy = ModelConfig()
+    copy.CopyFrom(config)
+    copy.ClearField("version_policy")
+    return copy
+
+
 def ensemble_steps(config: Any) -> list[tuple[str, int]]:
     """(model, version) of each step of an ensemble; -1 means the latest version."""
     return [(s.model_name, s.model_version) for s in config.ensemble_scheduling.step]

@@ -12,6 +12,11 @@ class Model(models.Model):
     backend = models.CharField(max_length=60, blank=True, help_text="backend or platform")
     description = models.TextField(blank=True)
     team = models.CharField(max_length=120, blank=True)
+    latency_budget_ms = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="P99 budget: per step for step models, end to end for ensembles",
+    )
 
     class Meta:
         ordering = ["name"]
@@ -29,7 +34,12 @@ class ModelVersion(models.Model):
     model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="versions")
     version = models.PositiveIntegerField()
     config = models.JSONField(help_text="canonical ModelConfig, as Triton's JSON")
-    artifact = models.CharField(max_length=500, blank=True)
+    artifact = models.CharField(
+        max_length=500,
+        blank=True,
+        help_text="s3://, gs:// or a path in the nodes' model repository",
+    )
+    checksum = models.CharField(max_length=100, blank=True)
     notes = models.TextField(blank=True)
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.DRAFT)
     author = models.ForeignKey(

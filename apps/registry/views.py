@@ -1,12 +1,213 @@
-from django.db.models import Count, Max
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+import tempfile
+from pathlib import Path
 
-from apps.registry.models import Model
+from django.contrib import messages
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from apps.accounts.permissions import require
+from apps.registry.archives import ArchiveError, extract_repository, release_archive
+from apps.registry.codec import ensemble_steps, from_dict, to_pbtxt, without_version_policy
+from apps.registry.dag import ensemble_graph
+from apps.registry.diff import side_by_side
+from apps.registry.forms import ImportForm, VersionForm
+from apps.registry.highlight import highlight_pbtxt
+from apps.registry.imports import repository_import
+from apps.registry.models import Model, ModelVersion
+from apps.registry.selectors import model_list as select_models
+from apps.registry.selectors import registry_resolver
+from apps.registry.services import (
+    RegistryError,
+    compatibility_breaks,
+    config_check,
+    config_problems,
+    version_create,
+    version_set_status,
+)
+from controlplane.htmx import HtmxHttpRequest
+
+MAX_UPLOAD_BYTES = 20 * 1024 * 1024
 
 
 def model_list(request: HttpRequest) -> HttpResponse:
-    models = Model.objects.annotate(
-        version_count=Count("versions"), latest=Max("versions__version")
+    filters = {key: request.GET.get(key, "").strip() for key in ("search", "kind", "team")}
+    context = {
+        "models": select_models(**filters),
+        "filters": filters,
+        "kinds": Model.Kind.choices,
+        "teams": Model.objects.exclude(team="").values_list("team", flat=True).distinct(),
+        "import_form": ImportForm(),
+    }
+    return render(request, "registry/model_list.html", context)
+
+
+def _version(name: str, version: int) -> ModelVersion:
+    return get_object_or_404(
+        ModelVersion.objects.select_related("model", "author"), model__name=name, version=version
     )
-    return render(request, "registry/model_list.html", {"models": models})
+
+
+def _budgets(config: object) -> dict[str, int | None]:
+    names = [model for model, _ in ensemble_steps(config)]
+    return dict(Model.objects.filter(name__in=names).values_list("name", "latency_budget_ms"))
+
+
+def model_detail(request: HttpRequest, name: str) -> HttpResponse:
+    model = get_object_or_404(Model, name=name)
+    versions = list(model.versions.select_related("author"))
+    context: dict[str, object] = {"model": model, "versions": versions}
+    if model.kind == Model.Kind.ENSEMBLE and versions:
+        config = from_dict(versions[0].config)
+        context["graph"] = ensemble_graph(config, _budgets(config))
+        context["graph_version"] = versions[0]
+    return render(request, "registry/model_detail.html", context)
+
+
+def version_detail(request: HttpRequest, name: str, version: int) -> HttpResponse:
+    found = _version(name, version)
+    config = from_dict(found.config)
+    context: dict[str, object] = {
+        "version": found,
+        "pbtxt": highlight_pbtxt(to_pbtxt(config)),
+        "problems": config_problems(config, expected_name=name),
+        "others": found.model.versions.exclude(pk=found.pk).values_list("version", flat=True),
+    }
+    if found.model.kind == Model.Kind.ENSEMBLE:
+        context["graph"] = ensemble_graph(config, _budgets(config))
+    return render(request, "registry/version_detail.html", context)
+
+
+def version_config(request: HttpRequest, name: str, version: int) -> HttpResponse:
+    found = _version(name, version)
+    response = HttpResponse(
+        to_pbtxt(from_dict(found.config)), content_type="text/plain; charset=utf-8"
+    )
+    response["Content-Disposition"] = f'attachment; filename="{name}-v{version}-config.pbtxt"'
+    return response
+
+
+def version_archive(request: HttpRequest, name: str, version: int) -> HttpResponse:
+    """The repository layout of a release: the version and, for an ensemble, its pinned steps."""
+    found = _version(name, version)
+    config = from_dict(found.config)
+    members = [(name, version, config, found.artifact)]
+    resolve = registry_resolver()
+    for step, pinned in ensemble_steps(config):
+        resolved = resolve(step, pinned)
+        if resolved.config is None or resolved.version is None:
+            raise Http404(resolved.reason)
+        artifact = ModelVersion.objects.get(model__name=step, version=resolved.version).artifact
+        members.append((step, resolved.version, resolved.config, artifact))
+    response = HttpResponse(release_archive(members), content_type="application/zip")
+    response["Content-Disposition"] = f'attachment; filename="{name}-v{version}-repository.zip"'
+    return response
+
+
+def version_diff(request: HttpRequest, name: str) -> HttpResponse:
+    model = get_object_or_404(Model, name=name)
+    numbers = list(model.versions.values_list("version", flat=True))
+    try:
+        a = int(request.GET.get("a") or min(numbers))
+        b = int(request.GET.get("b") or max(numbers))
+    except ValueError:
+        a, b = min(numbers, default=0), max(numbers, default=0)
+    left, right = _version(name, a), _version(name, b)
+    rows = side_by_side(to_pbtxt(from_dict(left.config)), to_pbtxt(from_dict(right.config)))
+    return render(
+        request,
+        "registry/version_diff.html",
+        {"model": model, "left": left, "right": right, "rows": rows, "numbers": numbers},
+    )
+
+
+@require("registry.add_modelversion", "registry.version_create")
+def version_new(request: HttpRequest, name: str) -> HttpResponse:
+    model = get_object_or_404(Model, name=name)
+    if request.method == "POST":
+        form = VersionForm(request.POST)
+        if form.is_valid():
+            config, problems = config_check(form.cleaned_data["pbtxt"], model_name=name)
+            if config is not None and not [p for p in problems if p.level == "error"]:
+                try:
+                    created = version_create(
+                        model_name=name,
+                        config=config,
+                        actor=request.user,  # type: ignore[arg-type]
+                        artifact=form.cleaned_data["artifact"],
+                        notes=form.cleaned_data["notes"],
+                    )
+                except RegistryError as exc:
+                    problems = exc.problems
+                else:
+                    messages.success(request, f"{name} v{created.version} registered as a draft.")
+                    return redirect("registry:version_detail", name=name, version=created.version)
+            return render(
+                request,
+                "registry/version_new.html",
+                {"model": model, "form": form, "problems": problems},
+                status=422,
+            )
+    else:
+        source = (
+            model.versions.filter(version=request.GET.get("from") or 0).first()
+            or model.versions.first()
+        )
+        initial = {
+            "pbtxt": to_pbtxt(without_version_policy(from_dict(source.config))) if source else ""
+        }
+        form = VersionForm(initial=initial)
+    return render(request, "registry/version_new.html", {"model": model, "form": form})
+
+
+@require_POST
+def version_validate(request: HtmxHttpRequest, name: str) -> HttpResponse:
+    """Inline validation as the user types: problems, and the ensembles the change would break."""
+    text = request.POST.get("pbtxt", "")[:200_000]
+    config, problems = config_check(text, model_name=name)
+    breaks = []
+    if config is not None and not [p for p in problems if p.level == "error"]:
+        breaks = compatibility_breaks(model_name=name, config=config)
+    return render(
+        request,
+        "registry/partials/problems.html",
+        {"problems": problems, "breaks": breaks, "checked": True},
+    )
+
+
+@require_POST
+@require("registry.change_modelversion", "registry.version_status")
+def version_status(request: HttpRequest, name: str, version: int) -> HttpResponse:
+    found = _version(name, version)
+    try:
+        version_set_status(
+            version_id=found.pk, status=request.POST.get("status", ""), actor=request.user
+        )  # type: ignore[arg-type]
+    except (RegistryError, ValueError) as exc:
+        messages.error(request, str(exc))
+    return redirect("registry:version_detail", name=name, version=version)
+
+
+@require_POST
+@require("registry.add_modelversion", "registry.import")
+def repository_upload(request: HttpRequest) -> HttpResponse:
+    form = ImportForm(request.POST, request.FILES)
+    results, error = [], ""
+    if not form.is_valid():
+        error = "; ".join(f"{k}: {' '.join(v)}" for k, v in form.errors.items())
+    elif form.cleaned_data["archive"].size > MAX_UPLOAD_BYTES:
+        error = f"the archive is larger than {MAX_UPLOAD_BYTES // 2**20} MiB"
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                root = extract_repository(form.cleaned_data["archive"].read(), Path(tmp))
+            except ArchiveError as exc:
+                error = str(exc)
+            else:
+                results = repository_import(
+                    path=root, actor=request.user, dry_run=form.cleaned_data["dry_run"]
+                )  # type: ignore[arg-type]
+    status = 422 if error or any(not r.ok for r in results) else 200
+    return render(
+        request, "registry/import_result.html", {"results": results, "error": error}, status=status
+    )

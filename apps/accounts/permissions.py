@@ -1,0 +1,34 @@
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render
+
+from apps.audit.models import AuditEvent
+from apps.audit.services import audit_record
+
+View = Callable[..., HttpResponse]
+
+
+def require(permission: str, action: str) -> Callable[[View], View]:
+    """Refuse (403, audited) a user without `permission`; the role check is always server-side."""
+
+    def decorator(view: View) -> View:
+        @wraps(view)
+        def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            if request.user.has_perm(permission):
+                return view(request, *args, **kwargs)
+            audit_record(
+                actor=request.user,  # type: ignore[arg-type]
+                action=action,
+                target=request.path,
+                result=AuditEvent.Result.DENIED,
+                message=f"missing permission {permission}",
+            )
+            context = {"permission": permission, "action": action}
+            return render(request, "403.html", context, status=403)
+
+        return wrapped
+
+    return decorator

@@ -1,0 +1,67 @@
+from typing import Any
+
+from django.db.models import Count, Max, Q, QuerySet
+
+from apps.registry.codec import from_dict
+from apps.registry.ensembles import LATEST, Resolved, Resolver
+from apps.registry.models import Model, ModelVersion
+
+
+def model_list(*, search: str = "", kind: str = "", team: str = "") -> QuerySet[Model]:
+    models = Model.objects.annotate(
+        version_count=Count("versions"), latest=Max("versions__version")
+    )
+    if search:
+        models = models.filter(Q(name__icontains=search) | Q(description__icontains=search))
+    if kind:
+        models = models.filter(kind=kind)
+    if team:
+        models = models.filter(team=team)
+    return models
+
+
+def registry_resolver(overrides: dict[str, dict[int, Any]] | None = None) -> Resolver:
+    """Resolves a step pin to a config: from `overrides` (models being imported or edited) first,
+    then from the registry. -1 means the latest released version."""
+    overrides = overrides or {}
+
+    def resolve(name: str, version: int) -> Resolved:
+        if name in overrides:
+            configs = overrides[name]
+            chosen = max(configs) if version == LATEST and configs else version
+            if chosen in configs:
+                return Resolved(configs[chosen], chosen)
+            return Resolved(
+                None, reason=f"model '{name}' has no version v{version} ({sorted(configs)})"
+            )
+        versions = ModelVersion.objects.filter(model__name=name)
+        if version == LATEST:
+            found = (
+                versions.filter(status=ModelVersion.Status.RELEASED).order_by("-version").first()
+            )
+        else:
+            found = versions.filter(version=version).first()
+        if found is not None:
+            return Resolved(from_dict(found.config), found.version)
+        if not Model.objects.filter(name=name).exists():
+            return Resolved(None, reason=f"model '{name}' is not in the registry")
+        known = sorted(versions.values_list("version", flat=True))
+        wanted = "a released version" if version == LATEST else f"version v{version}"
+        return Resolved(None, reason=f"model '{name}' has no {wanted} (it has {known})")
+
+    return resolve
+
+
+def ensembles_using(model_name: str) -> list[ModelVersion]:
+    """Every ensemble version with a step on `model_name`."""
+    candidates = ModelVersion.objects.filter(model__kind=Model.Kind.ENSEMBLE).select_related(
+        "model"
+    )
+    return [
+        v
+        for v in candidates
+        if any(
+            s.get("model_name") == model_name
+            for s in v.config.get("ensemble_scheduling", {}).get("step", [])
+        )
+    ]

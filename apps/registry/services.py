@@ -1,0 +1,177 @@
+"""Every write to the registry: transactional, validated first, audited."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.contrib.auth.models import User
+from django.db import transaction
+
+from apps.audit.services import audit_record
+from apps.registry.codec import ConfigSyntaxError, from_dict, parse_pbtxt, to_dict
+from apps.registry.ensembles import Resolver, validate_ensemble
+from apps.registry.models import Model, ModelVersion
+from apps.registry.selectors import ensembles_using, registry_resolver
+from apps.registry.validation import Problem, errors, is_ensemble, validate_config
+
+Actor = str | User
+
+
+class RegistryError(Exception):
+    """The change was refused; nothing was stored. `problems` say what and where."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(str(p) for p in problems))
+
+
+def config_check(
+    text: str,
+    *,
+    model_name: str = "",
+    source: str = "config.pbtxt",
+    resolve: Resolver | None = None,
+) -> tuple[Any | None, list[Problem]]:
+    """Parse and validate a config.pbtxt: the config (None on a syntax error) and every problem."""
+    try:
+        config = parse_pbtxt(text, source=source)
+    except ConfigSyntaxError as exc:
+        where = f"line {exc.line}, column {exc.column}"
+        return None, [Problem("error", model_name or source, where, exc.args[0].split(": ", 1)[-1])]
+    return config, config_problems(config, expected_name=model_name, resolve=resolve)
+
+
+def config_problems(
+    config: Any, *, expected_name: str = "", resolve: Resolver | None = None
+) -> list[Problem]:
+    problems = validate_config(config, expected_name=expected_name)
+    if is_ensemble(config) and not errors(problems):
+        problems += validate_ensemble(config, resolve or registry_resolver())
+    return problems
+
+
+@dataclass(frozen=True)
+class Break:
+    ensemble: ModelVersion
+    problems: list[Problem] = field(default_factory=list)
+
+
+def compatibility_breaks(*, model_name: str, config: Any) -> list[Break]:
+    """Ensemble versions whose wiring `config` would break if their `model_name` step pinned it."""
+    breaks = []
+    for ensemble in ensembles_using(model_name):
+        ensemble_config = from_dict(ensemble.config)
+        for step in ensemble_config.ensemble_scheduling.step:
+            if step.model_name == model_name:
+                step.model_version = 0  # stands for "the new version"
+        resolve = registry_resolver({model_name: {0: config}})
+        problems = errors(validate_ensemble(ensemble_config, resolve))
+        if problems:
+            breaks.append(Break(ensemble, problems))
+    return breaks
+
+
+@transaction.atomic
+def version_create(
+    *,
+    model_name: str,
+    config: Any,
+    actor: Actor,
+    version: int | None = None,
+    artifact: str = "",
+    checksum: str = "",
+    notes: str = "",
+    status: str = ModelVersion.Status.DRAFT,
+    resolve: Resolver | None = None,
+) -> ModelVersion:
+    """Register a new version; refuses (storing nothing) when Triton would refuse the config."""
+    problems = errors(config_problems(config, expected_name=model_name, resolve=resolve))
+    if problems:
+        raise RegistryError(problems)
+    kind = Model.Kind.ENSEMBLE if is_ensemble(config) else Model.Kind.STANDALONE
+    model, _ = Model.objects.get_or_create(
+        name=model_name, defaults={"kind": kind, "backend": config.backend or config.platform}
+    )
+    if model.kind != kind:
+        raise RegistryError(
+            [Problem("error", model_name, "platform", f"{model_name} is a {model.kind} model")]
+        )
+    latest = model.versions.order_by("-version").values_list("version", flat=True).first() or 0
+    number = version if version is not None else latest + 1
+    if model.versions.filter(version=number).exists():
+        raise RegistryError(
+            [
+                Problem(
+                    "error",
+                    model_name,
+                    "version",
+                    f"v{number} already exists; versions are immutable",
+                )
+            ]
+        )
+    created = ModelVersion.objects.create(
+        model=model,
+        version=number,
+        config=to_dict(config),
+        artifact=artifact,
+        checksum=checksum,
+        notes=notes,
+        status=status,
+        author=actor if isinstance(actor, User) else None,
+    )
+    audit_record(
+        actor=actor,
+        action="registry.version_create",
+        target=f"model:{model_name}:v{number}",
+        after={"status": status, "artifact": artifact},
+    )
+    return created
+
+
+_TRANSITIONS = {
+    ModelVersion.Status.DRAFT: {ModelVersion.Status.RELEASED, ModelVersion.Status.DEPRECATED},
+    ModelVersion.Status.RELEASED: {ModelVersion.Status.DEPRECATED},
+    ModelVersion.Status.DEPRECATED: set(),
+}
+
+
+@transaction.atomic
+def version_set_status(*, version_id: int, status: str, actor: Actor) -> ModelVersion:
+    version = ModelVersion.objects.select_for_update().select_related("model").get(pk=version_id)
+    if status not in _TRANSITIONS[ModelVersion.Status(version.status)]:
+        raise RegistryError(
+            [
+                Problem(
+                    "error",
+                    version.model.name,
+                    "status",
+                    f"v{version.version} cannot go from {version.status} to {status}",
+                )
+            ]
+        )
+    before = version.status
+    version.status = status
+    version.save(update_fields=["status"])
+    audit_record(
+        actor=actor,
+        action="registry.version_status",
+        target=f"model:{version.model.name}:v{version.version}",
+        before={"status": before},
+        after={"status": status},
+    )
+    return version
+
+
+@transaction.atomic
+def model_set_budget(*, model_name: str, latency_budget_ms: int | None, actor: Actor) -> Model:
+    model = Model.objects.select_for_update().get(name=model_name)
+    before = model.latency_budget_ms
+    model.latency_budget_ms = latency_budget_ms
+    model.save(update_fields=["latency_budget_ms"])
+    audit_record(
+        actor=actor,
+        action="registry.budget_set",
+        target=f"model:{model_name}",
+        before={"latency_budget_ms": before},
+        after={"latency_budget_ms": latency_budget_ms},
+    )
+    return model
