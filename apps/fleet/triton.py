@@ -7,6 +7,7 @@ Every call has a timeout. Errors become `TritonUnreachable` (transient: the node
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import gevent
@@ -107,6 +108,11 @@ class TritonClient:
     def unload(self, model: str, *, unload_dependents: bool = False) -> None:
         with self._client() as client:
             client.unload_model(model, unload_dependents=unload_dependents)
+
+    def model_config(self, model: str) -> dict[str, Any]:
+        """The config Triton runs `model` with, as JSON (auto-completed fields included)."""
+        with self._client() as client:
+            return dict(client.get_model_config(model))
 
     def model_inputs(self, model: str) -> list[tuple[str, str, list[int]]]:
         """(name, datatype, shape) of each input of the loaded `model`."""

@@ -41,8 +41,8 @@ def to_json(config: Any) -> str:
     return json.dumps(to_dict(config), sort_keys=True)
 
 
-def from_dict(data: dict[str, Any]) -> Any:
-    return json_format.ParseDict(data, ModelConfig())
+def from_dict(data: dict[str, Any], *, ignore_unknown_fields: bool = False) -> Any:
+    return json_format.ParseDict(data, ModelConfig(), ignore_unknown_fields=ignore_unknown_fields)
 
 
 def pin_versions(config: Any, versions: list[int]) -> Any:

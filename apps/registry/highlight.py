@@ -12,7 +12,8 @@ _TOKEN = re.compile(
 
 
 def highlight_pbtxt(text: str) -> SafeString:
-    out, last = [], 0
+    out: list[str] = []
+    last = 0
     for match in _TOKEN.finditer(text):
         out.append(escape(text[last : match.start()]))
         out.append(f'<span class="tok-{match.lastgroup}">{escape(match.group())}</span>')

@@ -6,7 +6,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from apps.accounts.permissions import require
+from apps.accounts.permissions import current_user, require
 from apps.registry.archives import ArchiveError, extract_repository, release_archive
 from apps.registry.codec import ensemble_steps, from_dict, to_pbtxt, without_version_policy
 from apps.registry.dag import ensemble_graph
@@ -133,7 +133,7 @@ def version_new(request: HttpRequest, name: str) -> HttpResponse:
                     created = version_create(
                         model_name=name,
                         config=config,
-                        actor=request.user,  # type: ignore[arg-type]
+                        actor=current_user(request),
                         artifact=form.cleaned_data["artifact"],
                         notes=form.cleaned_data["notes"],
                     )
@@ -181,7 +181,7 @@ def version_status(request: HttpRequest, name: str, version: int) -> HttpRespons
     found = _version(name, version)
     try:
         version_set_status(
-            version_id=found.pk, status=request.POST.get("status", ""), actor=request.user
+            version_id=found.pk, status=request.POST.get("status", ""), actor=current_user(request)
         )  # type: ignore[arg-type]
     except (RegistryError, ValueError) as exc:
         messages.error(request, str(exc))
@@ -194,7 +194,7 @@ def repository_upload(request: HttpRequest) -> HttpResponse:
     form = ImportForm(request.POST, request.FILES)
     results, error = [], ""
     if not form.is_valid():
-        error = "; ".join(f"{k}: {' '.join(v)}" for k, v in form.errors.items())
+        error = "; ".join(f"{k}: {' '.join(map(str, v))}" for k, v in form.errors.items())
     elif form.cleaned_data["archive"].size > MAX_UPLOAD_BYTES:
         error = f"the archive is larger than {MAX_UPLOAD_BYTES // 2**20} MiB"
     else:
@@ -205,7 +205,7 @@ def repository_upload(request: HttpRequest) -> HttpResponse:
                 error = str(exc)
             else:
                 results = repository_import(
-                    path=root, actor=request.user, dry_run=form.cleaned_data["dry_run"]
+                    path=root, actor=current_user(request), dry_run=form.cleaned_data["dry_run"]
                 )  # type: ignore[arg-type]
     status = 422 if error or any(not r.ok for r in results) else 200
     return render(

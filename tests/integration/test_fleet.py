@@ -96,3 +96,25 @@ def test_triton_rejection_keeps_tritons_own_words(clients: list[TritonClient]) -
 def test_a_second_fleet_in_the_same_home_is_refused(fleet: Fleet) -> None:
     with pytest.raises(DevfleetError, match="already running"):
         fleet.devfleet.up(nodes=1, pool="it", base_port=None, prometheus_port=None)
+
+
+@pytest.mark.django_db
+def test_import_from_a_live_node_registers_what_it_runs(
+    fleet: Fleet, clients: list[TritonClient]
+) -> None:
+    from apps.fleet.imports import node_import
+    from apps.fleet.services import node_register
+    from apps.registry.models import ModelVersion
+
+    proc = fleet.state.nodes[0]
+    node = node_register(
+        name=proc.name, pool="it", actor="system:test", **fleet.state.node_urls(proc)
+    )
+    results = node_import(node=node, actor="system:test")
+    assert {r.model: (r.ok, r.versions) for r in results} == {
+        name: (True, [1])
+        for name in ["embedder", "generator", "rag_pipeline", "reranker", "retriever"]
+    }
+    imported = ModelVersion.objects.get(model__name="rag_pipeline", version=1)
+    assert imported.artifact == f"{proc.name}:rag_pipeline/1"
+    assert imported.config["ensemble_scheduling"]["step"][0]["model_name"] == "embedder"

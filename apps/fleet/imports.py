@@ -1,0 +1,31 @@
+"""Import what a live node runs into the registry: its repository index and each model's config."""
+
+from collections import defaultdict
+
+from apps.fleet.models import Node
+from apps.fleet.triton import TritonClient
+from apps.registry.codec import from_dict
+from apps.registry.imports import Candidate, ImportResult, candidates_import
+from apps.registry.services import Actor
+
+
+def node_import(*, node: Node, actor: Actor, dry_run: bool = False) -> list[ImportResult]:
+    client = TritonClient(node.http_url, node=node.name)
+    versions: dict[str, list[int]] = defaultdict(list)
+    for entry in client.repository_index():
+        if entry.state == "READY" and entry.version is not None:
+            versions[entry.model].append(entry.version)
+    candidates = []
+    for model, numbers in sorted(versions.items()):
+        # Triton keeps one config per model; every loaded version runs with it. Fields newer than
+        # our schema (a newer server) are dropped rather than refused.
+        config = from_dict(client.model_config(model), ignore_unknown_fields=True)
+        config.ClearField("version_policy")
+        candidates.append(
+            Candidate(
+                name=model,
+                configs={v: config for v in numbers},
+                artifacts={v: f"{node.name}:{model}/{v}" for v in numbers},
+            )
+        )
+    return candidates_import(candidates, actor=actor, dry_run=dry_run)

@@ -1,0 +1,63 @@
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from playwright.sync_api import Page, expect
+
+from apps.accounts.roles import Role
+from apps.registry.imports import repository_import
+from tests.conftest import make_user
+from tests.e2e.conftest import screenshot
+from tests.e2e.test_login import sign_in
+
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+
+REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
+
+
+@pytest.fixture
+def signed_in(page: Page, live_server: object) -> str:
+    repository_import(path=REPOSITORY, actor="system:test")
+    call_command("set_budgets", "reranker=80")
+    user = make_user(Role.RELEASE_MANAGER)
+    sign_in(page, str(live_server), user.username)
+    return str(live_server)
+
+
+def test_a_mistake_in_the_editor_is_shown_inline(page: Page, signed_in: str) -> None:
+    page.goto(f"{signed_in}/models/embedder/new/?from=2")
+    problems = page.locator("#problems")
+    expect(problems).to_contain_text("Valid: Triton would accept this config.")
+    editor = page.get_by_label("config.pbtxt")
+    editor.fill(editor.input_value().replace("TYPE_FP32", "TYPE_FLOAT"))
+    expect(problems).to_contain_text("TYPE_FLOAT")
+    expect(problems).to_contain_text("line ")
+    screenshot(page, "registry-editor-error")
+    editor.fill(editor.input_value().replace("TYPE_FLOAT", "TYPE_FP16"))
+    expect(problems).to_contain_text("would break")
+    expect(problems).to_contain_text("rag_pipeline v1")
+    assert page.console_errors == []  # type: ignore[attr-defined]
+
+
+def test_the_ensemble_is_drawn_as_a_graph(page: Page, signed_in: str) -> None:
+    page.goto(f"{signed_in}/models/rag_pipeline/v1/")
+    graph = page.get_by_role("img", name="Ensemble graph")
+    expect(graph).to_be_visible()
+    for step in ["embedder", "retriever", "reranker", "generator"]:
+        expect(graph.locator(f"g.node.step:has-text('{step}')")).to_have_count(1)
+    expect(graph.locator("g.node.step:has-text('reranker')")).to_contain_text("v1 · budget 80 ms")
+    expect(graph.locator("text.edge-label", has_text="candidates")).to_have_count(1)
+    expect(page.locator("#problems")).to_contain_text("Valid")
+    screenshot(page, "registry-version")
+
+
+def test_two_versions_side_by_side(page: Page, signed_in: str) -> None:
+    page.goto(f"{signed_in}/models/rag_pipeline/")
+    page.get_by_role("link", name="Compare versions").click()
+    page.get_by_label("From").select_option("1")
+    page.get_by_label("To").select_option("4")
+    page.get_by_role("button", name="Compare").click()
+    expect(page.get_by_role("heading", name="rag_pipeline: v1 → v4")).to_be_visible()
+    removed = page.locator("tr.replace td.old, tr.delete td.old")
+    expect(removed.filter(has_text='model_name: "reranker"')).to_have_count(1)
+    screenshot(page, "registry-diff")

@@ -1,0 +1,258 @@
+import io
+import json
+import shutil
+import stat
+import zipfile
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import CommandError, call_command
+from django.test import Client
+
+from apps.audit.models import AuditEvent
+from apps.registry.archives import ArchiveError, extract_repository
+from apps.registry.codec import parse_pbtxt, to_pbtxt
+from apps.registry.imports import repository_import
+from apps.registry.models import Model, ModelVersion
+from apps.registry.services import (
+    RegistryError,
+    compatibility_breaks,
+    version_create,
+    version_set_status,
+)
+
+REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
+pytestmark = pytest.mark.django_db
+
+
+def import_demo() -> None:
+    results = repository_import(path=REPOSITORY, actor="system:test")
+    assert all(r.ok for r in results), [r.errors for r in results]
+
+
+def test_import_repository_json_says_ok_for_every_demo_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    call_command("import_repository", str(REPOSITORY), "--json")
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(line["model"], line["ok"]) for line in lines] == [
+        ("embedder", True),
+        ("generator", True),
+        ("rag_pipeline", True),
+        ("reranker", True),
+        ("retriever", True),
+    ]
+    assert ModelVersion.objects.count() == 13
+    assert Model.objects.get(name="rag_pipeline").kind == Model.Kind.ENSEMBLE
+    v4 = ModelVersion.objects.get(model__name="rag_pipeline", version=4)
+    assert v4.status == "released" and v4.artifact.endswith("deploy/models/rag_pipeline/4")
+    assert ModelVersion.objects.get(model__name="reranker", version=3).checksum.startswith(
+        "sha256:"
+    )
+
+
+def test_importing_twice_changes_nothing() -> None:
+    import_demo()
+    events = AuditEvent.objects.count()
+    import_demo()
+    assert ModelVersion.objects.count() == 13 and AuditEvent.objects.count() == events
+
+
+def test_dry_run_stores_nothing() -> None:
+    results = repository_import(path=REPOSITORY, actor="system:test", dry_run=True)
+    assert all(r.ok for r in results) and ModelVersion.objects.count() == 0
+
+
+def test_an_invalid_model_fails_the_import_and_the_ensembles_that_need_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repository = tmp_path / "models"
+    shutil.copytree(REPOSITORY, repository)
+    config = repository / "reranker" / "config.pbtxt"
+    config.write_text(config.read_text().replace("TYPE_FP32", "TYPE_FLOAT"))
+    with pytest.raises(CommandError, match="2 invalid model"):
+        call_command("import_repository", str(repository), "--json")
+    lines = {line["model"]: line for line in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert lines["reranker"]["errors"][0].startswith(f"{config}:")
+    assert "TYPE_FLOAT" in lines["reranker"]["errors"][0]
+    assert not lines["rag_pipeline"]["ok"]
+    assert "model 'reranker' is not in the registry" in lines["rag_pipeline"]["errors"][0]
+    assert lines["embedder"]["ok"]
+    assert not Model.objects.filter(name__in=["reranker", "rag_pipeline"]).exists()
+
+
+def test_a_refused_version_stores_nothing_and_says_where() -> None:
+    import_demo()
+    config = parse_pbtxt(
+        to_pbtxt(parse_pbtxt((REPOSITORY / "embedder" / "config.pbtxt").read_text()))
+    )
+    config.max_batch_size = -2
+    with pytest.raises(RegistryError, match="embedder: max_batch_size: must be >= 0"):
+        version_create(model_name="embedder", config=config, actor="system:test")
+    assert ModelVersion.objects.filter(model__name="embedder").count() == 2
+
+
+def test_released_versions_only_move_forward() -> None:
+    import_demo()
+    version = ModelVersion.objects.get(model__name="embedder", version=1)
+    with pytest.raises(RegistryError, match="cannot go from released to draft"):
+        version_set_status(version_id=version.id, status="draft", actor="system:test")
+    version_set_status(version_id=version.id, status="deprecated", actor="system:test")
+    assert AuditEvent.objects.filter(action="registry.version_status", result="ok").count() == 1
+
+
+def test_a_new_step_version_lists_the_ensembles_it_would_break() -> None:
+    import_demo()
+    config = parse_pbtxt((REPOSITORY / "retriever" / "config.pbtxt").read_text())
+    assert compatibility_breaks(model_name="retriever", config=config) == []
+    config.output[0].data_type = config.output[0].data_type + 1  # STRING -> BF16
+    breaks = compatibility_breaks(model_name="retriever", config=config)
+    assert [str(b.ensemble) for b in breaks] == [
+        "rag_pipeline v4",
+        "rag_pipeline v3",
+        "rag_pipeline v2",
+        "rag_pipeline v1",
+    ]
+    assert "tensor 'candidates' is TYPE_BF16" in str(breaks[0].problems[0])
+
+
+def zip_of(entries: dict[str, bytes], *, symlink: str = "") -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+        if symlink:
+            info = zipfile.ZipInfo(symlink)
+            info.external_attr = (stat.S_IFLNK | 0o777) << 16
+            archive.writestr(info, "/etc/passwd")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (zip_of({"../evil/config.pbtxt": b""}), "path leaves the archive"),
+        (zip_of({"/abs/config.pbtxt": b""}), "path leaves the archive"),
+        (zip_of({}, symlink="m/1/model.py"), "symbolic links are not accepted"),
+        (b"not a zip", "not a zip archive"),
+    ],
+)
+def test_unsafe_archives_are_refused(tmp_path: Path, data: bytes, message: str) -> None:
+    with pytest.raises(ArchiveError, match=message):
+        extract_repository(data, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_archive_with_one_top_directory_is_the_repository(tmp_path: Path) -> None:
+    data = zip_of({"repo/m/config.pbtxt": b'name: "m"', "repo/m/1/model.py": b""})
+    assert extract_repository(data, tmp_path) == tmp_path / "repo"
+
+
+# -- pages -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def release_manager(db: None) -> User:
+    from apps.accounts.roles import Role
+    from tests.conftest import make_user
+
+    return make_user(Role.RELEASE_MANAGER)
+
+
+def test_inline_validation_points_at_the_line(client: Client, viewer: User) -> None:
+    import_demo()
+    client.force_login(viewer)
+    body = client.post(
+        "/models/embedder/validate/", {"pbtxt": 'name: "embedder"\nmax_batch_size: x'}
+    ).content.decode()
+    assert "line 2, column 17" in body and "error" in body
+
+
+def test_inline_validation_warns_about_ensembles_a_change_breaks(
+    client: Client, viewer: User
+) -> None:
+    import_demo()
+    client.force_login(viewer)
+    text = (REPOSITORY / "generator" / "config.pbtxt").read_text().replace('"ANSWER"', '"REPLY"')
+    body = client.post("/models/generator/validate/", {"pbtxt": text}).content.decode()
+    assert "would break" in body and "rag_pipeline v1" in body and "no output" in body
+
+
+def test_a_viewer_cannot_create_versions_and_the_attempt_is_audited(
+    client: Client, viewer: User
+) -> None:
+    import_demo()
+    client.force_login(viewer)
+    text = (REPOSITORY / "embedder" / "config.pbtxt").read_text()
+    response = client.post("/models/embedder/new/", {"pbtxt": text})
+    assert response.status_code == 403
+    assert ModelVersion.objects.filter(model__name="embedder").count() == 2
+    assert AuditEvent.objects.filter(
+        action="registry.version_create", result="denied", actor=viewer.username
+    ).exists()
+
+
+def test_a_release_manager_registers_a_draft(client: Client, release_manager: User) -> None:
+    import_demo()
+    client.force_login(release_manager)
+    text = (REPOSITORY / "embedder" / "config.pbtxt").read_text().replace('"0"', '"5"', 1)
+    response = client.post("/models/embedder/new/", {"pbtxt": text, "notes": "slower drill"})
+    assert response.status_code == 302 and response["Location"] == "/models/embedder/v3/"
+    created = ModelVersion.objects.get(model__name="embedder", version=3)
+    assert (created.status, created.author, created.notes) == (
+        "draft",
+        release_manager,
+        "slower drill",
+    )
+
+
+def test_a_broken_config_is_shown_back_and_nothing_is_stored(
+    client: Client, release_manager: User
+) -> None:
+    import_demo()
+    client.force_login(release_manager)
+    response = client.post("/models/embedder/new/", {"pbtxt": 'name: "embedder" dims: ['})
+    assert response.status_code == 422 and "line 1" in response.content.decode()
+    assert ModelVersion.objects.filter(model__name="embedder").count() == 2
+
+
+def test_downloads_give_the_config_and_a_loadable_release_layout(
+    client: Client, viewer: User
+) -> None:
+    import_demo()
+    client.force_login(viewer)
+    config = client.get("/models/rag_pipeline/v2/config.pbtxt")
+    assert parse_pbtxt(config.content.decode()).name == "rag_pipeline"
+    archive = zipfile.ZipFile(
+        io.BytesIO(client.get("/models/rag_pipeline/v2/repository.zip").content)
+    )
+    names = set(archive.namelist())
+    assert {
+        "rag_pipeline/config.pbtxt",
+        "embedder/config.pbtxt",
+        "embedder/2/model.py",
+        "reranker/2/model.py",
+    } <= names
+    assert "versions: 2" in archive.read("reranker/config.pbtxt").decode()
+
+
+def test_upload_of_an_unsafe_archive_is_refused_with_nothing_stored(
+    client: Client, release_manager: User
+) -> None:
+    client.force_login(release_manager)
+    upload = io.BytesIO(zip_of({"../../etc/config.pbtxt": b""}))
+    upload.name = "repo.zip"
+    response = client.post("/models/import/", {"archive": upload})
+    assert response.status_code == 422
+    assert "path leaves the archive" in response.content.decode()
+    assert Model.objects.count() == 0
+
+
+def test_model_list_searches_and_filters(client: Client, viewer: User) -> None:
+    import_demo()
+    client.force_login(viewer)
+    body = client.get("/models/?search=rank").content.decode()
+    assert "reranker" in body and "embedder" not in body
+    body = client.get("/models/?kind=ensemble").content.decode()
+    assert "rag_pipeline" in body and "retriever" not in body
