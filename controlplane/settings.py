@@ -6,7 +6,7 @@ import plotly
 from csp.constants import NONCE, SELF
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.env import database_from_url, env_bool, env_list, env_str, env_url
+from controlplane.env import database_from_url, env_bool, env_float, env_list, env_str, env_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -128,11 +128,15 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+FLEET_POLL_INTERVAL_S = env_float("FLEET_POLL_INTERVAL_S", 5.0)
+FLEET_RECONCILE_INTERVAL_S = env_float("FLEET_RECONCILE_INTERVAL_S", 10.0)
 CELERY_BEAT_SCHEDULE = {
-    "poll-nodes": {"task": "fleet.poll_nodes", "schedule": 5.0, "options": {"expires": 5}},
+    "poll-nodes": {"task": "fleet.poll_nodes", "schedule": FLEET_POLL_INTERVAL_S},
+    "reconcile": {"task": "fleet.reconcile_all", "schedule": FLEET_RECONCILE_INTERVAL_S},
 }
 
 FLEET_UNREACHABLE_AFTER = 3
+FLEET_LEASE_S = env_float("FLEET_LEASE_S", 15.0)
 TRITON_TIMEOUT_S = 5.0
 PROMETHEUS_TIMEOUT_S = 5
 

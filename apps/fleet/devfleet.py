@@ -121,6 +121,8 @@ class Devfleet:
                     "--strict-readiness=false",
                     "--metrics-config=summary_latencies=true",
                     "--metrics-interval-ms=1000",
+                    # Verbose: the node's log shows every repository request it received.
+                    "--log-verbose=1",
                     f"--http-port={http}",
                     f"--grpc-port={grpc}",
                     f"--metrics-port={metrics}",
@@ -129,14 +131,8 @@ class Devfleet:
                     "--metrics-address=127.0.0.1",
                     f"--id={name}",
                 ]
-                env = {
-                    **os.environ,
-                    "LD_LIBRARY_PATH": str(
-                        Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
-                    ),
-                }
                 proc = self._spawn(
-                    name, argv, {"http": http, "grpc": grpc, "metrics": metrics}, env
+                    name, argv, {"http": http, "grpc": grpc, "metrics": metrics}, _triton_env()
                 )
                 state.nodes.append(proc)
                 self._save(state)
@@ -166,6 +162,32 @@ class Devfleet:
             lines.append(f"{proc.name}: stopped (pid {proc.pid})")
         self.state_file.unlink(missing_ok=True)
         return lines
+
+    def kill_node(self, name: str) -> Proc:
+        """SIGKILL one node, as a crash would (for drills and tests)."""
+        proc = self._node(name)
+        if proc.running:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _wait_gone(proc, 10.0)
+        return proc
+
+    def restart_node(self, name: str) -> Proc:
+        """Start a stopped node again with its recorded command line and ports."""
+        state = self.state()
+        old = self._node(name)
+        if old.running:
+            raise DevfleetError(f"{name} is still running (pid {old.pid})")
+        proc = self._spawn(name, old.argv, old.ports, _triton_env())
+        state.nodes = [proc if n.name == name else n for n in state.nodes]
+        self._save(state)
+        _wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
+        return proc
+
+    def _node(self, name: str) -> Proc:
+        for proc in self.state().nodes:
+            if proc.name == name:
+                return proc
+        raise DevfleetError(f"no node named {name} in {self.state_file}")
 
     def _spawn(
         self, name: str, argv: list[str], ports: dict[str, int], env: dict[str, str] | None = None
@@ -286,6 +308,12 @@ class Devfleet:
                 raise TritonError(
                     client.node, f"{name} v{each_version} is not READY after load: {reason}"
                 )
+
+
+def _triton_env() -> dict[str, str]:
+    """tritonserver finds its bundled libraries (libtritonserver, libcudart...) next to pytriton."""
+    libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
+    return {**os.environ, "LD_LIBRARY_PATH": str(libs)}
 
 
 def _proc_stat(pid: int) -> list[str] | None:

@@ -1,5 +1,7 @@
 from django.db import models
 
+from apps.registry.models import Model
+
 
 class NodePool(models.Model):
     name = models.SlugField(max_length=60, unique=True)
@@ -33,6 +35,13 @@ class Node(models.Model):
     last_seen = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True)
     index = models.JSONField(default=list, blank=True, help_text="last repository index read")
+    gpus = models.JSONField(
+        default=list, blank=True, help_text="GPU inventory from nv_gpu_* metrics"
+    )
+    # One worker at a time acts on a node: it holds this lease and renews it while it works, so a
+    # killed worker's lease lapses within seconds and the next one can take over.
+    lease_owner = models.CharField(max_length=64, blank=True)
+    lease_until = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["pool__name", "name"]
@@ -44,3 +53,94 @@ class Node(models.Model):
     @property
     def ready_models(self) -> list[dict]:
         return [entry for entry in self.index if entry.get("state") == "READY"]
+
+
+class Deployment(models.Model):
+    """Desired state: `model` at `version` must be READY on every node of `pool`, or on `node`."""
+
+    pool = models.ForeignKey(
+        NodePool, null=True, blank=True, on_delete=models.CASCADE, related_name="deployments"
+    )
+    node = models.ForeignKey(
+        Node, null=True, blank=True, on_delete=models.CASCADE, related_name="deployments"
+    )
+    model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="deployments")
+    version = models.PositiveIntegerField()
+    created_by = models.CharField(max_length=150)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["model__name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(pool__isnull=True) ^ models.Q(node__isnull=True),
+                name="deployment_targets_pool_or_node",
+            ),
+            models.UniqueConstraint(
+                fields=["pool", "model"], name="one_version_per_pool_and_model"
+            ),
+            models.UniqueConstraint(
+                fields=["node", "model"], name="one_version_per_node_and_model"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model.name} v{self.version} on {self.pool or self.node}"
+
+    @property
+    def target(self) -> str:
+        return f"pool:{self.pool.name}" if self.pool else f"node:{self.node.name}"  # type: ignore[union-attr]
+
+
+class Operation(models.Model):
+    """One load, unload or reload on one node, from the reconciler or a person."""
+
+    class Kind(models.TextChoices):
+        LOAD = "load"
+        UNLOAD = "unload"
+        RELOAD = "reload"
+
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+        UNKNOWN = "unknown"
+        CANCELLED = "cancelled"
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="operations")
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    model_name = models.CharField(max_length=120)
+    versions = models.JSONField(
+        default=list, help_text="the versions the node must serve afterwards"
+    )
+    config = models.JSONField(
+        null=True, blank=True, help_text="the config override sent with a load"
+    )
+    config_digest = models.CharField(max_length=64, blank=True)
+    plan_digest = models.CharField(
+        max_length=64, blank=True, help_text="desired state it was planned from"
+    )
+    seq = models.PositiveIntegerField(default=0, help_text="order within its plan")
+    requested_by = models.CharField(max_length=150)
+    status = models.CharField(
+        max_length=10, choices=Status.choices, default=Status.QUEUED, db_index=True
+    )
+    attempts = models.PositiveIntegerField(default=0)
+    error = models.TextField(blank=True, help_text="Triton's own words when it refused")
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["node", "status", "seq"])]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.model_name} {self.versions} on {self.node}"
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.started_at and self.finished_at:
+            return (self.finished_at - self.started_at).total_seconds()
+        return None

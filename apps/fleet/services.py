@@ -6,8 +6,21 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.audit.services import audit_record
-from apps.fleet.models import Node, NodePool
+from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.triton import IndexEntry, ServerMetadata, TritonClient, TritonError
+from apps.registry.models import ModelVersion
+from apps.registry.services import Actor
+
+# What polling writes: never the lease fields, which a worker may be renewing at the same moment.
+_OBSERVED = [
+    "health",
+    "failed_polls",
+    "last_seen",
+    "last_error",
+    "triton_version",
+    "extensions",
+    "index",
+]
 
 
 @transaction.atomic
@@ -62,7 +75,7 @@ def _node_poll_succeeded(
     node.triton_version = metadata.version
     node.extensions = metadata.extensions
     node.index = [dataclasses.asdict(entry) for entry in index]
-    node.save()
+    node.save(update_fields=_OBSERVED)
     if previous == Node.Health.UNREACHABLE:
         audit_record(
             actor="system:poller",
@@ -95,5 +108,132 @@ def _node_poll_failed(*, node_id: int, error: str) -> Node:
             message=error,
         )
         node.health = Node.Health.UNREACHABLE
-    node.save()
+    node.save(update_fields=_OBSERVED)
     return node
+
+
+class FleetError(Exception):
+    """A refused fleet change; the message says why and what to do instead."""
+
+
+def _reconcile_later(node_ids: list[int]) -> None:
+    from apps.fleet.tasks import reconcile_node  # tasks import services
+
+    def enqueue() -> None:
+        for node_id in node_ids:
+            reconcile_node.delay(node_id)
+
+    transaction.on_commit(enqueue)
+
+
+@transaction.atomic
+def deployment_set(
+    *,
+    model_name: str,
+    version: int,
+    actor: Actor,
+    pool: NodePool | None = None,
+    node: Node | None = None,
+) -> Deployment:
+    """Desire `model_name` at `version` on a pool (every node) or on one node; idempotent."""
+    if (pool is None) == (node is None):
+        raise FleetError("a deployment targets a pool or a node")
+    found = (
+        ModelVersion.objects.filter(model__name=model_name, version=version)
+        .select_related("model")
+        .first()
+    )
+    if found is None:
+        raise FleetError(f"{model_name} v{version} is not in the registry")
+    if found.status == ModelVersion.Status.DEPRECATED:
+        raise FleetError(f"{model_name} v{version} is deprecated; deploy a released version")
+    existing = (
+        Deployment.objects.select_for_update()
+        .filter(model=found.model, pool=pool, node=node)
+        .first()
+    )
+    if existing is not None and existing.version == version:
+        return existing  # a double click changes nothing
+    before = {"version": existing.version} if existing else {}
+    deployment, _ = Deployment.objects.update_or_create(
+        model=found.model,
+        pool=pool,
+        node=node,
+        defaults={"version": version, "created_by": _name(actor)},
+    )
+    audit_record(
+        actor=actor,
+        action="deployment.set",
+        target=f"{deployment.target}:{model_name}",
+        before=before,
+        after={"version": version},
+    )
+    _reconcile_later(_target_nodes(pool, node))
+    return deployment
+
+
+@transaction.atomic
+def deployment_remove(*, deployment_id: int, actor: Actor) -> None:
+    deployment = (
+        Deployment.objects.select_for_update()
+        .select_related("model", "pool", "node")
+        .get(pk=deployment_id)
+    )
+    nodes = _target_nodes(deployment.pool, deployment.node)
+    audit_record(
+        actor=actor,
+        action="deployment.remove",
+        target=f"{deployment.target}:{deployment.model.name}",
+        before={"version": deployment.version},
+    )
+    deployment.delete()
+    _reconcile_later(nodes)
+
+
+@transaction.atomic
+def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor) -> Operation:
+    """A person's reload or unload on one node. A second click while one is open returns it."""
+    from apps.fleet.desired import node_desired
+    from apps.fleet.operations import enqueue_run
+
+    node = Node.objects.select_for_update().get(pk=node_id)
+    open_op = node.operations.filter(
+        model_name=model_name,
+        kind=kind,
+        status__in=[Operation.Status.QUEUED, Operation.Status.RUNNING],
+    ).first()
+    if open_op is not None:
+        return open_op
+    desired = node_desired(node).get(model_name)
+    if kind == Operation.Kind.UNLOAD and desired is not None:
+        raise FleetError(
+            f"{model_name} is deployed to {node.name} (pool {node.pool.name}); change or remove "
+            "the deployment instead, or the reconciler would load it again"
+        )
+    if kind == Operation.Kind.RELOAD and desired is None:
+        raise FleetError(f"{model_name} is not deployed to {node.name}; deploy it to load it")
+    op = Operation.objects.create(
+        node=node,
+        kind=kind,
+        model_name=model_name,
+        versions=list(desired.versions) if desired else [],
+        config=desired.config if desired else None,
+        config_digest=desired.digest if desired else "",
+        requested_by=_name(actor),
+    )
+    audit_record(
+        actor=actor, action=f"operation.request_{kind}", target=f"node:{node.name}:{model_name}"
+    )
+    transaction.on_commit(lambda: enqueue_run(node_id))
+    return op
+
+
+def _target_nodes(pool: NodePool | None, node: Node | None) -> list[int]:
+    if node is not None:
+        return [node.pk]
+    assert pool is not None
+    return list(pool.nodes.values_list("id", flat=True))
+
+
+def _name(actor: Actor) -> str:
+    return actor if isinstance(actor, str) else actor.get_username()

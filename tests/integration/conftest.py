@@ -3,6 +3,7 @@ each on free ports, each stopped at the end of the session whatever happens."""
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -77,44 +78,91 @@ def _database_url() -> str:
     return f"postgres://{auth}@{db['HOST'] or 'localhost'}:{db['PORT'] or 5432}/{db['NAME']}"
 
 
+class Celery:
+    """Real `celery worker` (prefork, 3 processes) and `celery beat` processes on the test database
+    and a private Redis, with short intervals so that periodic work shows up within seconds."""
+
+    def __init__(self, root: Path, database_url: str, redis_url: str) -> None:
+        self.root = root
+        self.env = {
+            **os.environ,
+            "DATABASE_URL": database_url,
+            "CELERY_BROKER_URL": redis_url,
+            "FLEET_POLL_INTERVAL_S": "1",
+            "FLEET_RECONCILE_INTERVAL_S": "2",
+            "FLEET_LEASE_S": "6",
+        }
+        self.worker: subprocess.Popen[bytes] | None = None
+        self.beat: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def _spawn(self, *args: str, log: str) -> subprocess.Popen[bytes]:
+        with (self.root / log).open("ab") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "controlplane", *args, "--loglevel=INFO"],
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def start_worker(self) -> None:
+        self.starts += 1
+        self.worker = self._spawn(
+            "worker",
+            "--pool=prefork",
+            "--concurrency=3",
+            "--without-mingle",
+            "--without-gossip",
+            f"--hostname=test{self.starts}@%h",
+            log="worker.log",
+        )
+        deadline = time.monotonic() + 60
+        while not celery_app.control.ping(
+            timeout=0.5, destination=[f"test{self.starts}@{socket.gethostname()}"]
+        ):
+            if self.worker.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"celery worker did not start; see {self.root / 'worker.log'}")
+
+    def start_beat(self) -> None:
+        self.beat = self._spawn(
+            "beat",
+            "--scheduler=celery.beat:PersistentScheduler",
+            f"--schedule={self.root / 'beat-schedule'}",
+            log="beat.log",
+        )
+
+    def kill_worker(self) -> None:
+        """SIGKILL the whole worker (main process and its children), as an OOM killer would."""
+        assert self.worker is not None
+        os.killpg(self.worker.pid, signal.SIGKILL)
+        self.worker.wait(10)
+
+    def stop(self) -> None:
+        for proc in (self.worker, self.beat):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="session")
-def celery_worker(
+def celery(
     django_db_setup: None,
     django_db_blocker: object,
     redis_url: str,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A real `celery worker` process on the test database and a private Redis."""
+) -> Iterator[Celery]:
     with django_db_blocker.unblock():  # type: ignore[attr-defined]
         database_url = _database_url()
-    env = {**os.environ, "DATABASE_URL": database_url, "CELERY_BROKER_URL": redis_url}
-    log = tmp_path_factory.mktemp("celery") / "worker.log"
-    with log.open("wb") as out:
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "controlplane",
-                "worker",
-                "--pool=solo",
-                "--without-mingle",
-                "--without-gossip",
-                "--loglevel=INFO",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
     celery_app.conf.broker_url = redis_url
+    processes = Celery(tmp_path_factory.mktemp("celery"), database_url, redis_url)
     try:
-        deadline = time.monotonic() + 60
-        while not celery_app.control.ping(timeout=0.5):
-            if worker.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"celery worker did not start; {log}:\n{log.read_text()[-2000:]}")
-        yield worker
+        processes.start_worker()
+        processes.start_beat()
+        yield processes
     finally:
-        worker.terminate()
-        worker.wait(20)
+        processes.stop()

@@ -34,6 +34,11 @@ class Command(BaseCommand):
         )
         sub.add_parser("down", help="stop exactly the processes `up` started")
         sub.add_parser("status", help="list the fleet's processes and registered nodes")
+        for action, text in (
+            ("kill", "SIGKILL one node (a crash drill)"),
+            ("restart", "start a killed node again"),
+        ):
+            sub.add_parser(action, help=text).add_argument("node")
         traffic = sub.add_parser("traffic", help="send real inference requests round-robin")
         traffic.add_argument("--model", required=True)
         traffic.add_argument("--rps", type=float, default=5.0)
@@ -78,6 +83,14 @@ class Command(BaseCommand):
     def _down(self, fleet: Devfleet, **options: object) -> None:
         for line in fleet.down() or ["nothing to stop"]:
             self.stdout.write(line)
+
+    def _kill(self, fleet: Devfleet, *, node: str, **options: object) -> None:
+        proc = fleet.kill_node(node)
+        self.stdout.write(f"{node}: killed (pid {proc.pid})")
+
+    def _restart(self, fleet: Devfleet, *, node: str, **options: object) -> None:
+        proc = fleet.restart_node(node)
+        self.stdout.write(f"{node}: running again (pid {proc.pid})")
 
     def _status(self, fleet: Devfleet, **options: object) -> None:
         state = fleet.state()

@@ -1,0 +1,75 @@
+"""Desired state per node, from the deployments that target its pool or the node itself."""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from django.db.models import Q
+
+from apps.fleet.models import Deployment, Node
+from apps.registry.codec import ensemble_steps, from_dict, pin_versions, to_dict
+from apps.registry.models import ModelVersion
+from apps.registry.selectors import registry_resolver
+from apps.registry.validation import is_ensemble
+
+
+def digest(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def with_versions(config: dict[str, Any], versions: list[int]) -> dict[str, Any]:
+    return to_dict(pin_versions(from_dict(config), versions))
+
+
+@dataclass(frozen=True)
+class DesiredModel:
+    name: str
+    versions: tuple[int, ...]
+    config: dict[str, Any]  # the load request's config override, version policy included
+    ensemble: bool
+
+    @property
+    def digest(self) -> str:
+        return digest(self.config)
+
+
+class DesiredStateError(Exception):
+    """A deployment that cannot be turned into loads (a version or a step is missing)."""
+
+
+def node_desired(node: Node) -> dict[str, DesiredModel]:
+    deployments = {
+        d.model.name: d
+        for d in Deployment.objects.filter(Q(pool_id=node.pool_id) | Q(node=node))
+        .select_related("model")
+        .order_by("-pool_id")  # node-level deployments (pool NULL) come last and win
+    }
+    wanted: dict[str, dict[int, Any]] = {}  # model -> version -> config
+    resolve = registry_resolver()
+    for name, deployment in deployments.items():
+        found = ModelVersion.objects.filter(model__name=name, version=deployment.version).first()
+        if found is None:
+            raise DesiredStateError(
+                f"{deployment}: {name} v{deployment.version} is not in the registry"
+            )
+        config = from_dict(found.config)
+        wanted.setdefault(name, {})[deployment.version] = config
+        for step, pinned in ensemble_steps(config):
+            resolved = resolve(step, pinned)
+            if resolved.config is None or resolved.version is None:
+                raise DesiredStateError(f"{deployment}: {resolved.reason}")
+            wanted.setdefault(step, {})[resolved.version] = resolved.config
+    desired = {}
+    for name, configs in wanted.items():
+        # Triton keeps one config per model: the newest wanted version's config serves them all.
+        versions = sorted(configs)
+        config = to_dict(pin_versions(configs[versions[-1]], versions))
+        desired[name] = DesiredModel(
+            name, tuple(versions), config, is_ensemble(configs[versions[-1]])
+        )
+    return desired
+
+
+def plan_digest(desired: dict[str, DesiredModel]) -> str:
+    return digest({name: model.config for name, model in sorted(desired.items())})

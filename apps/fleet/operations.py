@@ -1,0 +1,253 @@
+"""Converging nodes: plan operations from desired vs observed state, then run them one at a time per
+node, each confirmed by reading the node's repository index back."""
+
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from apps.audit.services import audit_record
+from apps.fleet.desired import DesiredStateError, node_desired, plan_digest
+from apps.fleet.models import Node, Operation
+from apps.fleet.planner import Observed, plan
+from apps.fleet.services import node_poll
+from apps.fleet.triton import TritonClient, TritonRejected, TritonUnreachable
+from apps.registry.models import Model
+
+log = logging.getLogger(__name__)
+OPEN = (Operation.Status.QUEUED, Operation.Status.RUNNING)
+
+
+def observed_state(node: Node) -> dict[str, Observed]:
+    """The node's last index read, plus what our own operations last did to each model."""
+    ready: dict[str, set[int]] = {}
+    busy: set[str] = set()
+    for entry in node.index:
+        ready.setdefault(entry["model"], set())
+        if entry.get("state") == "READY" and entry.get("version") is not None:
+            ready[entry["model"]].add(int(entry["version"]))
+        elif entry.get("state") in ("LOADING", "UNLOADING"):
+            busy.add(entry["model"])
+    last_ok: dict[str, str] = {}
+    failed: dict[str, set[str]] = {}
+    done = [Operation.Status.SUCCEEDED, Operation.Status.FAILED, Operation.Status.UNKNOWN]
+    for op in node.operations.filter(status__in=done).order_by("finished_at", "id"):
+        if op.status == Operation.Status.UNKNOWN:
+            # Its worker died after sending it: if the node shows what it asked for, it took.
+            if ready.get(op.model_name, set()) == set(op.versions):
+                last_ok[op.model_name] = op.config_digest
+        elif op.status == Operation.Status.SUCCEEDED:
+            last_ok[op.model_name] = op.config_digest
+            failed.pop(op.model_name, None)
+        else:
+            failed.setdefault(op.model_name, set()).add(op.config_digest)
+    return {
+        name: Observed(
+            ready=frozenset(versions),
+            busy=name in busy,
+            digest=last_ok.get(name, ""),
+            failed=frozenset(failed.get(name, ())),
+        )
+        for name, versions in ready.items()
+    } | {
+        name: Observed(frozenset(), digest="", failed=frozenset(digests))
+        for name, digests in failed.items()
+        if name not in ready
+    }
+
+
+def node_reconcile(*, node_id: int) -> list[Operation]:
+    """Read the node, plan what is missing, queue it. Harmless to repeat: a node with queued or
+    running operations is left to them, and a converged node gets no operation at all."""
+    node = node_poll(node_id=node_id)
+    if node.health == Node.Health.UNREACHABLE or node.last_error:
+        return []
+    try:
+        desired = node_desired(node)
+    except DesiredStateError as exc:
+        log.warning("node %s: %s", node.name, exc)
+        return []
+    managed = dict(
+        (name, kind == Model.Kind.ENSEMBLE)
+        for name, kind in Model.objects.values_list("name", "kind")
+    )
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node_id)
+        if locked.operations.filter(status__in=OPEN).exists():
+            # Work is pending. If no worker holds the node, its run message was lost (a killed
+            # worker's unacknowledged task comes back only after the visibility timeout): kick it.
+            if locked.lease_until is None or locked.lease_until < timezone.now():
+                transaction.on_commit(lambda: enqueue_run(node_id))
+            return []
+        actions = plan(desired, observed_state(node), managed)
+        digest = plan_digest(desired)
+        ops = [
+            Operation.objects.create(
+                node=locked,
+                kind=action.kind,
+                model_name=action.model,
+                versions=list(action.versions),
+                config=action.config,
+                config_digest=action.digest,
+                plan_digest=digest,
+                seq=seq,
+                requested_by="system:reconciler",
+            )
+            for seq, action in enumerate(actions)
+        ]
+        if ops:
+            audit_record(
+                actor="system:reconciler",
+                action="node.drift",
+                target=f"node:{node.name}",
+                after={"operations": [str(op) for op in ops]},
+            )
+            transaction.on_commit(lambda: enqueue_run(node_id))
+    return ops
+
+
+def enqueue_run(node_id: int) -> None:
+    from apps.fleet.tasks import run_node  # tasks import this module
+
+    run_node.delay(node_id)
+
+
+@contextmanager
+def node_lease(node_id: int) -> Iterator[bool]:
+    """Hold the node for one worker. The lease is short and renewed by a heartbeat while the work
+    goes on, so a worker killed with SIGKILL frees the node within FLEET_LEASE_S."""
+    seconds = settings.FLEET_LEASE_S
+    owner = uuid.uuid4().hex
+    now = timezone.now()
+    free = Q(lease_until__isnull=True) | Q(lease_until__lt=now)
+    taken = Node.objects.filter(free, pk=node_id).update(
+        lease_owner=owner, lease_until=now + timedelta(seconds=seconds)
+    )
+    if not taken:
+        yield False
+        return
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        try:
+            while not stop.wait(seconds / 3):
+                Node.objects.filter(pk=node_id, lease_owner=owner).update(
+                    lease_until=timezone.now() + timedelta(seconds=seconds)
+                )
+        finally:
+            connection.close()  # this thread's own connection
+
+    thread = threading.Thread(target=heartbeat, name=f"lease-{node_id}", daemon=True)
+    thread.start()
+    try:
+        yield True
+    finally:
+        stop.set()
+        thread.join()
+        Node.objects.filter(pk=node_id, lease_owner=owner).update(lease_owner="", lease_until=None)
+
+
+class NodeBusy(Exception):
+    """Another worker holds the node; try again shortly."""
+
+
+def node_run(*, node_id: int) -> None:
+    """Run the node's queued operations in order, holding its lease."""
+    with node_lease(node_id) as held:
+        if not held:
+            raise NodeBusy(node_id)
+        # We hold the lease, so an operation still marked running lost its worker mid-way.
+        Operation.objects.filter(node_id=node_id, status=Operation.Status.RUNNING).update(
+            status=Operation.Status.UNKNOWN,
+            finished_at=timezone.now(),
+            error="the worker was lost mid-operation; the reconciler reads the node's state",
+        )
+        node = Node.objects.get(pk=node_id)
+        while (
+            op := node.operations.filter(status=Operation.Status.QUEUED)
+            .order_by("seq", "id")
+            .first()
+        ):
+            if op.requested_by == "system:reconciler" and not _still_wanted(node, op):
+                node.operations.filter(status=Operation.Status.QUEUED).update(
+                    status=Operation.Status.CANCELLED,
+                    finished_at=timezone.now(),
+                    error="superseded: the desired state changed after this was planned",
+                )
+                break
+            _execute(node, op)
+
+
+def _still_wanted(node: Node, op: Operation) -> bool:
+    try:
+        return plan_digest(node_desired(node)) == op.plan_digest
+    except DesiredStateError:
+        return False
+
+
+def _execute(node: Node, op: Operation) -> None:
+    claimed = Operation.objects.filter(pk=op.pk, status=Operation.Status.QUEUED).update(
+        status=Operation.Status.RUNNING, started_at=timezone.now(), attempts=op.attempts + 1
+    )
+    if claimed != 1:
+        return
+    client = TritonClient(node.http_url, node=node.name)
+    try:
+        if op.kind == Operation.Kind.UNLOAD:
+            client.unload(op.model_name, unload_dependents=not _is_ensemble(op.model_name))
+        else:
+            client.load(op.model_name, config_json=_json(op.config))
+        error = _read_back(client, op)
+    except TritonUnreachable:
+        # Transient: back in the queue, and the task retries with backoff.
+        Operation.objects.filter(pk=op.pk).update(status=Operation.Status.QUEUED)
+        raise
+    except TritonRejected as exc:
+        error = exc.message
+    _finish(op, error)
+
+
+def _read_back(client: TritonClient, op: Operation) -> str:
+    """Empty when the index shows exactly what the operation promised, else what it shows."""
+    entries = [e for e in client.repository_index() if e.model == op.model_name]
+    ready = sorted(e.version for e in entries if e.state == "READY" and e.version is not None)
+    if ready == sorted(op.versions):
+        return ""
+    reasons = "; ".join(
+        f"v{e.version} {e.state} {e.reason}".strip() for e in entries if e.state != "READY"
+    )
+    return f"index shows READY {ready}, expected {sorted(op.versions)}" + (
+        f" ({reasons})" if reasons else ""
+    )
+
+
+def _finish(op: Operation, error: str) -> None:
+    status = Operation.Status.FAILED if error else Operation.Status.SUCCEEDED
+    with transaction.atomic():
+        Operation.objects.filter(pk=op.pk).update(
+            status=status, error=error, finished_at=timezone.now()
+        )
+        audit_record(
+            actor=op.requested_by,
+            action=f"operation.{op.kind}",
+            target=f"node:{op.node.name}:{op.model_name}",
+            after={"versions": op.versions, "digest": op.config_digest},
+            result="failed" if error else "ok",
+            message=error,
+        )
+
+
+def _is_ensemble(name: str) -> bool:
+    return Model.objects.filter(name=name, kind=Model.Kind.ENSEMBLE).exists()
+
+
+def _json(config: object) -> str | None:
+    return json.dumps(config) if config is not None else None

@@ -1,0 +1,66 @@
+"""What to do on one node to reach its desired state: a pure function of desired and observed.
+
+Make before break: when a step model changes version, it first serves old and new together, the
+ensembles switch, and only then does it narrow to the new versions, so a pipeline keeps serving.
+Models Triton is busy loading or unloading are left for the next pass; a config that failed is not
+retried by the reconciler (a person retries it, or the desired state changes).
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from apps.fleet.desired import DesiredModel, digest, with_versions
+
+
+@dataclass(frozen=True)
+class Observed:
+    ready: frozenset[int]
+    busy: bool = False  # some version LOADING or UNLOADING
+    digest: str = ""  # config digest of the last successful load on this node
+    failed: frozenset[str] = frozenset()  # digests whose last attempt failed
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # load or unload
+    model: str
+    versions: tuple[int, ...]
+    config: dict[str, Any] | None = None
+    digest: str = ""
+
+
+def plan(
+    desired: dict[str, DesiredModel], observed: dict[str, Observed], managed: dict[str, bool]
+) -> list[Action]:
+    """`managed` maps every registry model to whether it is an ensemble; others are unmanaged."""
+    first: list[Action] = []
+    narrow: list[Action] = []
+    for model in sorted(desired.values(), key=lambda m: (m.ensemble, m.name)):
+        seen = observed.get(model.name, Observed(frozenset()))
+        wanted = frozenset(model.versions)
+        if seen.busy or (seen.ready == wanted and seen.digest == model.digest):
+            continue
+        final = Action("load", model.name, model.versions, model.config, model.digest)
+        if model.ensemble or not seen.ready - wanted:
+            if final.digest not in seen.failed:
+                first.append(final)
+            continue
+        # Narrowing waits until the ensembles have switched; missing versions load first, beside
+        # the ones still serving.
+        if not wanted <= seen.ready:
+            versions = tuple(sorted(seen.ready | wanted))
+            config = with_versions(model.config, list(versions))
+            union = Action("load", model.name, versions, config, digest(config))
+            if union.digest in seen.failed:
+                continue
+            first.append(union)
+        if final.digest not in seen.failed:
+            narrow.append(final)
+    unloads = [
+        Action("unload", name, ())
+        for name, seen in sorted(
+            observed.items(), key=lambda item: (not managed.get(item[0]), item[0])
+        )
+        if name not in desired and name in managed and seen.ready and not seen.busy
+    ]
+    return first + narrow + unloads

@@ -1,0 +1,219 @@
+"""Desired state converged by the real worker and beat on 3 real Triton nodes."""
+
+import re
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from apps.fleet.devfleet import Devfleet, FleetState
+from apps.fleet.models import Node, NodePool, Operation
+from apps.fleet.services import deployment_set, node_register
+from apps.fleet.triton import TritonClient
+from apps.registry.codec import parse_pbtxt
+from apps.registry.imports import repository_import
+from apps.registry.services import version_create
+from tests.integration.conftest import ROOT, Celery
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+STEPS_V1 = {
+    ("embedder", 1),
+    ("retriever", 1),
+    ("reranker", 1),
+    ("generator", 1),
+    ("rag_pipeline", 1),
+}
+STEPS_V2 = {
+    ("embedder", 2),
+    ("retriever", 2),
+    ("reranker", 2),
+    ("generator", 2),
+    ("rag_pipeline", 2),
+}
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the demo repository that tests may add versions to."""
+    root = tmp_path_factory.mktemp("repo") / "deploy"
+    shutil.copytree(
+        ROOT / "deploy" / "models", root / "models", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    shutil.copytree(
+        ROOT / "deploy" / "ragkit", root / "ragkit", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return root / "models"
+
+
+@pytest.fixture(scope="module")
+def trio(
+    repository: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Devfleet, FleetState]]:
+    devfleet = Devfleet(home=tmp_path_factory.mktemp("trio"), repository=repository)
+    state = devfleet.up(nodes=3, pool="trio", base_port=None, prometheus_port=None)
+    try:
+        yield devfleet, state
+    finally:
+        devfleet.down()
+
+
+@pytest.fixture
+def pool(trio: tuple[Devfleet, FleetState], repository: Path, celery: Celery) -> NodePool:
+    _, state = trio
+    for proc in state.nodes:
+        node_register(name=proc.name, pool="trio", actor="system:test", **state.node_urls(proc))
+    results = repository_import(path=repository, actor="system:test")
+    assert all(r.ok for r in results)
+    return NodePool.objects.get(name="trio")
+
+
+def ready_on(node: Node) -> set[tuple[str, int]]:
+    client = TritonClient(node.http_url, node=node.name)
+    return {
+        (e.model, e.version) for e in client.repository_index() if e.state == "READY" and e.version
+    }
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.5)
+
+
+def converged(pool: NodePool, expected: set[tuple[str, int]]) -> Callable[[], bool]:
+    def check() -> bool:
+        return all(ready_on(node) == expected for node in pool.nodes.all())
+
+    return check
+
+
+def ask(node: Node) -> str:
+    client = TritonClient(node.http_url, node=node.name)
+    outputs = client.infer(
+        "rag_pipeline", {"QUESTION": np.array([[b"How do I reset my password?"]], dtype=np.object_)}
+    )
+    return str(outputs["SOURCE"][0][0].decode())
+
+
+def load_requests(devfleet: Devfleet, node: str, since: int = 0) -> Counter[str]:
+    """Load requests the node received, per model, from its own (verbose) log after `since`."""
+    text = Path(devfleet.home / f"{node}.log").read_bytes()[since:].decode(errors="replace")
+    return Counter(re.findall(r'"HTTP request: \d+ /v2/repository/models/(\S+)/load"', text))
+
+
+def test_deploy_then_switch_converges_every_node_and_keeps_a_record(pool: NodePool) -> None:
+    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
+    wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
+    for node in pool.nodes.all():
+        assert ask(node) == "faq:account-password"
+    deployment_set(model_name="rag_pipeline", version=2, pool=pool, actor="system:test")
+    wait_for("v2 replaced v1 on every node", converged(pool, STEPS_V2))
+    for node in pool.nodes.all():
+        assert ask(node) == "faq:account-password"
+    ops = Operation.objects.filter(node__pool=pool)
+    assert not ops.filter(status__in=["failed", "unknown"]).exists(), list(
+        ops.values("kind", "model_name", "error")
+    )
+    assert (
+        ops.filter(kind="load", model_name="rag_pipeline", versions=[2], status="succeeded").count()
+        == 3
+    )
+
+
+def test_a_config_triton_refuses_fails_with_its_words_and_the_old_version_serves(
+    pool: NodePool, repository: Path
+) -> None:
+    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
+    wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
+    # A GPU build of the generator: valid for the registry, refused by a CPU-only node.
+    shutil.copytree(repository / "generator" / "2", repository / "generator" / "7")
+    text = (repository / "generator" / "config.pbtxt").read_text().replace("KIND_CPU", "KIND_GPU")
+    version_create(
+        model_name="generator",
+        config=parse_pbtxt(text),
+        version=7,
+        actor="system:test",
+        status="released",
+    )
+    deployment_set(model_name="generator", version=7, pool=pool, actor="system:test")
+    failed = Operation.objects.filter(node__pool=pool, model_name="generator", status="failed")
+    wait_for(
+        "every node refused generator v7", lambda: failed.values("node").distinct().count() == 3
+    )
+    assert "GPU" in failed.first().error  # Triton's own text
+    time.sleep(3)  # a few reconcile periods: the refusal is not retried in a loop
+    assert failed.count() == 3
+    for node in pool.nodes.all():
+        assert ("generator", 1) in ready_on(node) and ask(node) == "faq:account-password"
+
+
+def test_a_killed_node_turns_unreachable_and_rejoins_without_a_click(
+    pool: NodePool, trio: tuple[Devfleet, FleetState]
+) -> None:
+    devfleet, _ = trio
+    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
+    wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
+    victim, *others = list(pool.nodes.order_by("name"))
+    devfleet.kill_node(victim.name)
+    wait_for(
+        "the killed node is unreachable",
+        lambda: Node.objects.get(pk=victim.pk).health == Node.Health.UNREACHABLE,
+    )
+    deployment_set(model_name="rag_pipeline", version=2, pool=pool, actor="system:test")
+    wait_for("the others converge", lambda: all(ready_on(n) == STEPS_V2 for n in others))
+    devfleet.restart_node(victim.name)  # comes back empty, as a restarted node does
+    wait_for("the restarted node converges", lambda: ready_on(victim) == STEPS_V2)
+    assert Node.objects.get(pk=victim.pk).health == Node.Health.READY
+    assert ask(victim) == "faq:account-password"
+
+
+def test_a_worker_killed_mid_deployment_loads_nothing_twice(
+    pool: NodePool, trio: tuple[Devfleet, FleetState], celery: Celery
+) -> None:
+    devfleet, _ = trio
+    deployment_set(model_name="rag_pipeline", version=2, pool=pool, actor="system:test")
+    wait_for("v2 is READY on every node", converged(pool, STEPS_V2))
+    offsets = {
+        node.name: (devfleet.home / f"{node.name}.log").stat().st_size for node in pool.nodes.all()
+    }
+    first_op = Operation.objects.order_by("-id").values_list("id", flat=True).first() or 0
+    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
+    running = Operation.objects.filter(node__pool=pool, status="running")
+    wait_for("an operation is running", running.exists, timeout=60)
+    celery.kill_worker()
+    killed_mid = list(running.values_list("node__name", "model_name"))
+    celery.start_worker()
+    wait_for(
+        "every node converges after the new worker starts", converged(pool, STEPS_V1), timeout=180
+    )
+    for node in pool.nodes.all():
+        received = load_requests(devfleet, node.name, since=offsets[node.name])
+        ops = Operation.objects.filter(node=node, kind="load", id__gt=first_op).exclude(
+            status__in=["queued", "cancelled"]
+        )
+
+        # Every distinct load (model and config) reached the node at most once: a redelivered or
+        # retried operation would be one request more than there are distinct loads. The killed
+        # operation may or may not have reached the node before the worker died.
+        def distinct(rows: object) -> Counter[str]:
+            return Counter(
+                model for model, _ in set(rows.values_list("model_name", "config_digest"))
+            )  # type: ignore[attr-defined]
+
+        sent, confirmed = distinct(ops), distinct(ops.filter(status="succeeded"))
+        for model in sent:
+            assert confirmed[model] <= received[model] <= sent[model], (
+                node.name,
+                model,
+                received,
+                sent,
+            )
+        assert set(received) == set(sent)
+    unknown = Operation.objects.filter(node__pool=pool, status="unknown")
+    assert set(unknown.values_list("node__name", "model_name")) == set(killed_mid)
