@@ -11,3 +11,14 @@
   window.addEventListener("load", function () { draw(document); });
   document.addEventListener("htmx:afterSettle", function (event) { draw(event.target); });
 })();
+
+// A confirmation that names what is being done: a form with data-confirm="... {choice} ..." asks
+// with the selected option's label in place of {choice}.
+document.addEventListener("htmx:confirm", function (event) {
+  var form = event.target.closest && event.target.closest("form[data-confirm]");
+  if (!form) return;
+  event.preventDefault();
+  var select = form.querySelector("select");
+  var choice = select ? select.options[select.selectedIndex].text : "";
+  if (window.confirm(form.dataset.confirm.replace("{choice}", choice))) event.detail.issueRequest(true);
+});

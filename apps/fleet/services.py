@@ -1,5 +1,6 @@
 import dataclasses
 from datetime import datetime
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import transaction
@@ -7,9 +8,38 @@ from django.utils import timezone
 
 from apps.audit.services import audit_record
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.triton import IndexEntry, ServerMetadata, TritonClient, TritonError
+from apps.fleet.triton import (
+    IndexEntry,
+    ServerMetadata,
+    TritonClient,
+    TritonError,
+    parse_gpu_memory,
+    read_metrics,
+)
 from apps.registry.models import ModelVersion
 from apps.registry.services import Actor
+
+
+class FleetError(Exception):
+    """A refused fleet change; the message says why and what to do instead."""
+
+
+def validate_node_url(url: str, *, field: str) -> None:
+    """http(s) with a host and a port, and no credentials: they would end up in logs and pages."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise FleetError(f"{field} {url!r}: the port is not a number from 1 to 65535") from None
+    if parts.scheme not in ("http", "https", "grpc"):
+        raise FleetError(f"{field} {url!r}: use http:// or https://")
+    if parts.username or parts.password:
+        raise FleetError(f"{field} {url!r}: no credentials in node addresses")
+    if not parts.hostname:
+        raise FleetError(f"{field} {url!r}: a host is required")
+    if port is None and parts.scheme == "grpc":
+        raise FleetError(f"{field} {url!r}: host:port is required")
+
 
 # What polling writes: never the lease fields, which a worker may be renewing at the same moment.
 _OBSERVED = [
@@ -20,6 +50,7 @@ _OBSERVED = [
     "triton_version",
     "extensions",
     "index",
+    "gpus",
 ]
 
 
@@ -28,6 +59,11 @@ def node_register(
     *, name: str, pool: str, http_url: str, grpc_url: str, metrics_url: str, actor: str
 ) -> Node:
     """Create or update a node by name; re-registering with the same addresses changes nothing."""
+    for field, url in (("http_url", http_url), ("metrics_url", metrics_url)):
+        if url or field == "http_url":
+            validate_node_url(url, field=field)
+    if grpc_url:
+        validate_node_url(f"grpc://{grpc_url}", field="grpc_url")
     node_pool, _ = NodePool.objects.get_or_create(name=pool)
     wanted = {"pool": node_pool, "http_url": http_url, "grpc_url": grpc_url}
     wanted["metrics_url"] = metrics_url
@@ -55,16 +91,32 @@ def node_poll(*, node_id: int) -> Node:
         health = client.health()
         metadata = client.server_metadata()
         index = client.repository_index()
+        gpus = (
+            parse_gpu_memory(read_metrics(node.metrics_url, node=node.name))
+            if node.metrics_url
+            else []
+        )
     except TritonError as exc:
         return _node_poll_failed(node_id=node_id, error=str(exc))
     return _node_poll_succeeded(
-        node_id=node_id, health=health, metadata=metadata, index=index, seen=timezone.now()
+        node_id=node_id,
+        health=health,
+        metadata=metadata,
+        index=index,
+        gpus=gpus,
+        seen=timezone.now(),
     )
 
 
 @transaction.atomic
 def _node_poll_succeeded(
-    *, node_id: int, health: str, metadata: ServerMetadata, index: list[IndexEntry], seen: datetime
+    *,
+    node_id: int,
+    health: str,
+    metadata: ServerMetadata,
+    index: list[IndexEntry],
+    gpus: list[dict],
+    seen: datetime,
 ) -> Node:
     node = Node.objects.select_for_update().get(pk=node_id)
     previous = node.health
@@ -75,6 +127,7 @@ def _node_poll_succeeded(
     node.triton_version = metadata.version
     node.extensions = metadata.extensions
     node.index = [dataclasses.asdict(entry) for entry in index]
+    node.gpus = gpus
     node.save(update_fields=_OBSERVED)
     if previous == Node.Health.UNREACHABLE:
         audit_record(
@@ -110,10 +163,6 @@ def _node_poll_failed(*, node_id: int, error: str) -> Node:
         node.health = Node.Health.UNREACHABLE
     node.save(update_fields=_OBSERVED)
     return node
-
-
-class FleetError(Exception):
-    """A refused fleet change; the message says why and what to do instead."""
 
 
 def _reconcile_later(node_ids: list[int]) -> None:

@@ -40,12 +40,32 @@ def sample_inputs(
     return inputs
 
 
+def wait_for_model(
+    client: TritonClient, model: str, *, timeout: float
+) -> list[tuple[str, str, list[int]]]:
+    """The model's inputs, once the node serves it (the reconciler may still be loading it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.model_inputs(model)
+        except TritonError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(1.0)
+
+
 def send_traffic(
-    clients: list[TritonClient], *, model: str, rps: float, seconds: float, seed: int = 0
+    clients: list[TritonClient],
+    *,
+    model: str,
+    rps: float,
+    seconds: float,
+    seed: int = 0,
+    wait: float = 0.0,
 ) -> Counter[str]:
     """Send about `rps * seconds` requests, then stop; counts results as `node ok|failed`."""
     rng = random.Random(seed)
-    spec = clients[0].model_inputs(model)
+    spec = wait_for_model(clients[0], model, timeout=wait)
     results: Counter[str] = Counter()
     nodes = itertools.cycle(clients)
 

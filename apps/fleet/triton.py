@@ -4,6 +4,8 @@ Every call has a timeout. Errors become `TritonUnreachable` (transient: the node
 `TritonRejected` (Triton answered with an error; its text is kept verbatim for the operator).
 """
 
+import re
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -133,3 +135,26 @@ class TritonClient:
             result = client.infer(model, tensors)
             outputs = result.get_response()["outputs"]
             return {out["name"]: result.as_numpy(out["name"]) for out in outputs}
+
+
+_GPU_METRIC = re.compile(
+    r'^nv_gpu_memory_(total|used)_bytes\{[^}]*gpu_uuid="(?P<uuid>[^"]+)"[^}]*\}\s+(?P<value>\S+)',
+    re.M,
+)
+
+
+def parse_gpu_memory(metrics_text: str) -> list[dict[str, Any]]:
+    """GPUs from Triton's /metrics text: uuid, total and used bytes. A CPU node has none."""
+    gpus: dict[str, dict[str, Any]] = {}
+    for match in _GPU_METRIC.finditer(metrics_text):
+        gpu = gpus.setdefault(match["uuid"], {"uuid": match["uuid"], "total": 0.0, "used": 0.0})
+        gpu[match.group(1)] = float(match["value"])
+    return list(gpus.values())
+
+
+def read_metrics(metrics_url: str, *, node: str, timeout: float = 5.0) -> str:
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=timeout) as response:  # noqa: S310 - validated node URL
+            return str(response.read().decode())
+    except OSError as exc:
+        raise TritonUnreachable(node, f"metrics at {metrics_url}: {exc}") from exc

@@ -5,8 +5,7 @@ from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.fleet.models import Node, NodePool
-from tests.conftest import PASSWORD, make_user
-from tests.e2e.conftest import screenshot
+from tests.conftest import PASSWORD, make_user, screenshot
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 

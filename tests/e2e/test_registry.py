@@ -6,8 +6,7 @@ from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.registry.imports import repository_import
-from tests.conftest import make_user
-from tests.e2e.conftest import screenshot
+from tests.conftest import make_user, screenshot
 from tests.e2e.test_login import sign_in
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from playwright.sync_api import Page, expect
 
+from apps.accounts.roles import Role
 from apps.fleet.devfleet import Devfleet, FleetState
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services import deployment_set, node_register
@@ -17,6 +19,8 @@ from apps.fleet.triton import TritonClient
 from apps.registry.codec import parse_pbtxt
 from apps.registry.imports import repository_import
 from apps.registry.services import version_create
+from tests.conftest import make_user, screenshot
+from tests.e2e.test_login import sign_in
 from tests.integration.conftest import ROOT, Celery
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -217,3 +221,30 @@ def test_a_worker_killed_mid_deployment_loads_nothing_twice(
         assert set(received) == set(sent)
     unknown = Operation.objects.filter(node__pool=pool, status="unknown")
     assert set(unknown.values_list("node__name", "model_name")) == set(killed_mid)
+
+
+@pytest.mark.e2e
+def test_the_nodes_page_shows_live_states_and_a_load_from_the_page_ends_ready(
+    pool: NodePool,
+    page: Page,
+    live_server: object,
+) -> None:
+    user = make_user(Role.OPERATOR)
+    sign_in(page, str(live_server), user.username)
+    page.goto(f"{live_server}/nodes/")
+    for node in pool.nodes.all():
+        expect(page.locator(f"#node-{node.name}")).to_contain_text("Ready", timeout=30_000)
+    screenshot(page, "nodes-live")
+    page.get_by_role("link", name="trio-1").click()
+    page.get_by_label("Model and version").select_option(label="rag_pipeline v2")
+    page.once(
+        "dialog",
+        lambda dialog: (dialog.message == "Load rag_pipeline v2 on trio-1?") and dialog.accept(),
+    )
+    page.get_by_role("button", name="Load", exact=True).click()
+    expect(page.locator(".flash")).to_contain_text("Loading rag_pipeline v2 on trio-1")
+    row = page.locator("#model-rag_pipeline")
+    expect(row).to_contain_text("v2 READY", timeout=90_000)
+    expect(page.locator("#model-reranker")).to_contain_text("v2 READY")
+    screenshot(page, "node-detail-loaded")
+    assert ("rag_pipeline", 2) in ready_on(Node.objects.get(name="trio-1"))

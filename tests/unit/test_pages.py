@@ -6,7 +6,16 @@ from django.test.utils import CaptureQueriesContext
 
 from apps.fleet.models import Node, NodePool
 
-PAGES = ["/", "/nodes/", "/models/", "/rollouts/", "/metrics/", "/audit/", "/audit/timeline/"]
+PAGES = [
+    "/",
+    "/nodes/",
+    "/deployments/",
+    "/models/",
+    "/rollouts/",
+    "/metrics/",
+    "/audit/",
+    "/audit/timeline/",
+]
 
 
 @pytest.mark.django_db
@@ -28,7 +37,16 @@ def test_every_page_answers_a_viewer_with_the_navigation(
     client.force_login(viewer)
     response = client.get(url)
     assert response.status_code == 200
-    for label in ["Overview", "Nodes", "Models", "Rollouts", "Metrics", "Timeline", "Audit"]:
+    for label in [
+        "Overview",
+        "Nodes",
+        "Deployments",
+        "Models",
+        "Rollouts",
+        "Metrics",
+        "Timeline",
+        "Audit",
+    ]:
         assert f">{label}</a>" in response.content.decode()
 
 

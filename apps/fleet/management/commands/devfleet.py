@@ -44,6 +44,9 @@ class Command(BaseCommand):
         traffic.add_argument("--rps", type=float, default=5.0)
         traffic.add_argument("--seconds", type=float, default=60.0)
         traffic.add_argument("--pool", default="")
+        traffic.add_argument(
+            "--wait", type=float, default=0.0, help="seconds to wait for the model"
+        )
 
     def handle(self, *args: object, **options: object) -> None:
         fleet = Devfleet(home=options["home"], repository=options["repository"])  # type: ignore[arg-type]
@@ -110,6 +113,7 @@ class Command(BaseCommand):
         rps: float,
         seconds: float,
         pool: str,
+        wait: float,
         **options: object,
     ) -> None:
         if not (0 < rps <= 500 and 0 < seconds <= 24 * 3600):
@@ -120,6 +124,12 @@ class Command(BaseCommand):
         clients = [TritonClient(n.http_url, node=n.name) for n in nodes]
         if not clients:
             raise CommandError("no reachable nodes registered; start them with `devfleet up`")
-        results = send_traffic(clients, model=model, rps=rps, seconds=seconds)
+        results = send_traffic(
+            clients,
+            model=model,
+            rps=rps,
+            seconds=seconds,
+            wait=wait,
+        )
         for key, count in sorted(results.items()):
             self.stdout.write(f"{key}: {count}")

@@ -1,0 +1,144 @@
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+
+from apps.audit.models import AuditEvent
+from apps.fleet.desired import node_desired
+from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.services import FleetError, deployment_set, node_register, operation_request
+from apps.fleet.triton import parse_gpu_memory
+from apps.registry.imports import repository_import
+
+REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
+pytestmark = pytest.mark.django_db
+URLS = {"grpc_url": "127.0.0.1:8101", "metrics_url": "http://127.0.0.1:8102/metrics"}
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("ftp://10.0.0.1:8000", "use http:// or https://"),
+        ("http://admin:secret@10.0.0.1:8000", "no credentials"),
+        ("http://10.0.0.1:99999", "port is not a number"),
+        ("http://:8000", "a host is required"),
+    ],
+)
+def test_node_addresses_are_validated(url: str, message: str) -> None:
+    with pytest.raises(FleetError, match=message):
+        node_register(name="n1", pool="p", http_url=url, actor="system:test", **URLS)
+    assert not Node.objects.exists()
+
+
+def test_gpu_memory_is_read_per_gpu_from_tritons_metrics() -> None:
+    text = (
+        "# HELP nv_gpu_memory_total_bytes GPU total memory, in bytes\n"
+        'nv_gpu_memory_total_bytes{gpu_uuid="GPU-a1"} 85899345920\n'
+        'nv_gpu_memory_used_bytes{gpu_uuid="GPU-a1"} 1073741824\n'
+        'nv_gpu_memory_total_bytes{gpu_uuid="GPU-b2"} 85899345920\n'
+        'nv_gpu_memory_used_bytes{gpu_uuid="GPU-b2"} 0\n'
+        "nv_cpu_memory_used_bytes 663834624\n"
+    )
+    assert parse_gpu_memory(text) == [
+        {"uuid": "GPU-a1", "total": 85899345920.0, "used": 1073741824.0},
+        {"uuid": "GPU-b2", "total": 85899345920.0, "used": 0.0},
+    ]
+    assert parse_gpu_memory("nv_cpu_memory_used_bytes 1\n") == []
+
+
+@pytest.fixture
+def node(db: None) -> Node:
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
+    return node_register(
+        name="n1", pool="p", http_url="http://127.0.0.1:1", actor="system:test", **URLS
+    )
+
+
+def test_an_ensemble_deployment_desires_its_pinned_steps(
+    node: Node, django_capture_on_commit_callbacks: object
+) -> None:
+    deployment_set(model_name="rag_pipeline", version=3, pool=node.pool, actor="system:test")
+    desired = node_desired(node)
+    assert {name: d.versions for name, d in desired.items()} == {
+        "rag_pipeline": (3,),
+        "embedder": (2,),
+        "retriever": (2,),
+        "reranker": (3,),
+        "generator": (2,),
+    }
+    # protobuf JSON writes int64 as strings, which Triton reads
+    assert desired["reranker"].config["version_policy"] == {"specific": {"versions": ["3"]}}
+
+
+def test_a_node_deployment_overrides_the_pools(node: Node) -> None:
+    deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
+    deployment_set(model_name="embedder", version=2, node=node, actor="system:test")
+    assert node_desired(node)["embedder"].versions == (2,)
+
+
+def test_a_double_click_deploys_once(
+    node: Node, django_capture_on_commit_callbacks: object
+) -> None:
+    for _ in range(2):
+        deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
+    assert Deployment.objects.count() == 1
+    assert AuditEvent.objects.filter(action="deployment.set").count() == 1
+
+
+def test_unloading_a_deployed_model_is_refused_with_what_to_do(node: Node) -> None:
+    deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
+    with pytest.raises(FleetError, match="change or remove the deployment instead"):
+        operation_request(
+            node_id=node.pk, kind="unload", model_name="embedder", actor="system:test"
+        )
+    assert not Operation.objects.exists()
+
+
+def test_a_second_reload_click_returns_the_open_operation(node: Node) -> None:
+    deployment_set(model_name="embedder", version=1, node=node, actor="system:test")
+    first = operation_request(
+        node_id=node.pk, kind="reload", model_name="embedder", actor="system:test"
+    )
+    second = operation_request(
+        node_id=node.pk, kind="reload", model_name="embedder", actor="system:test"
+    )
+    assert first == second and Operation.objects.count() == 1
+
+
+def test_node_page_polling_stops_when_nothing_is_open(
+    client: Client, viewer: User, node: Node
+) -> None:
+    client.force_login(viewer)
+    live = {"HX-Request": "true", "HX-Target": "node-live"}
+    assert client.get("/nodes/n1/", headers=live).status_code == 286
+    Operation.objects.create(node=node, kind="load", model_name="embedder", requested_by="t")
+    response = client.get("/nodes/n1/", headers=live)
+    assert response.status_code == 200 and "queued" in response.content.decode()
+
+
+def test_an_unmanaged_model_is_shown_as_such(client: Client, viewer: User, node: Node) -> None:
+    Node.objects.filter(pk=node.pk).update(
+        index=[{"model": "mystery", "version": 1, "state": "READY", "reason": ""}]
+    )
+    client.force_login(viewer)
+    body = client.get("/nodes/n1/").content.decode()
+    assert "mystery" in body and "unmanaged" in body
+
+
+def test_a_viewer_cannot_deploy(client: Client, viewer: User, node: Node) -> None:
+    client.force_login(viewer)
+    response = client.post("/deployments/p/", {"model_version": "embedder:1"})
+    assert response.status_code == 403 and not Deployment.objects.exists()
+    assert AuditEvent.objects.filter(action="deployment.set", result="denied").exists()
+
+
+def test_an_operator_deploys_to_a_pool_from_the_page(
+    client: Client, operator: User, node: Node
+) -> None:
+    client.force_login(operator)
+    response = client.post("/deployments/p/", {"model_version": "rag_pipeline:2"})
+    assert response.status_code == 302
+    assert Deployment.objects.get().version == 2
+    assert "rag_pipeline v2" in client.get("/deployments/").content.decode()
+    assert NodePool.objects.get(name="p").deployments.count() == 1
