@@ -78,20 +78,31 @@ def node_detail(request: HtmxHttpRequest, name: str) -> HttpResponse:
     return render(request, "fleet/node_detail.html", context)
 
 
+def _deploy_from_form(
+    request: HttpRequest, *, pool: NodePool | None = None, node: Node | None = None
+) -> None:
+    """Set the deployment chosen in a `model_version` select ("model:version"), with a message."""
+    model, _, version = request.POST.get("model_version", "").partition(":")
+    where = node.name if node else f"pool {pool.name}"  # type: ignore[union-attr]
+    try:
+        deployment_set(
+            model_name=model,
+            version=int(version),
+            pool=pool,
+            node=node,
+            actor=current_user(request),
+        )
+    except (FleetError, DesiredStateError, ValueError) as exc:
+        messages.error(request, f"{where}: {exc}")
+    else:
+        messages.success(request, f"Loading {model} v{version} on {where}.")
+
+
 @require_POST
 @require("fleet.operate_node", "node.load")
 def node_load(request: HttpRequest, name: str) -> HttpResponse:
     """Load a registry version on this node: a node-level deployment that the workers converge."""
-    node = get_object_or_404(Node, name=name)
-    model, _, version = request.POST.get("model_version", "").partition(":")
-    try:
-        deployment_set(
-            model_name=model, version=int(version), node=node, actor=current_user(request)
-        )
-    except (FleetError, DesiredStateError, ValueError) as exc:
-        messages.error(request, f"{name}: {exc}")
-    else:
-        messages.success(request, f"Loading {model} v{version} on {name}.")
+    _deploy_from_form(request, node=get_object_or_404(Node, name=name))
     return back(request, reverse("fleet:node_detail", args=[name]))
 
 
@@ -120,16 +131,7 @@ def deployments(request: HttpRequest) -> HttpResponse:
 @require_POST
 @require("fleet.operate_node", "deployment.set")
 def deployment_create(request: HttpRequest, pool: str) -> HttpResponse:
-    target = get_object_or_404(NodePool, name=pool)
-    model, _, version = request.POST.get("model_version", "").partition(":")
-    try:
-        deployment_set(
-            model_name=model, version=int(version), pool=target, actor=current_user(request)
-        )
-    except (FleetError, ValueError) as exc:
-        messages.error(request, f"{pool}: {exc}")
-    else:
-        messages.success(request, f"{model} v{version} is now desired on pool {pool}.")
+    _deploy_from_form(request, pool=get_object_or_404(NodePool, name=pool))
     return back(request, reverse("fleet:deployments"))
 
 
