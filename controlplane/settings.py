@@ -135,6 +135,9 @@ CELERY_BEAT_SCHEDULE = {
     "reconcile": {"task": "fleet.reconcile_all", "schedule": FLEET_RECONCILE_INTERVAL_S},
 }
 
+# Local model repositories whose files a release download may include (artifacts are free text).
+REGISTRY_ARTIFACT_ROOTS = env_list("REGISTRY_ARTIFACT_ROOTS", [str(BASE_DIR / "deploy" / "models")])
+
 FLEET_UNREACHABLE_AFTER = 3
 FLEET_LEASE_S = env_float("FLEET_LEASE_S", 15.0)
 TRITON_TIMEOUT_S = 5.0

@@ -28,6 +28,7 @@ class DesiredModel:
     versions: tuple[int, ...]
     config: dict[str, Any]  # the load request's config override, version policy included
     ensemble: bool
+    depth: int = 0  # 0 for a model, 1 + its deepest step for an ensemble: load in this order
 
     @property
     def digest(self) -> str:
@@ -39,11 +40,11 @@ class DesiredStateError(Exception):
 
 
 def node_desired(node: Node) -> dict[str, DesiredModel]:
+    targeting = Deployment.objects.filter(Q(pool_id=node.pool_id) | Q(node=node))
+    # A node-level deployment wins over the pool's for the same model.
     deployments = {
         d.model.name: d
-        for d in Deployment.objects.filter(Q(pool_id=node.pool_id) | Q(node=node))
-        .select_related("model")
-        .order_by("-pool_id")  # node-level deployments (pool NULL) come last and win
+        for d in sorted(targeting.select_related("model"), key=lambda d: d.node_id is not None)
     }
     wanted: dict[str, dict[int, Any]] = {}  # model -> version -> config
     resolve = registry_resolver()
@@ -55,19 +56,27 @@ def node_desired(node: Node) -> dict[str, DesiredModel]:
             )
         config = from_dict(found.config)
         wanted.setdefault(name, {})[deployment.version] = config
-        for step, pinned in ensemble_steps(config):
+        pending = list(ensemble_steps(config))
+        while pending:  # nested ensembles bring their own steps
+            step, pinned = pending.pop()
             resolved = resolve(step, pinned)
             if resolved.config is None or resolved.version is None:
                 raise DesiredStateError(f"{deployment}: {resolved.reason}")
-            wanted.setdefault(step, {})[resolved.version] = resolved.config
+            if resolved.version not in wanted.setdefault(step, {}):
+                wanted[step][resolved.version] = resolved.config
+                pending += ensemble_steps(resolved.config)
+
+    def depth(name: str) -> int:
+        steps = [s for config in wanted[name].values() for s, _ in ensemble_steps(config)]
+        return 1 + max(map(depth, steps)) if steps else 0  # validation rules out cycles
+
     desired = {}
     for name, configs in wanted.items():
         # Triton keeps one config per model: the newest wanted version's config serves them all.
         versions = sorted(configs)
         config = to_dict(pin_versions(configs[versions[-1]], versions))
-        desired[name] = DesiredModel(
-            name, tuple(versions), config, is_ensemble(configs[versions[-1]])
-        )
+        ensemble = is_ensemble(configs[versions[-1]])
+        desired[name] = DesiredModel(name, tuple(versions), config, ensemble, depth(name))
     return desired
 
 

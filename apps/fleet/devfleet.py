@@ -100,7 +100,10 @@ class Devfleet:
         self, *, nodes: int, pool: str, base_port: int | None, prometheus_port: int | None
     ) -> FleetState:
         state = self.state()
-        if any(proc.running for proc in state.nodes):
+        if any(
+            proc.running
+            for proc in [*state.nodes, *([state.prometheus] if state.prometheus else [])]
+        ):
             raise DevfleetError(
                 f"a fleet is already running (see {self.state_file}); run `devfleet down` first"
             )

@@ -19,11 +19,18 @@ from apps.fleet.desired import DesiredStateError, node_desired, plan_digest
 from apps.fleet.models import Node, Operation
 from apps.fleet.planner import Observed, plan
 from apps.fleet.services import node_poll
-from apps.fleet.triton import TritonClient, TritonRejected, TritonUnreachable
+from apps.fleet.triton import (
+    TritonClient,
+    TritonError,
+    TritonRejected,
+    TritonTimeout,
+    TritonUnreachable,
+)
 from apps.registry.models import Model
 
 log = logging.getLogger(__name__)
 OPEN = (Operation.Status.QUEUED, Operation.Status.RUNNING)
+RECONCILER = "system:reconciler"
 
 
 def observed_state(node: Node) -> dict[str, Observed]:
@@ -99,13 +106,13 @@ def node_reconcile(*, node_id: int) -> list[Operation]:
                 config_digest=action.digest,
                 plan_digest=digest,
                 seq=seq,
-                requested_by="system:reconciler",
+                requested_by=RECONCILER,
             )
             for seq, action in enumerate(actions)
         ]
         if ops:
             audit_record(
-                actor="system:reconciler",
+                actor=RECONCILER,
                 action="node.drift",
                 target=f"node:{node.name}",
                 after={"operations": [str(op) for op in ops]},
@@ -120,39 +127,54 @@ def enqueue_run(node_id: int) -> None:
     run_node.delay(node_id)
 
 
-@contextmanager
-def node_lease(node_id: int) -> Iterator[bool]:
-    """Hold the node for one worker. The lease is short and renewed by a heartbeat while the work
-    goes on, so a worker killed with SIGKILL frees the node within FLEET_LEASE_S."""
-    seconds = settings.FLEET_LEASE_S
-    owner = uuid.uuid4().hex
-    now = timezone.now()
-    free = Q(lease_until__isnull=True) | Q(lease_until__lt=now)
-    taken = Node.objects.filter(free, pk=node_id).update(
-        lease_owner=owner, lease_until=now + timedelta(seconds=seconds)
-    )
-    if not taken:
-        yield False
-        return
-    stop = threading.Event()
+class Lease:
+    """One worker's hold on a node. Short, and renewed by a heartbeat while the work goes on, so a
+    worker killed with SIGKILL frees the node within FLEET_LEASE_S. If a renewal fails (the
+    database was away longer than the lease), `held` turns false and the worker stops."""
 
-    def heartbeat() -> None:
+    def __init__(self, node_id: int) -> None:
+        self.node_id = node_id
+        self.owner = uuid.uuid4().hex
+        self.seconds = settings.FLEET_LEASE_S
+        self.held = False
+        self._stop = threading.Event()
+
+    def _extend(self, query: Q) -> bool:
+        until = timezone.now() + timedelta(seconds=self.seconds)
+        return bool(
+            Node.objects.filter(query, pk=self.node_id).update(
+                lease_owner=self.owner, lease_until=until
+            )
+        )
+
+    def _heartbeat(self) -> None:
         try:
-            while not stop.wait(seconds / 3):
-                Node.objects.filter(pk=node_id, lease_owner=owner).update(
-                    lease_until=timezone.now() + timedelta(seconds=seconds)
-                )
+            while self.held and not self._stop.wait(self.seconds / 3):
+                self.held = self._extend(Q(lease_owner=self.owner))
+        except Exception:
+            log.exception("node %s: lease renewal failed", self.node_id)
+            self.held = False
         finally:
             connection.close()  # this thread's own connection
 
-    thread = threading.Thread(target=heartbeat, name=f"lease-{node_id}", daemon=True)
-    thread.start()
-    try:
-        yield True
-    finally:
-        stop.set()
-        thread.join()
-        Node.objects.filter(pk=node_id, lease_owner=owner).update(lease_owner="", lease_until=None)
+    @contextmanager
+    def hold(self) -> Iterator["Lease"]:
+        free = Q(lease_until__isnull=True) | Q(lease_until__lt=timezone.now())
+        self.held = self._extend(free)
+        if not self.held:
+            yield self
+            return
+        thread = threading.Thread(target=self._heartbeat, name=f"lease-{self.node_id}", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join()
+            Node.objects.filter(pk=self.node_id, lease_owner=self.owner).update(
+                lease_owner="", lease_until=None
+            )
+            self.held = False
 
 
 class NodeBusy(Exception):
@@ -161,8 +183,8 @@ class NodeBusy(Exception):
 
 def node_run(*, node_id: int) -> None:
     """Run the node's queued operations in order, holding its lease."""
-    with node_lease(node_id) as held:
-        if not held:
+    with Lease(node_id).hold() as lease:
+        if not lease.held:
             raise NodeBusy(node_id)
         # We hold the lease, so an operation still marked running lost its worker mid-way.
         Operation.objects.filter(node_id=node_id, status=Operation.Status.RUNNING).update(
@@ -193,26 +215,36 @@ def _still_wanted(node: Node, op: Operation) -> bool:
         return False
 
 
-def _execute(node: Node, op: Operation) -> None:
+def _execute(node: Node, op: Operation) -> str:
+    """Send one operation and read the node back; returns the status it ended with."""
     claimed = Operation.objects.filter(pk=op.pk, status=Operation.Status.QUEUED).update(
         status=Operation.Status.RUNNING, started_at=timezone.now(), attempts=op.attempts + 1
     )
     if claimed != 1:
-        return
+        return Operation.Status.CANCELLED
     client = TritonClient(node.http_url, node=node.name)
     try:
         if op.kind == Operation.Kind.UNLOAD:
             client.unload(op.model_name, unload_dependents=not _is_ensemble(op.model_name))
         else:
             client.load(op.model_name, config_json=_json(op.config))
-        error = _read_back(client, op)
+    except TritonTimeout as exc:
+        # Sent, but no answer in time: Triton may still be at it. Never re-sent blindly; the
+        # reconciler reads the node's index and decides.
+        return _finish(op, f"no answer in time: {exc.message}", Operation.Status.UNKNOWN)
     except TritonUnreachable:
-        # Transient: back in the queue, and the task retries with backoff.
+        # Not sent (connection refused): back in the queue, and the task retries with backoff.
         Operation.objects.filter(pk=op.pk).update(status=Operation.Status.QUEUED)
         raise
     except TritonRejected as exc:
-        error = exc.message
-    _finish(op, error)
+        return _finish(op, exc.message)
+    try:
+        error = _read_back(client, op)
+    except TritonError as exc:
+        return _finish(
+            op, f"sent, but the index could not be read back: {exc}", Operation.Status.UNKNOWN
+        )
+    return _finish(op, error)
 
 
 def _read_back(client: TritonClient, op: Operation) -> str:
@@ -229,10 +261,11 @@ def _read_back(client: TritonClient, op: Operation) -> str:
     )
 
 
-def _finish(op: Operation, error: str) -> None:
-    status = Operation.Status.FAILED if error else Operation.Status.SUCCEEDED
+def _finish(op: Operation, error: str, status: str = "") -> str:
+    status = status or (Operation.Status.FAILED if error else Operation.Status.SUCCEEDED)
     with transaction.atomic():
-        Operation.objects.filter(pk=op.pk).update(
+        # Only from running: another worker may have declared this operation lost meanwhile.
+        Operation.objects.filter(pk=op.pk, status=Operation.Status.RUNNING).update(
             status=status, error=error, finished_at=timezone.now()
         )
         audit_record(
@@ -240,9 +273,10 @@ def _finish(op: Operation, error: str) -> None:
             action=f"operation.{op.kind}",
             target=f"node:{op.node.name}:{op.model_name}",
             after={"versions": op.versions, "digest": op.config_digest},
-            result="failed" if error else "ok",
+            result="ok" if status == Operation.Status.SUCCEEDED else "failed",
             message=error,
         )
+    return status
 
 
 def _is_ensemble(name: str) -> bool:

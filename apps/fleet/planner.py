@@ -35,7 +35,7 @@ def plan(
     """`managed` maps every registry model to whether it is an ensemble; others are unmanaged."""
     first: list[Action] = []
     narrow: list[Action] = []
-    for model in sorted(desired.values(), key=lambda m: (m.ensemble, m.name)):
+    for model in sorted(desired.values(), key=lambda m: (m.depth, m.name)):
         seen = observed.get(model.name, Observed(frozenset()))
         wanted = frozenset(model.versions)
         if seen.busy or (seen.ready == wanted and seen.digest == model.digest):

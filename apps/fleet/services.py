@@ -194,8 +194,10 @@ def deployment_set(
     )
     if found is None:
         raise FleetError(f"{model_name} v{version} is not in the registry")
-    if found.status == ModelVersion.Status.DEPRECATED:
-        raise FleetError(f"{model_name} v{version} is deprecated; deploy a released version")
+    if found.status != ModelVersion.Status.RELEASED:
+        raise FleetError(
+            f"{model_name} v{version} is {found.status}; only released versions deploy"
+        )
     existing = (
         Deployment.objects.select_for_update()
         .filter(model=found.model, pool=pool, node=node)

@@ -32,6 +32,10 @@ class TritonUnreachable(TritonError):
     """Connection refused, reset or timed out: worth retrying."""
 
 
+class TritonTimeout(TritonUnreachable):
+    """No answer in time: the request may have reached the node and may still be in progress."""
+
+
 class TritonRejected(TritonError):
     """Triton answered with an error (bad config, unknown model...): retrying will not help."""
 
@@ -73,7 +77,9 @@ class TritonClient:
             yield client
         except InferenceServerException as exc:
             raise TritonRejected(self.node, exc.message() or str(exc)) from exc
-        except (OSError, gevent.Timeout) as exc:
+        except (TimeoutError, gevent.Timeout) as exc:
+            raise TritonTimeout(self.node, f"{type(exc).__name__}: {exc}") from exc
+        except OSError as exc:
             raise TritonUnreachable(self.node, f"{type(exc).__name__}: {exc}") from exc
         finally:
             client.close()

@@ -116,7 +116,7 @@ def node_operate(request: HttpRequest, name: str) -> HttpResponse:
         return back(request, reverse("fleet:node_detail", args=[name]))
     try:
         operation_request(node_id=node.pk, kind=kind, model_name=model, actor=current_user(request))
-    except FleetError as exc:
+    except (FleetError, DesiredStateError) as exc:
         messages.error(request, str(exc))
     else:
         messages.success(request, f"{kind.capitalize()} of {model} on {name} queued.")

@@ -34,25 +34,33 @@ def extract_repository(data: bytes, target: Path) -> Path:
             raise ArchiveError(f"{member.filename}: path leaves the archive")
         if stat.S_ISLNK(member.external_attr >> 16):
             raise ArchiveError(f"{member.filename}: symbolic links are not accepted")
-    archive.extractall(target)
+    try:
+        archive.extractall(target)  # every member was checked above
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise ArchiveError(f"the archive is damaged: {exc}") from exc
     entries = [p for p in target.iterdir() if not p.name.startswith(("__MACOSX", "."))]
     if len(entries) == 1 and entries[0].is_dir() and not (entries[0] / "config.pbtxt").exists():
         return entries[0]
     return target
 
 
-def release_archive(members: list[tuple[str, int, Any, str]]) -> bytes:
+def _inside_roots(path: Path, roots: list[Path]) -> bool:
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(root.resolve()) for root in roots)
+
+
+def release_archive(members: list[tuple[str, int, Any, str]], *, roots: list[Path]) -> bytes:
     """A loadable repository layout: (model, version, config, artifact) for each member. Artifact
-    files are included when the artifact is a local directory, otherwise named in ARTIFACT."""
+    files are included only from a local directory inside one of `roots` (the model repositories
+    this server may read; an artifact is free text), otherwise the location is named in ARTIFACT."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for model, version, config, artifact in members:
             archive.writestr(f"{model}/config.pbtxt", to_pbtxt(pin_versions(config, [version])))
             local = Path(artifact)
-            if artifact and local.is_dir():
-                for path in sorted(
-                    p for p in local.rglob("*") if p.is_file() and "__pycache__" not in p.parts
-                ):
+            if artifact and local.is_dir() and _inside_roots(local, roots):
+                files = [p for p in local.rglob("*") if p.is_file() and not p.is_symlink()]
+                for path in sorted(p for p in files if "__pycache__" not in p.parts):
                     archive.write(path, f"{model}/{version}/{path.relative_to(local)}")
             else:
                 archive.writestr(f"{model}/{version}/ARTIFACT", f"{artifact or 'not recorded'}\n")

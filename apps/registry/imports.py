@@ -5,7 +5,7 @@ registered. Valid models are stored as released versions; invalid ones are repor
 """
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,11 @@ def read_candidates(repository: Path) -> tuple[list[Candidate], list[ImportResul
             model = read_model(repository, entry.name)
         except ConfigSyntaxError as exc:
             failures.append(ImportResult(entry.name, errors=[str(exc)]))
+            continue
+        except UnicodeDecodeError as exc:
+            failures.append(
+                ImportResult(entry.name, errors=[f"{entry}/config.pbtxt: not UTF-8 ({exc})"])
+            )
             continue
         if not model.versions:
             failures.append(
@@ -145,11 +150,15 @@ def _store(
         result.imported.append(version)
 
 
-def repository_import(*, path: Path, actor: Actor, dry_run: bool = False) -> list[ImportResult]:
+def repository_import(
+    *, path: Path, actor: Actor, dry_run: bool = False, artifacts: bool = True
+) -> list[ImportResult]:
     path = path.resolve()
     if not path.is_dir():
         return [ImportResult(path.name, errors=[f"{path}: not a directory"])]
     candidates, failures = read_candidates(path)
+    if not artifacts:
+        candidates = [replace(c, artifacts={}) for c in candidates]
     return sorted(
         candidates_import(candidates, actor=actor, dry_run=dry_run) + failures,
         key=lambda r: r.model,

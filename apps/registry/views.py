@@ -1,6 +1,7 @@
 import tempfile
 from pathlib import Path
 
+from django.conf import settings
 from django.contrib import messages
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -99,7 +100,8 @@ def version_archive(request: HttpRequest, name: str, version: int) -> HttpRespon
             raise Http404(resolved.reason)
         artifact = ModelVersion.objects.get(model__name=step, version=resolved.version).artifact
         members.append((step, resolved.version, resolved.config, artifact))
-    response = HttpResponse(release_archive(members), content_type="application/zip")
+    roots = [Path(root) for root in settings.REGISTRY_ARTIFACT_ROOTS]
+    response = HttpResponse(release_archive(members, roots=roots), content_type="application/zip")
     response["Content-Disposition"] = f'attachment; filename="{name}-v{version}-repository.zip"'
     return response
 
@@ -205,8 +207,11 @@ def repository_upload(request: HttpRequest) -> HttpResponse:
                 error = str(exc)
             else:
                 results = repository_import(
-                    path=root, actor=current_user(request), dry_run=form.cleaned_data["dry_run"]
-                )  # type: ignore[arg-type]
+                    path=root,
+                    actor=current_user(request),
+                    dry_run=form.cleaned_data["dry_run"],
+                    artifacts=False,  # the upload's files are gone after this request
+                )
     status = 422 if error or any(not r.ok for r in results) else 200
     return render(
         request, "registry/import_result.html", {"results": results, "error": error}, status=status

@@ -142,3 +142,57 @@ def test_an_operator_deploys_to_a_pool_from_the_page(
     assert Deployment.objects.get().version == 2
     assert "rag_pipeline v2" in client.get("/deployments/").content.decode()
     assert NodePool.objects.get(name="p").deployments.count() == 1
+
+
+def test_one_worker_at_a_time_holds_a_node_and_a_lapsed_lease_frees_it(node: Node) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from apps.fleet.operations import Lease
+
+    with Lease(node.pk).hold() as first:
+        assert first.held
+        with Lease(node.pk).hold() as second:
+            assert not second.held
+    with Lease(node.pk).hold() as again:
+        assert again.held  # released on exit
+    # A worker killed with SIGKILL stops renewing: once the lease lapses, another worker takes it.
+    Node.objects.filter(pk=node.pk).update(
+        lease_owner="dead", lease_until=timezone.now() - timedelta(seconds=1)
+    )
+    with Lease(node.pk).hold() as taken:
+        assert taken.held
+
+
+def test_a_stale_plan_is_cancelled_not_executed(node: Node) -> None:
+    from apps.fleet.operations import node_run
+
+    deployment_set(model_name="embedder", version=1, node=node, actor="system:test")
+    stale = Operation.objects.create(
+        node=node,
+        kind="load",
+        model_name="embedder",
+        versions=[1],
+        plan_digest="an-older-plan",
+        requested_by="system:reconciler",
+    )
+    node_run(node_id=node.pk)  # the node is unreachable: executing would fail, cancelling must not
+    stale.refresh_from_db()
+    assert stale.status == "cancelled" and "superseded" in stale.error and stale.attempts == 0
+
+
+def test_an_operation_left_running_by_a_dead_worker_becomes_unknown(node: Node) -> None:
+    from apps.fleet.operations import node_run
+
+    orphan = Operation.objects.create(
+        node=node,
+        kind="load",
+        model_name="embedder",
+        versions=[1],
+        status="running",
+        requested_by="t",
+    )
+    node_run(node_id=node.pk)
+    orphan.refresh_from_db()
+    assert orphan.status == "unknown" and "worker was lost" in orphan.error

@@ -5,9 +5,8 @@ CONFIG = {"name": "m", "backend": "python", "max_batch_size": 8}
 
 
 def desired(name: str, *versions: int, ensemble: bool = False) -> DesiredModel:
-    return DesiredModel(
-        name, versions, with_versions({**CONFIG, "name": name}, list(versions)), ensemble
-    )
+    config = with_versions({**CONFIG, "name": name}, list(versions))
+    return DesiredModel(name, versions, config, ensemble, depth=1 if ensemble else 0)
 
 
 def ready(

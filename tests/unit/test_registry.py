@@ -256,3 +256,20 @@ def test_model_list_searches_and_filters(client: Client, viewer: User) -> None:
     assert "reranker" in body and "embedder" not in body
     body = client.get("/models/?kind=ensemble").content.decode()
     assert "rag_pipeline" in body and "retriever" not in body
+
+
+def test_a_release_download_reads_no_file_outside_the_model_repositories(
+    client: Client, viewer: User
+) -> None:
+    import_demo()
+    ModelVersion.objects.filter(model__name="embedder", version=2).update(artifact="/etc")
+    client.force_login(viewer)
+    archive = zipfile.ZipFile(
+        io.BytesIO(client.get("/models/rag_pipeline/v2/repository.zip").content)
+    )
+    assert archive.read("embedder/2/ARTIFACT") == b"/etc\n"
+    assert not [
+        name
+        for name in archive.namelist()
+        if name.startswith("embedder/2/") and name != "embedder/2/ARTIFACT"
+    ]
