@@ -50,7 +50,7 @@ def admin_user(db: None) -> User:
 # stay synchronous and safe.
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 
-SCREENSHOTS = Path(__file__).parents[2] / "var" / "screenshots"
+SCREENSHOTS = Path(__file__).parents[1] / "var" / "screenshots"
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = [
     "--headless",

@@ -82,10 +82,14 @@ def node_reconcile(*, node_id: int) -> list[Operation]:
     except DesiredStateError as exc:
         log.warning("node %s: %s", node.name, exc)
         return []
-    managed = dict(
-        (name, kind == Model.Kind.ENSEMBLE)
-        for name, kind in Model.objects.values_list("name", "kind")
-    )
+    # The reconciler unloads only what it loaded on this node: models a person or another tool
+    # put there stay, even when the registry knows them, until a deployment covers them.
+    loads = node.operations.filter(kind=Operation.Kind.LOAD, status=Operation.Status.SUCCEEDED)
+    ours = set(loads.values_list("model_name", flat=True))
+    managed = {
+        name: kind == Model.Kind.ENSEMBLE
+        for name, kind in Model.objects.filter(name__in=ours).values_list("name", "kind")
+    }
     with transaction.atomic():
         locked = Node.objects.select_for_update().get(pk=node_id)
         if locked.operations.filter(status__in=OPEN).exists():

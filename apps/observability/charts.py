@@ -1,5 +1,6 @@
 """Plotly figures from Prometheus series, with vertical markers for what changed."""
 
+import math
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -35,7 +36,8 @@ def figure(series: list[Series], *, unit: str, markers: list[Marker]) -> go.Figu
             go.Scatter(
                 x=each.times,
                 y=each.values,
-                mode="lines",
+                mode="lines+markers",
+                marker={"size": 4},
                 name=series_name(each.labels),
                 hovertemplate="%{y:.3g} " + unit + "<br>%{x}<extra>%{fullData.name}</extra>",
             )
@@ -56,6 +58,7 @@ def figure(series: list[Series], *, unit: str, markers: list[Marker]) -> go.Figu
         height=300,
         template="plotly_white",
         yaxis_title=unit,
+        showlegend=True,  # even for one series: the legend names the model and version
         legend={"orientation": "h", "y": -0.2},
     )
     return fig
@@ -77,9 +80,12 @@ def metric_chart(
         series = range_query(query, start=start, end=end, step_s=step)
     except PrometheusUnavailable as exc:
         return Chart(title=metric.title, message=str(exc))
+    # A summary quantile is NaN while a model gets no requests: such a series has nothing to draw.
+    series = [s for s in series if any(not math.isnan(v) for v in s.values)]
     if not series:
         return Chart(title=metric.title, message="No data in this range.")
     fig = figure(series, unit=metric.unit, markers=markers or [])
+    fig.update_xaxes(range=[start, end])  # the window asked for, even where data is missing
     # Escaped so that no label value can close the <script type="application/json"> it sits in.
     safe_json = (
         fig.to_json().replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")

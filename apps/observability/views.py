@@ -1,4 +1,4 @@
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.http import HttpResponse
 from django.shortcuts import render
@@ -6,7 +6,8 @@ from django.utils import timezone
 
 from apps.fleet.models import NodePool
 from apps.observability.catalog import METRICS
-from apps.observability.charts import metric_chart
+from apps.observability.charts import Chart, metric_chart
+from apps.observability.markers import change_markers
 from apps.registry.models import Model
 from controlplane.htmx import HtmxHttpRequest
 
@@ -19,28 +20,55 @@ RANGES = {
 }
 
 
+MAX_SPAN = timedelta(days=30)
+
+
+def chart_window(params: dict[str, str]) -> tuple[datetime, datetime] | str:
+    """The chart's time window from a preset or a custom start/end (UTC), or what is wrong."""
+    end = timezone.now()
+    span = params.get("range", "15m")
+    if span != "custom":
+        return end - RANGES.get(span, RANGES["15m"]), end
+    try:
+        start = datetime.fromisoformat(params.get("start", "")).replace(tzinfo=UTC)
+        end = datetime.fromisoformat(params.get("end", "")).replace(tzinfo=UTC)
+    except ValueError:
+        return "A custom range needs a start and an end (YYYY-MM-DDTHH:MM, UTC)."
+    if end <= start:
+        return "The end of the range must come after its start."
+    if end - start > MAX_SPAN:
+        return f"A range can cover at most {MAX_SPAN.days} days."
+    return start, end
+
+
 def metrics(request: HtmxHttpRequest) -> HttpResponse:
-    """Metrics explorer; an htmx request gets only the chart (`#chart`)."""
+    """Metrics explorer; an htmx request gets only the chart (`#chart`), with every change to the
+    chosen model drawn as a marker."""
     metric = request.GET.get("metric", "p99")
     metric = metric if metric in METRICS else "p99"
-    span = request.GET.get("range", "15m")
-    span = span if span in RANGES else "15m"
     model = request.GET.get("model", "")
     pool = request.GET.get("pool", "")
-    end = timezone.now()
     context: dict[str, object] = {
         "metrics": METRICS.values(),
-        "ranges": RANGES,
+        "ranges": [*RANGES, "custom"],
         "metric": metric,
-        "span": span,
+        "span": request.GET.get("range", "15m"),
+        "start": request.GET.get("start", ""),
+        "end": request.GET.get("end", ""),
         "model": model,
         "pool": pool,
         "models": Model.objects.values_list("name", flat=True),
         "pools": NodePool.objects.values_list("name", flat=True),
     }
-    if request.htmx:
+    if not request.htmx:
+        return render(request, "observability/metrics.html", context)
+    window = chart_window(request.GET.dict())
+    if isinstance(window, str):
+        context["chart"] = Chart(title=METRICS[metric].title, message=window)
+    else:
+        start, end = window
+        markers = change_markers(start=start, end=end, model=model)
         context["chart"] = metric_chart(
-            metric, start=end - RANGES[span], end=end, model=model, pool=pool
+            metric, start=start, end=end, model=model, pool=pool, markers=markers
         )
-        return render(request, "observability/metrics.html#chart", context)
-    return render(request, "observability/metrics.html", context)
+    return render(request, "observability/metrics.html#chart", context)

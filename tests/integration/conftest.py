@@ -16,6 +16,7 @@ import pytest
 from django.db import connection
 
 from apps.fleet.devfleet import Devfleet, FleetState
+from apps.fleet.triton import TritonClient
 from controlplane.celery import app as celery_app
 
 ROOT = Path(__file__).parents[2]
@@ -44,6 +45,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         yield Fleet(devfleet=devfleet, state=state)
     finally:
         devfleet.down()
+
+
+@pytest.fixture(scope="session")
+def clients(fleet: Fleet) -> list[TritonClient]:
+    """Both nodes serving rag_pipeline v1, loaded through the repository API."""
+    nodes = [
+        TritonClient(fleet.state.node_urls(p)["http_url"], node=p.name) for p in fleet.state.nodes
+    ]
+    for client in nodes:
+        fleet.devfleet.load_release(client, "rag_pipeline", 1)
+    return nodes
 
 
 @pytest.fixture(scope="session")

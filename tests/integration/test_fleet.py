@@ -18,17 +18,6 @@ pytestmark = pytest.mark.integration
 QUESTION = np.array([[b"When do I get my refund?"]], dtype=np.object_)
 
 
-@pytest.fixture(scope="module")
-def clients(fleet: Fleet) -> list[TritonClient]:
-    """Both nodes serving rag_pipeline v1, loaded through the repository API."""
-    nodes = [
-        TritonClient(fleet.state.node_urls(p)["http_url"], node=p.name) for p in fleet.state.nodes
-    ]
-    for client in nodes:
-        fleet.devfleet.load_release(client, "rag_pipeline", 1)
-    return nodes
-
-
 def test_release_loads_its_pinned_steps_and_reads_them_back_ready(
     clients: list[TritonClient],
 ) -> None:

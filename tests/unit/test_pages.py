@@ -93,3 +93,43 @@ def test_pages_carry_a_content_security_policy_without_cdn(client: Client, viewe
     assert "/static/plotly/plotly.min.js" in body
     assert "/static/django_htmx/htmx" in body or "htmx" in body
     assert "https://" not in body
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("range=custom&start=2026-11-02T10:00&end=2026-11-01T10:00", "must come after its start"),
+        ("range=custom&start=2026-01-01T00:00&end=2026-11-01T00:00", "at most 30 days"),
+        ("range=custom&start=yesterday&end=", "needs a start and an end"),
+    ],
+)
+def test_a_bad_custom_range_says_what_is_wrong(
+    client: Client, viewer: User, query: str, message: str
+) -> None:
+    client.force_login(viewer)
+    response = client.get(f"/metrics/?metric=p99&{query}", headers={"HX-Request": "true"})
+    assert response.status_code == 200 and message in response.content.decode()
+
+
+def test_markers_are_the_changes_to_the_chosen_model(db: None) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from apps.audit.services import audit_record
+    from apps.observability.markers import change_markers
+
+    audit_record(
+        actor="ops", action="deployment.set", target="pool:demo:rag_pipeline", after={"version": 2}
+    )
+    audit_record(actor="ops", action="operation.load", target="node:demo-1:embedder")
+    audit_record(actor="ops", action="user.role_set", target="user:ops")
+    audit_record(
+        actor="ops", action="deployment.set", target="pool:demo:rag_pipeline", result="denied"
+    )
+    now = timezone.now()
+    window = {"start": now - timedelta(minutes=5), "end": now + timedelta(minutes=1)}
+    assert [m.text for m in change_markers(**window, model="rag_pipeline")] == [
+        "deployment.set pool:demo:rag_pipeline"
+    ]
+    assert len(change_markers(**window)) == 2

@@ -1,0 +1,63 @@
+"""The Metrics page in Chromium over real Triton nodes, real traffic and a real Prometheus."""
+
+import threading
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Page, expect
+
+from apps.accounts.roles import Role
+from apps.fleet.services import node_register
+from apps.fleet.traffic import send_traffic
+from apps.fleet.triton import TritonClient
+from apps.registry.imports import repository_import
+from tests.conftest import make_user, screenshot
+from tests.e2e.test_login import sign_in
+from tests.integration.conftest import Celery, Fleet
+
+pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
+
+
+def test_p99_chart_draws_redraws_and_marks_a_deployment_made_in_the_product(
+    fleet: Fleet,
+    clients: list[TritonClient],
+    celery: Celery,
+    page: Page,
+    live_server: object,
+    settings: object,
+) -> None:
+    settings.PROMETHEUS_URL = fleet.state.prometheus_url  # type: ignore[attr-defined]
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
+    for proc in fleet.state.nodes:
+        node_register(name=proc.name, pool="it", actor="system:test", **fleet.state.node_urls(proc))
+    # Real traffic all through the test, so the P99 summary has observations in every window.
+    traffic = threading.Thread(
+        target=send_traffic,
+        args=(clients,),
+        kwargs={"model": "rag_pipeline", "rps": 10, "seconds": 40},
+    )
+    traffic.start()
+    sign_in(page, str(live_server), make_user(Role.OPERATOR).username)
+
+    page.goto(f"{live_server}/deployments/")
+    pool = page.locator("#pool-it")
+    pool.get_by_label("Deploy").select_option(label="rag_pipeline v1")
+    page.once("dialog", lambda dialog: dialog.accept())
+    pool.get_by_role("button", name="Deploy to it").click()
+    expect(page.locator(".flash")).to_contain_text("rag_pipeline v1")
+
+    page.goto(f"{live_server}/metrics/?metric=p99&model=rag_pipeline&range=15m")
+    chart = page.locator("#chart")
+    expect(chart.locator("svg.main-svg").first).to_be_visible(timeout=20_000)
+    expect(chart.locator("g.legend")).to_contain_text("rag_pipeline v1")
+    expect(
+        chart.locator(".annotation-text", has_text="deployment.set pool:it:rag_pipeline")
+    ).to_have_count(1)
+    drawn = chart.locator(".plot").element_handle()
+    page.get_by_label("Range").select_option("1h")
+    page.wait_for_function("el => !el.isConnected", arg=drawn)  # the old figure was swapped out
+    expect(chart.locator("svg.main-svg").first).to_be_visible(timeout=20_000)
+    screenshot(page, "metrics-p99")
+    assert page.console_errors == []  # type: ignore[attr-defined]
+    traffic.join()
