@@ -44,14 +44,28 @@ METRICS = {
             "sum by (model, version, reason) "
             "(rate(nv_inference_request_failure{{{selector}}}[{window}]))",
         ),
+        Metric(
+            "gpu_memory",
+            "GPU memory used",
+            "GiB",
+            "sum by (node, gpu_uuid) (nv_gpu_memory_used_bytes{{{selector}}}) / 1073741824",
+        ),
+        Metric(
+            "cpu_memory",
+            "CPU memory used",
+            "GiB",
+            "sum by (node) (nv_cpu_memory_used_bytes{{{selector}}}) / 1073741824",
+        ),
     ]
 }
 
 
-def build_query(metric: Metric, *, model: str = "", pool: str = "", window_s: int = 30) -> str:
+def build_query(
+    metric: Metric, *, model: str = "", pool: str = "", node: str = "", window_s: int = 30
+) -> str:
     matchers = [
         f'{name}="{escape_label(value)}"'
-        for name, value in [("model", model), ("pool", pool)]
+        for name, value in [("model", model), ("pool", pool), ("node", node)]
         if value
     ]
     return metric.template.format(selector=",".join(matchers), window=f"{window_s}s")

@@ -24,6 +24,8 @@ class Chart:
 
 
 def series_name(labels: dict[str, str]) -> str:
+    if "model" not in labels and "node" in labels:  # memory: per node, and per GPU
+        return " ".join(filter(None, [labels["node"], labels.get("gpu_uuid", "")]))
     parts = [labels.get("model", "all"), f"v{labels['version']}" if "version" in labels else ""]
     parts.append(labels.get("reason", ""))
     return " ".join(p for p in parts if p)
@@ -71,11 +73,12 @@ def metric_chart(
     end: datetime,
     model: str = "",
     pool: str = "",
+    node: str = "",
     markers: list[Marker] | None = None,
 ) -> Chart:
     metric = METRICS[key]
     step = step_for((end - start).total_seconds())
-    query = build_query(metric, model=model, pool=pool, window_s=max(30, 4 * step))
+    query = build_query(metric, model=model, pool=pool, node=node, window_s=max(30, 4 * step))
     try:
         series = range_query(query, start=start, end=end, step_s=step)
     except PrometheusUnavailable as exc:

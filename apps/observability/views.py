@@ -4,7 +4,7 @@ from django.http import HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
 
-from apps.fleet.models import NodePool
+from apps.fleet.models import Node, NodePool
 from apps.observability.catalog import METRICS
 from apps.observability.charts import Chart, metric_chart
 from apps.observability.markers import change_markers
@@ -48,6 +48,7 @@ def metrics(request: HtmxHttpRequest) -> HttpResponse:
     metric = metric if metric in METRICS else "p99"
     model = request.GET.get("model", "")
     pool = request.GET.get("pool", "")
+    node = request.GET.get("node", "")
     context: dict[str, object] = {
         "metrics": METRICS.values(),
         "ranges": [*RANGES, "custom"],
@@ -57,8 +58,10 @@ def metrics(request: HtmxHttpRequest) -> HttpResponse:
         "end": request.GET.get("end", ""),
         "model": model,
         "pool": pool,
+        "node": node,
         "models": Model.objects.values_list("name", flat=True),
         "pools": NodePool.objects.values_list("name", flat=True),
+        "nodes": Node.objects.values_list("name", flat=True),
     }
     if not request.htmx:
         return render(request, "observability/metrics.html", context)
@@ -69,6 +72,6 @@ def metrics(request: HtmxHttpRequest) -> HttpResponse:
         start, end = window
         markers = change_markers(start=start, end=end, model=model)
         context["chart"] = metric_chart(
-            metric, start=start, end=end, model=model, pool=pool, markers=markers
+            metric, start=start, end=end, model=model, pool=pool, node=node, markers=markers
         )
     return render(request, "observability/metrics.html#chart", context)

@@ -1,0 +1,143 @@
+"""Memory charts: GPU memory per GPU from a Prometheus backfilled (promtool) with Triton's exact GPU
+series, and CPU memory from the real CPU nodes."""
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+
+from apps.fleet.models import Node, NodePool
+from tests.integration.conftest import Fleet
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
+
+GIB = 1024**3
+GPUS = {"GPU-5f3a0c4e-1111": 30 * GIB, "GPU-5f3a0c4e-2222": 12 * GIB}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def backfilled_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Prometheus whose TSDB holds 30 minutes of Triton GPU metrics written by promtool."""
+    root = tmp_path_factory.mktemp("gpu-prometheus")
+    now = int(time.time())
+    lines = []
+    for name, kind in [
+        ("nv_gpu_memory_used_bytes", "gauge"),
+        ("nv_gpu_memory_total_bytes", "gauge"),
+    ]:
+        lines.append(f"# HELP {name} GPU memory, in bytes")
+        lines.append(f"# TYPE {name} {kind}")
+        for uuid, used in GPUS.items():
+            for t in range(now - 1800, now - 60, 30):
+                value = used if name.endswith("used_bytes") else 80 * GIB
+                lines.append(f'{name}{{gpu_uuid="{uuid}",node="gpu-1",pool="gpu"}} {value} {t}')
+    (root / "input.om").write_text("\n".join(lines) + "\n# EOF\n")
+    data = root / "data"
+    subprocess.run(
+        [
+            shutil.which("promtool") or "promtool",
+            "tsdb",
+            "create-blocks-from",
+            "openmetrics",
+            str(root / "input.om"),
+            str(data),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (root / "prometheus.yml").write_text("global: {scrape_interval: 15s}\nscrape_configs: []\n")
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={root / 'prometheus.yml'}",
+            f"--storage.tsdb.path={data}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                with urllib.request.urlopen(f"{url}/-/ready", timeout=1):  # noqa: S310 - localhost
+                    break
+            except OSError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(20)
+
+
+def figure(body: str) -> dict:
+    match = re.search(
+        r'<script type="application/json" id="metrics-figure">(.*?)</script>', body, re.S
+    )
+    assert match, body
+    return json.loads(match.group(1))
+
+
+def test_gpu_memory_is_charted_per_gpu(
+    backfilled_prometheus: str, client: Client, viewer: User, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = backfilled_prometheus  # type: ignore[attr-defined]
+    node = Node.objects.create(
+        name="gpu-1",
+        pool=NodePool.objects.create(name="gpu"),
+        http_url="http://10.0.0.9:8000",
+        gpus=[
+            {"uuid": uuid, "total": 80.0 * GIB, "used": float(used)} for uuid, used in GPUS.items()
+        ],
+    )
+    client.force_login(viewer)
+    page = client.get(f"/nodes/{node.name}/").content.decode()
+    assert "GPU memory, per GPU" in page and "metric=gpu_memory&amp;node=gpu-1" in page
+    body = client.get(
+        "/metrics/?metric=gpu_memory&node=gpu-1&range=1h", headers={"HX-Request": "true"}
+    ).content.decode()
+    traces = {trace["name"]: trace for trace in figure(body)["data"]}
+    assert set(traces) == {f"gpu-1 {uuid}" for uuid in GPUS}
+    for uuid, used in GPUS.items():
+        values = [v for v in traces[f"gpu-1 {uuid}"]["y"] if v is not None]
+        assert values and all(abs(v - used / GIB) < 1e-6 for v in values)
+    assert figure(body)["layout"]["yaxis"]["title"]["text"] == "GiB"
+
+
+def test_a_cpu_node_shows_its_cpu_memory(
+    fleet: Fleet, client: Client, viewer: User, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = fleet.state.prometheus_url  # type: ignore[attr-defined]
+    proc = fleet.state.nodes[0]
+    node = Node.objects.create(
+        name=proc.name, pool=NodePool.objects.create(name="it"), **fleet.state.node_urls(proc)
+    )
+    client.force_login(viewer)
+    assert "metric=cpu_memory" in client.get(f"/nodes/{node.name}/").content.decode()
+    deadline = time.monotonic() + 30
+    while True:
+        body = client.get(
+            f"/metrics/?metric=cpu_memory&node={proc.name}&range=15m",
+            headers={"HX-Request": "true"},
+        ).content.decode()
+        if "metrics-figure" in body or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    (trace,) = figure(body)["data"]
+    assert trace["name"] == proc.name
+    assert all(0 < v < 1024 for v in trace["y"] if v is not None)  # GiB
