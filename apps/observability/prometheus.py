@@ -3,6 +3,7 @@
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import requests
 from django.conf import settings
@@ -36,9 +37,9 @@ def _connect() -> PrometheusConnect:
     )
 
 
-def range_query(query: str, *, start: datetime, end: datetime, step_s: int) -> list[Series]:
+def _call(method: str, *args: Any, **kwargs: Any) -> Any:
     try:
-        result = _connect().custom_query_range(query, start, end, step=f"{step_s}s")
+        return getattr(_connect(), method)(*args, **kwargs)
     except requests.Timeout as exc:
         reason = f"no answer within {settings.PROMETHEUS_TIMEOUT_S:g} s"
         raise PrometheusUnavailable(
@@ -53,6 +54,15 @@ def range_query(query: str, *, start: datetime, end: datetime, step_s: int) -> l
         raise PrometheusUnavailable(
             f"Prometheus at {settings.PROMETHEUS_URL} refused the query: {exc}"
         ) from exc
+
+
+def instant_query(query: str) -> list[tuple[dict[str, str], float]]:
+    """The query's value now: (labels, value) per series."""
+    return [(row["metric"], float(row["value"][1])) for row in _call("custom_query", query)]
+
+
+def range_query(query: str, *, start: datetime, end: datetime, step_s: int) -> list[Series]:
+    result = _call("custom_query_range", query, start, end, step=f"{step_s}s")
     return [
         Series(
             labels=row["metric"],

@@ -3,4 +3,7 @@ from django.urls import path
 from apps.observability import views
 
 app_name = "observability"
-urlpatterns = [path("", views.metrics, name="metrics")]
+urlpatterns = [
+    path("", views.metrics, name="metrics"),
+    path("breakdown/<str:name>/", views.breakdown, name="breakdown"),
+]

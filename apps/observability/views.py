@@ -1,14 +1,18 @@
 from datetime import UTC, datetime, timedelta
 
-from django.http import HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
 
 from apps.fleet.models import Node, NodePool
+from apps.observability.breakdown import serving_version, step_breakdown, worst_p99_ms
 from apps.observability.catalog import METRICS
 from apps.observability.charts import Chart, metric_chart
 from apps.observability.markers import change_markers
-from apps.registry.models import Model
+from apps.observability.prometheus import PrometheusUnavailable
+from apps.registry.codec import ensemble_steps, from_dict
+from apps.registry.models import Model, ModelVersion
+from apps.registry.selectors import registry_resolver
 from controlplane.htmx import HtmxHttpRequest
 
 RANGES = {
@@ -75,3 +79,29 @@ def metrics(request: HtmxHttpRequest) -> HttpResponse:
             metric, start=start, end=end, model=model, pool=pool, node=node, markers=markers
         )
     return render(request, "observability/metrics.html#chart", context)
+
+
+def breakdown(request: HttpRequest, name: str) -> HttpResponse:
+    """The serving version's step P99s against their budgets (a fragment for the model page)."""
+    versions = {v.version: v for v in ModelVersion.objects.filter(model__name=name)}
+    context: dict[str, object] = {}
+    try:
+        steps_of = {n: ensemble_steps(from_dict(v.config)) for n, v in versions.items()}
+        models = sorted({name} | {step for steps in steps_of.values() for step, _ in steps})
+        p99 = worst_p99_ms(models)
+    except PrometheusUnavailable as exc:
+        return render(request, "observability/partials/breakdown.html", {"error": str(exc)})
+    number = serving_version(p99, name) or max(versions, default=None)
+    if number is None:
+        return render(
+            request, "observability/partials/breakdown.html", {"error": f"{name} has no version"}
+        )
+    budgets = dict(Model.objects.filter(name__in=models).values_list("name", "latency_budget_ms"))
+    resolve = registry_resolver()
+    steps = []
+    for step, pinned in steps_of[number]:
+        resolved = resolve(step, pinned)
+        steps.append((step, resolved.version or pinned))
+    context["version"] = number
+    context["rows"] = step_breakdown((name, number), steps, budgets, p99)
+    return render(request, "observability/partials/breakdown.html", context)

@@ -1,5 +1,6 @@
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from apps.observability.prometheus import range_query
 from tests.integration.conftest import Fleet
 
 pytestmark = pytest.mark.integration
+REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 
 QUESTION = np.array([[b"When do I get my refund?"]], dtype=np.object_)
 
@@ -107,3 +109,33 @@ def test_import_from_a_live_node_registers_what_it_runs(
     imported = ModelVersion.objects.get(model__name="rag_pipeline", version=1)
     assert imported.artifact == f"{proc.name}:rag_pipeline/1"
     assert imported.config["ensemble_scheduling"]["step"][0]["model_name"] == "embedder"
+
+
+@pytest.mark.django_db
+def test_step_breakdown_compares_each_step_p99_with_its_budget(
+    fleet: Fleet, clients: list[TritonClient], client: Client, viewer: User, settings: object
+) -> None:
+    from django.core.management import call_command
+
+    from apps.registry.imports import repository_import
+
+    settings.PROMETHEUS_URL = fleet.state.prometheus_url  # type: ignore[attr-defined]
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
+    # A budget no real pipeline meets, and one every step meets.
+    call_command("set_budgets", "rag_pipeline=1", "embedder=60000", "retriever=60000")
+    send_traffic(clients, model="rag_pipeline", rps=20, seconds=3)
+    client.force_login(viewer)
+    deadline = time.monotonic() + 30
+    while True:
+        body = client.get("/metrics/breakdown/rag_pipeline/").content.decode()
+        if body.count(" ms</td>") >= 5 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert "Step of v1" in body  # the version actually serving, found from the metrics
+    for step in ["embedder v1", "retriever v1", "reranker v1", "generator v1"]:
+        assert f"<td>{step}</td>" in body
+    rows = body.split("<tr")
+    end_to_end = next(row for row in rows if "end to end" in row)
+    assert "breach" in end_to_end and "over budget" in end_to_end
+    embedder = next(row for row in rows if "embedder v1" in row)
+    assert "within" in embedder

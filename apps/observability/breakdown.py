@@ -1,0 +1,53 @@
+"""Each ensemble step's P99 next to its latency budget, and the end-to-end P99 against the total."""
+
+import math
+import re
+from dataclasses import dataclass
+
+from apps.observability.prometheus import escape_label, instant_query
+
+WINDOW = "5m"
+
+
+@dataclass(frozen=True)
+class StepLatency:
+    label: str
+    p99_ms: float | None
+    budget_ms: int | None
+
+    @property
+    def breach(self) -> bool:
+        return (
+            self.p99_ms is not None and self.budget_ms is not None and self.p99_ms > self.budget_ms
+        )
+
+
+def worst_p99_ms(models: list[str]) -> dict[tuple[str, int], float]:
+    """The worst P99 (ms) over the last few minutes and all nodes, per model and version, for all
+    `models` in one query."""
+    pattern = escape_label("|".join(re.escape(m) for m in models))
+    query = (
+        f'max by (model, version) (max_over_time(nv_inference_request_summary_us{{quantile="0.99",'
+        f'model=~"{pattern}"}}[{WINDOW}])) / 1000'
+    )
+    return {
+        (labels["model"], int(labels["version"])): value
+        for labels, value in instant_query(query)
+        if not math.isnan(value) and labels.get("version", "").isdigit()
+    }
+
+
+def serving_version(p99: dict[tuple[str, int], float], ensemble: str) -> int | None:
+    """The newest version of `ensemble` that served requests in the window."""
+    return max((v for m, v in p99 if m == ensemble), default=None)
+
+
+def step_breakdown(
+    ensemble: tuple[str, int],
+    steps: list[tuple[str, int]],
+    budgets: dict[str, int | None],
+    p99: dict[tuple[str, int], float],
+) -> list[StepLatency]:
+    """Rows in pipeline order, then the ensemble end to end."""
+    rows = [StepLatency(f"{m} v{v}", p99.get((m, v)), budgets.get(m)) for m, v in steps]
+    return [*rows, StepLatency("end to end", p99.get(ensemble), budgets.get(ensemble[0]))]
