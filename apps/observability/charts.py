@@ -13,7 +13,8 @@ from apps.observability.prometheus import PrometheusUnavailable, Series, range_q
 @dataclass(frozen=True)
 class Marker:
     at: datetime
-    text: str
+    text: str  # the whole story, on hover
+    label: str = ""  # a few words on the chart
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,17 @@ def figure(series: list[Series], *, unit: str, markers: list[Marker]) -> go.Figu
         )
     for marker in markers:
         fig.add_vline(x=marker.at.timestamp() * 1000, line={"dash": "dot", "color": "#b45309"})
+        # Labels stand upright along their line so that close changes do not overwrite each other.
         fig.add_annotation(
             x=marker.at,
             y=1,
             yref="paper",
-            text=marker.text,
+            text=marker.label or marker.text,
+            hovertext=marker.text,
             showarrow=False,
-            yanchor="bottom",
+            textangle=-90,
+            xanchor="right",
+            yanchor="top",
             font={"size": 10, "color": "#b45309"},
         )
     fig.update_layout(

@@ -11,17 +11,30 @@ CHANGES = ("deployment.", "operation.load", "operation.unload", "operation.reloa
 MAX_MARKERS = 60
 
 
-def change_markers(*, start: datetime, end: datetime, model: str = "") -> list[Marker]:
-    """Deployments, operations and rollout steps in [start, end]; only `model`'s when given.
-    Targets end with the model's name (`pool:demo:rag_pipeline`, `node:demo-1:embedder`)."""
+def change_markers(
+    *, start: datetime, end: datetime, model: str = "", node: str = ""
+) -> list[Marker]:
+    """Deployments, operations and rollout steps in [start, end]; only `model`'s or `node`'s when
+    given. Targets name both (`pool:demo:rag_pipeline`, `node:demo-1:embedder`)."""
     kinds = Q()
     for prefix in CHANGES:
         kinds |= Q(action__startswith=prefix)
     events = AuditEvent.objects.filter(kinds, created_at__range=(start, end), result="ok")
     if model:
         events = events.filter(target__endswith=f":{model}")
+    if node:
+        events = events.filter(target__startswith=f"node:{node}:")
     latest = events.order_by("-created_at")[:MAX_MARKERS]
     return [
-        Marker(at=event.created_at, text=f"{event.action} {event.target}")
+        Marker(at=event.created_at, text=f"{event.action} {event.target}", label=_label(event))
         for event in reversed(latest)
     ]
+
+
+def _label(event: AuditEvent) -> str:
+    """`deployment.set pool:demo:rag_pipeline {version: 2}` reads `deploy rag_pipeline v2`."""
+    verb = {"deployment.set": "deploy", "deployment.remove": "remove"}.get(event.action)
+    verb = verb or event.action.split(".", 1)[-1]
+    versions = event.after.get("versions") or [event.after.get("version")]
+    subject = event.target.rsplit(":", 1)[-1]
+    return f"{verb} {subject}" + (f" v{versions[-1]}" if versions[-1] else "")

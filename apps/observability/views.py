@@ -74,7 +74,7 @@ def metrics(request: HtmxHttpRequest) -> HttpResponse:
         context["chart"] = Chart(title=METRICS[metric].title, message=window)
     else:
         start, end = window
-        markers = change_markers(start=start, end=end, model=model)
+        markers = change_markers(start=start, end=end, model=model, node=node)
         context["chart"] = metric_chart(
             metric, start=start, end=end, model=model, pool=pool, node=node, markers=markers
         )

@@ -51,9 +51,7 @@ def test_p99_chart_draws_redraws_and_marks_a_deployment_made_in_the_product(
     chart = page.locator("#chart")
     expect(chart.locator("svg.main-svg").first).to_be_visible(timeout=20_000)
     expect(chart.locator("g.legend")).to_contain_text("rag_pipeline v1")
-    expect(
-        chart.locator(".annotation-text", has_text="deployment.set pool:it:rag_pipeline")
-    ).to_have_count(1)
+    expect(chart.locator(".annotation-text", has_text="deploy rag_pipeline v1")).to_have_count(1)
     drawn = chart.locator(".plot").element_handle()
     page.get_by_label("Range").select_option("1h")
     page.wait_for_function("el => !el.isConnected", arg=drawn)  # the old figure was swapped out

@@ -129,7 +129,10 @@ def test_markers_are_the_changes_to_the_chosen_model(db: None) -> None:
     )
     now = timezone.now()
     window = {"start": now - timedelta(minutes=5), "end": now + timedelta(minutes=1)}
-    assert [m.text for m in change_markers(**window, model="rag_pipeline")] == [
-        "deployment.set pool:demo:rag_pipeline"
-    ]
+    (marker,) = change_markers(**window, model="rag_pipeline")
+    assert (marker.text, marker.label) == (
+        "deployment.set pool:demo:rag_pipeline",
+        "deploy rag_pipeline v2",
+    )
+    assert [m.label for m in change_markers(**window, node="demo-1")] == ["load embedder"]
     assert len(change_markers(**window)) == 2
