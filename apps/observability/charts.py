@@ -1,10 +1,10 @@
 """Plotly figures from Prometheus series, with vertical markers for what changed."""
 
+import json
 import math
 from dataclasses import dataclass
 from datetime import datetime
-
-import plotly.graph_objects as go
+from typing import Any
 
 from apps.observability.catalog import METRICS, build_query, step_for
 from apps.observability.prometheus import PrometheusUnavailable, Series, range_query
@@ -32,43 +32,75 @@ def series_name(labels: dict[str, str]) -> str:
     return " ".join(p for p in parts if p)
 
 
-def figure(series: list[Series], *, unit: str, markers: list[Marker]) -> go.Figure:
-    fig = go.Figure()
-    for each in series:
-        fig.add_trace(
-            go.Scatter(
-                x=each.times,
-                y=each.values,
-                mode="lines+markers",
-                marker={"size": 4},
-                name=series_name(each.labels),
-                hovertemplate="%{y:.3g} " + unit + "<br>%{x}<extra>%{fullData.name}</extra>",
-            )
-        )
-    for marker in markers:
-        fig.add_vline(x=marker.at.timestamp() * 1000, line={"dash": "dot", "color": "#b45309"})
-        # Labels stand upright along their line so that close changes do not overwrite each other.
-        fig.add_annotation(
-            x=marker.at,
-            y=1,
-            yref="paper",
-            text=marker.label or marker.text,
-            hovertext=marker.text,
-            showarrow=False,
-            textangle=-90,
-            xanchor="right",
-            yanchor="top",
-            font={"size": 10, "color": "#b45309"},
-        )
-    fig.update_layout(
-        margin={"l": 56, "r": 16, "t": 24, "b": 40},
-        height=300,
-        template="plotly_white",
-        yaxis_title=unit,
-        showlegend=True,  # even for one series: the legend names the model and version
-        legend={"orientation": "h", "y": -0.2},
-    )
-    return fig
+def _iso(at: datetime) -> str:
+    return at.isoformat()
+
+
+def figure(
+    series: list[Series], *, unit: str, markers: list[Marker], start: datetime, end: datetime
+) -> dict[str, Any]:
+    """A Plotly figure spec (what plotly.js draws), written directly: building it through
+    plotly.graph_objects validates every value and cost several times the Prometheus query
+    itself (tests/bench/test_chart_overhead.py)."""
+    colour = "#b45309"
+    traces = [
+        {
+            "type": "scatter",
+            "x": [_iso(t) for t in each.times],
+            "y": [None if math.isnan(v) else v for v in each.values],
+            "mode": "lines+markers",
+            "marker": {"size": 4},
+            "name": series_name(each.labels),
+            "hovertemplate": "%{y:.3g} " + unit + "<br>%{x}<extra>%{fullData.name}</extra>",
+        }
+        for each in series
+    ]
+    shapes = [
+        {
+            "type": "line",
+            "xref": "x",
+            "yref": "paper",
+            "x0": _iso(m.at),
+            "x1": _iso(m.at),
+            "y0": 0,
+            "y1": 1,
+            "line": {"dash": "dot", "color": colour, "width": 1.5},
+        }
+        for m in markers
+    ]
+    # Labels stand upright along their line so that close changes do not overwrite each other.
+    annotations = [
+        {
+            "x": _iso(m.at),
+            "y": 1,
+            "xref": "x",
+            "yref": "paper",
+            "text": m.label or m.text,
+            "hovertext": m.text,
+            "showarrow": False,
+            "textangle": -90,
+            "xanchor": "right",
+            "yanchor": "top",
+            "font": {"size": 10, "color": colour},
+        }
+        for m in markers
+    ]
+    axis = {"gridcolor": "#eef0f3", "zerolinecolor": "#e4e7ec", "linecolor": "#e4e7ec"}
+    layout = {
+        "margin": {"l": 56, "r": 16, "t": 24, "b": 40},
+        "height": 300,
+        "paper_bgcolor": "#ffffff",
+        "plot_bgcolor": "#ffffff",
+        "font": {"family": "system-ui, DejaVu Sans, sans-serif", "size": 12, "color": "#344054"},
+        "xaxis": {**axis, "type": "date", "range": [_iso(start), _iso(end)]},
+        "yaxis": {**axis, "title": {"text": unit}},
+        "showlegend": True,  # even for one series: the legend names the model and version
+        "legend": {"orientation": "h", "y": -0.2},
+        "shapes": shapes,
+        "annotations": annotations,
+        "hovermode": "closest",
+    }
+    return {"data": traces, "layout": layout}
 
 
 def metric_chart(
@@ -92,10 +124,9 @@ def metric_chart(
     series = [s for s in series if any(not math.isnan(v) for v in s.values)]
     if not series:
         return Chart(title=metric.title, message="No data in this range.")
-    fig = figure(series, unit=metric.unit, markers=markers or [])
-    fig.update_xaxes(range=[start, end])  # the window asked for, even where data is missing
+    fig = figure(series, unit=metric.unit, markers=markers or [], start=start, end=end)
     # Escaped so that no label value can close the <script type="application/json"> it sits in.
     safe_json = (
-        fig.to_json().replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+        json.dumps(fig).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     )
     return Chart(title=metric.title, figure_json=safe_json)

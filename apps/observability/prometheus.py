@@ -1,6 +1,7 @@
 """The only module that talks to Prometheus. Every call has a timeout; failures become
 `PrometheusUnavailable` with a message fit for the page."""
 
+import functools
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -28,12 +29,15 @@ def escape_label(value: str) -> str:
 
 
 def _connect() -> PrometheusConnect:
-    # One quick retry at most: a page waits on this, and the next refresh tries again anyway.
+    return _connection(settings.PROMETHEUS_URL, settings.PROMETHEUS_TIMEOUT_S)
+
+
+@functools.cache
+def _connection(url: str, timeout: int) -> PrometheusConnect:
+    """One client (and HTTP keep-alive session) per Prometheus and process. One quick retry at
+    most: a page waits on this, and the next refresh tries again anyway."""
     return PrometheusConnect(
-        url=settings.PROMETHEUS_URL,
-        disable_ssl=True,
-        retry=Retry(total=1, backoff_factor=0.1),
-        timeout=settings.PROMETHEUS_TIMEOUT_S,
+        url=url, disable_ssl=True, retry=Retry(total=1, backoff_factor=0.1), timeout=timeout
     )
 
 

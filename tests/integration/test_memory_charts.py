@@ -3,11 +3,7 @@ series, and CPU memory from the real CPU nodes."""
 
 import json
 import re
-import shutil
-import socket
-import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +11,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from apps.fleet.models import Node, NodePool
+from tests.backfill import backfilled_prometheus
 from tests.integration.conftest import Fleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
@@ -23,66 +20,23 @@ GIB = 1024**3
 GPUS = {"GPU-5f3a0c4e-1111": 30 * GIB, "GPU-5f3a0c4e-2222": 12 * GIB}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def backfilled_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def gpu_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Prometheus whose TSDB holds 30 minutes of Triton GPU metrics written by promtool."""
-    root = tmp_path_factory.mktemp("gpu-prometheus")
     now = int(time.time())
     lines = []
-    for name, kind in [
-        ("nv_gpu_memory_used_bytes", "gauge"),
-        ("nv_gpu_memory_total_bytes", "gauge"),
-    ]:
-        lines.append(f"# HELP {name} GPU memory, in bytes")
-        lines.append(f"# TYPE {name} {kind}")
+    for name in ("nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes"):
+        lines += [f"# HELP {name} GPU memory, in bytes", f"# TYPE {name} gauge"]
         for uuid, used in GPUS.items():
-            for t in range(now - 1800, now - 60, 30):
-                value = used if name.endswith("used_bytes") else 80 * GIB
-                lines.append(f'{name}{{gpu_uuid="{uuid}",node="gpu-1",pool="gpu"}} {value} {t}')
-    (root / "input.om").write_text("\n".join(lines) + "\n# EOF\n")
-    data = root / "data"
-    subprocess.run(
-        [
-            shutil.which("promtool") or "promtool",
-            "tsdb",
-            "create-blocks-from",
-            "openmetrics",
-            str(root / "input.om"),
-            str(data),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    (root / "prometheus.yml").write_text("global: {scrape_interval: 15s}\nscrape_configs: []\n")
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={root / 'prometheus.yml'}",
-            f"--storage.tsdb.path={data}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(100):
-            try:
-                with urllib.request.urlopen(f"{url}/-/ready", timeout=1):  # noqa: S310 - localhost
-                    break
-            except OSError:
-                time.sleep(0.2)
+            value = used if name.endswith("used_bytes") else 80 * GIB
+            lines += [
+                f'{name}{{gpu_uuid="{uuid}",node="gpu-1",pool="gpu"}} {value} {t}'
+                for t in range(now - 1800, now - 60, 30)
+            ]
+    with backfilled_prometheus(
+        tmp_path_factory.mktemp("gpu-prometheus"), "\n".join(lines) + "\n# EOF\n"
+    ) as url:
         yield url
-    finally:
-        server.terminate()
-        server.wait(20)
 
 
 def figure(body: str) -> dict:
@@ -94,9 +48,9 @@ def figure(body: str) -> dict:
 
 
 def test_gpu_memory_is_charted_per_gpu(
-    backfilled_prometheus: str, client: Client, viewer: User, settings: object
+    gpu_prometheus: str, client: Client, viewer: User, settings: object
 ) -> None:
-    settings.PROMETHEUS_URL = backfilled_prometheus  # type: ignore[attr-defined]
+    settings.PROMETHEUS_URL = gpu_prometheus  # type: ignore[attr-defined]
     node = Node.objects.create(
         name="gpu-1",
         pool=NodePool.objects.create(name="gpu"),

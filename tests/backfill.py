@@ -1,0 +1,49 @@
+"""A real Prometheus over a TSDB written by `promtool tsdb create-blocks-from openmetrics`."""
+
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def backfilled_prometheus(root: Path, openmetrics: str) -> Iterator[str]:
+    """Yields the URL of a Prometheus that holds exactly `openmetrics` (ending with `# EOF`)."""
+    (root / "input.om").write_text(openmetrics)
+    data = root / "data"
+    promtool = shutil.which("promtool") or "promtool"
+    subprocess.run(
+        [promtool, "tsdb", "create-blocks-from", "openmetrics", str(root / "input.om"), str(data)],
+        check=True,
+        capture_output=True,
+    )
+    (root / "prometheus.yml").write_text("global: {scrape_interval: 15s}\nscrape_configs: []\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={root / 'prometheus.yml'}",
+            f"--storage.tsdb.path={data}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(150):
+            try:
+                with urllib.request.urlopen(f"{url}/-/ready", timeout=1):  # noqa: S310 - localhost
+                    break
+            except OSError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(20)
