@@ -197,19 +197,27 @@ def node_run(*, node_id: int) -> None:
             error="the worker was lost mid-operation; the reconciler reads the node's state",
         )
         node = Node.objects.get(pk=node_id)
-        while (
-            op := node.operations.filter(status=Operation.Status.QUEUED)
-            .order_by("seq", "id")
-            .first()
-        ):
-            if op.requested_by == "system:reconciler" and not _still_wanted(node, op):
-                node.operations.filter(status=Operation.Status.QUEUED).update(
-                    status=Operation.Status.CANCELLED,
-                    finished_at=timezone.now(),
-                    error="superseded: the desired state changed after this was planned",
-                )
-                break
-            _execute(node, op)
+        queued = node.operations.filter(status=Operation.Status.QUEUED).order_by("seq", "id")
+        while op := queued.first():
+            if op.requested_by == RECONCILER and not _still_wanted(node, op):
+                _cancel_plan(op, "superseded: the desired state changed after this was planned")
+                continue
+            if not lease.held:
+                return  # the heartbeat lost the node: another worker may own it now
+            status = _execute(node, op)
+            if op.requested_by == RECONCILER and status != Operation.Status.SUCCEEDED:
+                # Later steps of a make-before-break plan assume this one worked.
+                _cancel_plan(op, f"not run: step {op.seq} ({op.kind} {op.model_name}) {status}")
+
+
+def _cancel_plan(op: Operation, why: str) -> None:
+    """Cancel what is still queued of `op`'s plan; people's own operations stay queued."""
+    Operation.objects.filter(
+        node_id=op.node_id,
+        status=Operation.Status.QUEUED,
+        requested_by=RECONCILER,
+        plan_digest=op.plan_digest,
+    ).update(status=Operation.Status.CANCELLED, finished_at=timezone.now(), error=why)
 
 
 def _still_wanted(node: Node, op: Operation) -> bool:

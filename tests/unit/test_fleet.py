@@ -196,3 +196,40 @@ def test_an_operation_left_running_by_a_dead_worker_becomes_unknown(node: Node) 
     node_run(node_id=node.pk)
     orphan.refresh_from_db()
     assert orphan.status == "unknown" and "worker was lost" in orphan.error
+
+
+def test_a_refused_step_cancels_the_rest_of_its_plan_but_not_a_persons_operation(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from apps.fleet.desired import plan_digest
+    from apps.fleet.operations import node_run
+    from apps.fleet.triton import TritonClient, TritonRejected
+
+    def refuse(self: TritonClient, model: str, *, config_json: str | None = None) -> None:
+        raise TritonRejected(self.node, f"load failed for model '{model}'")
+
+    monkeypatch.setattr(TritonClient, "load", refuse)  # the boundary: Triton says no
+    deployment_set(model_name="rag_pipeline", version=1, node=node, actor="system:test")
+    digest = plan_digest(node_desired(node))
+    plan = [
+        Operation.objects.create(
+            node=node,
+            kind="load",
+            model_name=name,
+            versions=[1],
+            plan_digest=digest,
+            seq=seq,
+            requested_by="system:reconciler",
+        )
+        for seq, name in enumerate(["embedder", "rag_pipeline"])
+    ]
+    person = Operation.objects.create(
+        node=node, kind="unload", model_name="mystery", seq=5, requested_by="ops"
+    )
+    monkeypatch.setattr(TritonClient, "unload", lambda *args, **kwargs: None)
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])
+    node_run(node_id=node.pk)
+    first, second = (Operation.objects.get(pk=op.pk) for op in plan)
+    assert first.status == "failed" and "load failed for model 'embedder'" in first.error
+    assert second.status == "cancelled" and "step 0 (load embedder) failed" in second.error
+    assert Operation.objects.get(pk=person.pk).status == "succeeded"
