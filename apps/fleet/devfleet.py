@@ -63,6 +63,11 @@ class FleetState:
         }
 
     @property
+    def processes(self) -> list[Proc]:
+        """Everything this fleet started: the nodes, then Prometheus."""
+        return [*self.nodes, *([self.prometheus] if self.prometheus else [])]
+
+    @property
     def prometheus_url(self) -> str:
         assert self.prometheus is not None
         return f"http://127.0.0.1:{self.prometheus.ports['web']}"
@@ -100,10 +105,7 @@ class Devfleet:
         self, *, nodes: int, pool: str, base_port: int | None, prometheus_port: int | None
     ) -> FleetState:
         state = self.state()
-        if any(
-            proc.running
-            for proc in [*state.nodes, *([state.prometheus] if state.prometheus else [])]
-        ):
+        if any(proc.running for proc in state.processes):
             raise DevfleetError(
                 f"a fleet is already running (see {self.state_file}); run `devfleet down` first"
             )
@@ -154,7 +156,7 @@ class Devfleet:
         """Stop what `up` started; returns one line per process saying what happened."""
         state = self.state()
         lines = []
-        for proc in [*state.nodes, *([state.prometheus] if state.prometheus else [])]:
+        for proc in state.processes:
             if not proc.running:
                 lines.append(f"{proc.name}: not running (pid {proc.pid})")
                 continue

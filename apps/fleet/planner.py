@@ -32,7 +32,8 @@ class Action:
 def plan(
     desired: dict[str, DesiredModel], observed: dict[str, Observed], managed: dict[str, bool]
 ) -> list[Action]:
-    """`managed` maps every registry model to whether it is an ensemble; others are unmanaged."""
+    """`managed` maps the models the reconciler may unload (those it loaded on this node) to
+    whether each is an ensemble; any other model on the node is left alone."""
     first: list[Action] = []
     narrow: list[Action] = []
     for model in sorted(desired.values(), key=lambda m: (m.depth, m.name)):

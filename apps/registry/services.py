@@ -24,20 +24,25 @@ class RegistryError(Exception):
         super().__init__("; ".join(str(p) for p in problems))
 
 
-def config_check(
-    text: str,
-    *,
-    model_name: str = "",
-    source: str = "config.pbtxt",
-    resolve: Resolver | None = None,
+def config_parse(
+    text: str, *, model_name: str = "", source: str = "config.pbtxt"
 ) -> tuple[Any | None, list[Problem]]:
-    """Parse and validate a config.pbtxt: the config (None on a syntax error) and every problem."""
+    """Parse a config.pbtxt: the config, or None and the syntax error with its line and column."""
     try:
-        config = parse_pbtxt(text, source=source)
+        return parse_pbtxt(text, source=source), []
     except ConfigSyntaxError as exc:
         where = f"line {exc.line}, column {exc.column}"
         return None, [Problem("error", model_name or source, where, exc.args[0].split(": ", 1)[-1])]
-    return config, config_problems(config, expected_name=model_name, resolve=resolve)
+
+
+def config_check(
+    text: str, *, model_name: str = "", source: str = "config.pbtxt"
+) -> tuple[Any | None, list[Problem]]:
+    """Parse and validate a config.pbtxt: the config (None on a syntax error) and every problem."""
+    config, problems = config_parse(text, model_name=model_name, source=source)
+    if config is None:
+        return None, problems
+    return config, config_problems(config, expected_name=model_name)
 
 
 def config_problems(
@@ -84,8 +89,8 @@ def version_create(
     resolve: Resolver | None = None,
 ) -> ModelVersion:
     """Register a new version; refuses (storing nothing) when Triton would refuse the config."""
-    problems = errors(config_problems(config, expected_name=model_name, resolve=resolve))
-    if problems:
+    problems = config_problems(config, expected_name=model_name, resolve=resolve)
+    if errors(problems):
         raise RegistryError(problems)
     kind = Model.Kind.ENSEMBLE if is_ensemble(config) else Model.Kind.STANDALONE
     model, _ = Model.objects.get_or_create(

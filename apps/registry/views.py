@@ -22,10 +22,12 @@ from apps.registry.services import (
     RegistryError,
     compatibility_breaks,
     config_check,
+    config_parse,
     config_problems,
     version_create,
     version_set_status,
 )
+from apps.registry.validation import errors
 from controlplane.htmx import HtmxHttpRequest
 
 MAX_UPLOAD_BYTES = 20 * 1024 * 1024
@@ -129,8 +131,9 @@ def version_new(request: HttpRequest, name: str) -> HttpResponse:
     if request.method == "POST":
         form = VersionForm(request.POST)
         if form.is_valid():
-            config, problems = config_check(form.cleaned_data["pbtxt"], model_name=name)
-            if config is not None and not [p for p in problems if p.level == "error"]:
+            # Parsed here, validated once by the service, which refuses with every problem.
+            config, problems = config_parse(form.cleaned_data["pbtxt"], model_name=name)
+            if config is not None:
                 try:
                     created = version_create(
                         model_name=name,
@@ -168,7 +171,7 @@ def version_validate(request: HtmxHttpRequest, name: str) -> HttpResponse:
     text = request.POST.get("pbtxt", "")[:200_000]
     config, problems = config_check(text, model_name=name)
     breaks = []
-    if config is not None and not [p for p in problems if p.level == "error"]:
+    if config is not None and not errors(problems):
         breaks = compatibility_breaks(model_name=name, config=config)
     return render(
         request,

@@ -97,7 +97,7 @@ class Command(BaseCommand):
 
     def _status(self, fleet: Devfleet, **options: object) -> None:
         state = fleet.state()
-        for proc in [*state.nodes, *([state.prometheus] if state.prometheus else [])]:
+        for proc in state.processes:
             status = "running" if proc.running else "stopped"
             ports = " ".join(f"{k}={v}" for k, v in proc.ports.items())
             self.stdout.write(f"{proc.name:<12} pid {proc.pid:<8} {status:<8} {ports}")
