@@ -4,7 +4,7 @@ from collections import defaultdict
 
 from apps.fleet.models import Node
 from apps.fleet.triton import TritonClient
-from apps.registry.codec import from_dict
+from apps.registry.codec import from_dict, without_version_policy
 from apps.registry.imports import Candidate, ImportResult, candidates_import
 from apps.registry.services import Actor
 
@@ -19,8 +19,9 @@ def node_import(*, node: Node, actor: Actor, dry_run: bool = False) -> list[Impo
     for model, numbers in sorted(versions.items()):
         # Triton keeps one config per model; every loaded version runs with it. Fields newer than
         # our schema (a newer server) are dropped rather than refused.
-        config = from_dict(client.model_config(model), ignore_unknown_fields=True)
-        config.ClearField("version_policy")
+        config = without_version_policy(
+            from_dict(client.model_config(model), ignore_unknown_fields=True)
+        )
         candidates.append(
             Candidate(
                 name=model,

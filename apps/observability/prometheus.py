@@ -44,13 +44,11 @@ def _connection(url: str, timeout: int) -> PrometheusConnect:
 def _call(method: str, *args: Any, **kwargs: Any) -> Any:
     try:
         return getattr(_connect(), method)(*args, **kwargs)
-    except requests.Timeout as exc:
-        reason = f"no answer within {settings.PROMETHEUS_TIMEOUT_S:g} s"
-        raise PrometheusUnavailable(
-            f"Prometheus at {settings.PROMETHEUS_URL} did not answer: {reason}."
-        ) from exc
     except requests.RequestException as exc:
-        reason = "connection failed"
+        if isinstance(exc, requests.Timeout):
+            reason = f"no answer within {settings.PROMETHEUS_TIMEOUT_S:g} s"
+        else:
+            reason = "connection failed"
         raise PrometheusUnavailable(
             f"Prometheus at {settings.PROMETHEUS_URL} did not answer: {reason}."
         ) from exc
