@@ -65,6 +65,7 @@ def database_from_url(name: str, default: str, base_dir: Path) -> dict[str, obje
         if not path.name:
             raise ImproperlyConfigured(f"{name}={raw!r} names no SQLite file.")
         path = path if path.is_absolute() else base_dir / path
+        path.parent.mkdir(parents=True, exist_ok=True)  # var/ does not exist in a fresh clone
         return {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": str(path),

@@ -8,7 +8,6 @@ from django.utils import timezone
 from apps.audit.models import AuditEvent
 from apps.audit.selectors import audit_event_list
 from apps.observability.charts import metric_chart
-from apps.observability.markers import change_markers
 
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
 
@@ -26,7 +25,7 @@ def timeline(request: HttpRequest) -> HttpResponse:
     end = timezone.now()
     start = end - WINDOWS[window]
     events = list(AuditEvent.objects.filter(created_at__gte=start).order_by("created_at", "id"))
-    chart = metric_chart("p99", start=start, end=end, markers=change_markers(start=start, end=end))
+    chart = metric_chart("p99", start=start, end=end)
     return render(
         request,
         "audit/timeline.html",

@@ -1,20 +1,13 @@
 """Plotly figures from Prometheus series, with vertical markers for what changed."""
 
 import json
-import math
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from apps.observability.catalog import METRICS, build_query, step_for
+from apps.observability.markers import Marker, change_markers
 from apps.observability.prometheus import PrometheusUnavailable, Series, range_query
-
-
-@dataclass(frozen=True)
-class Marker:
-    at: datetime
-    text: str  # the whole story, on hover
-    label: str = ""  # a few words on the chart
 
 
 @dataclass(frozen=True)
@@ -46,8 +39,8 @@ def figure(
     traces = [
         {
             "type": "scatter",
-            "x": [_iso(t) for t in each.times],
-            "y": [None if math.isnan(v) else v for v in each.values],
+            "x": [int(t * 1000) for t in each.times],  # a date axis reads Unix milliseconds
+            "y": each.values,
             "mode": "lines+markers",
             "marker": {"size": 4},
             "name": series_name(each.labels),
@@ -111,8 +104,9 @@ def metric_chart(
     model: str = "",
     pool: str = "",
     node: str = "",
-    markers: list[Marker] | None = None,
 ) -> Chart:
+    """One metric over [start, end], every change to `model` or `node` (or to anything, when
+    neither is given) marked on it."""
     metric = METRICS[key]
     step = step_for((end - start).total_seconds())
     query = build_query(metric, model=model, pool=pool, node=node, window_s=max(30, 4 * step))
@@ -121,12 +115,16 @@ def metric_chart(
     except PrometheusUnavailable as exc:
         return Chart(title=metric.title, message=str(exc))
     # A summary quantile is NaN while a model gets no requests: such a series has nothing to draw.
-    series = [s for s in series if any(not math.isnan(v) for v in s.values)]
+    series = [s for s in series if any(v is not None for v in s.values)]
     if not series:
         return Chart(title=metric.title, message="No data in this range.")
-    fig = figure(series, unit=metric.unit, markers=markers or [], start=start, end=end)
+    markers = change_markers(start=start, end=end, model=model, node=node)
+    fig = figure(series, unit=metric.unit, markers=markers, start=start, end=end)
     # Escaped so that no label value can close the <script type="application/json"> it sits in.
     safe_json = (
-        json.dumps(fig).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+        json.dumps(fig, separators=(",", ":"))
+        .replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
     )
     return Chart(title=metric.title, figure_json=safe_json)

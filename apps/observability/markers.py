@@ -1,13 +1,27 @@
 """What changed, from the audit trail, as vertical markers on charts."""
 
+from dataclasses import dataclass
 from datetime import datetime
 
-from django.db.models import Q
-
 from apps.audit.models import AuditEvent
-from apps.observability.charts import Marker
 
-CHANGES = ("deployment.", "operation.load", "operation.unload", "operation.reload", "rollout.")
+
+@dataclass(frozen=True)
+class Marker:
+    at: datetime
+    text: str  # the whole story, on hover
+    label: str = ""  # a few words on the chart
+
+
+# What changes what a node serves. Listed, not matched by prefix: one IN is several times
+# cheaper to build than ORed LIKEs, and a chart pays it on every refresh.
+CHANGES = [
+    "deployment.set",
+    "deployment.remove",
+    "operation.load",
+    "operation.unload",
+    "operation.reload",
+]
 MAX_MARKERS = 60
 
 
@@ -16,10 +30,9 @@ def change_markers(
 ) -> list[Marker]:
     """Deployments, operations and rollout steps in [start, end]; only `model`'s or `node`'s when
     given. Targets name both (`pool:demo:rag_pipeline`, `node:demo-1:embedder`)."""
-    kinds = Q()
-    for prefix in CHANGES:
-        kinds |= Q(action__startswith=prefix)
-    events = AuditEvent.objects.filter(kinds, created_at__range=(start, end), result="ok")
+    events = AuditEvent.objects.filter(
+        action__in=CHANGES, created_at__range=(start, end), result="ok"
+    )
     if model:
         events = events.filter(target__endswith=f":{model}")
     if node:

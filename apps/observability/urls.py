@@ -6,4 +6,5 @@ app_name = "observability"
 urlpatterns = [
     path("", views.metrics, name="metrics"),
     path("breakdown/<str:name>/", views.breakdown, name="breakdown"),
+    path("tiles/", views.tiles, name="tiles"),
 ]

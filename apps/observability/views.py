@@ -8,8 +8,8 @@ from apps.fleet.models import Node, NodePool
 from apps.observability.breakdown import serving_version, step_breakdown, worst_p99_ms
 from apps.observability.catalog import METRICS
 from apps.observability.charts import Chart, metric_chart
-from apps.observability.markers import change_markers
 from apps.observability.prometheus import PrometheusUnavailable
+from apps.observability.tiles import fleet_tiles
 from apps.registry.codec import ensemble_steps, from_dict
 from apps.registry.models import Model, ModelVersion
 from apps.registry.selectors import registry_resolver
@@ -25,6 +25,7 @@ RANGES = {
 
 
 MAX_SPAN = timedelta(days=30)
+REFRESH_S = 15
 
 
 def chart_window(params: dict[str, str]) -> tuple[datetime, datetime] | str:
@@ -63,6 +64,8 @@ def metrics(request: HtmxHttpRequest) -> HttpResponse:
         "model": model,
         "pool": pool,
         "node": node,
+        "refresh": request.GET.get("refresh") == "on",
+        "refresh_s": REFRESH_S,
         "models": Model.objects.values_list("name", flat=True),
         "pools": NodePool.objects.values_list("name", flat=True),
         "nodes": Node.objects.values_list("name", flat=True),
@@ -74,11 +77,19 @@ def metrics(request: HtmxHttpRequest) -> HttpResponse:
         context["chart"] = Chart(title=METRICS[metric].title, message=window)
     else:
         start, end = window
-        markers = change_markers(start=start, end=end, model=model, node=node)
         context["chart"] = metric_chart(
-            metric, start=start, end=end, model=model, pool=pool, node=node, markers=markers
+            metric, start=start, end=end, model=model, pool=pool, node=node
         )
     return render(request, "observability/metrics.html#chart", context)
+
+
+def tiles(request: HttpRequest) -> HttpResponse:
+    """The overview's live tiles (a fragment the overview polls)."""
+    try:
+        context: dict[str, object] = {"tiles": fleet_tiles()}
+    except PrometheusUnavailable as exc:
+        context = {"error": str(exc)}
+    return render(request, "observability/partials/tiles.html", context)
 
 
 def breakdown(request: HttpRequest, name: str) -> HttpResponse:

@@ -56,6 +56,15 @@ def test_p99_chart_draws_redraws_and_marks_a_deployment_made_in_the_product(
     page.get_by_label("Range").select_option("1h")
     page.wait_for_function("el => !el.isConnected", arg=drawn)  # the old figure was swapped out
     expect(chart.locator("svg.main-svg").first).to_be_visible(timeout=20_000)
+    page.get_by_label("Auto-refresh").check()
+    expect(chart).to_have_attribute("hx-trigger", "every 15s")
+    expect(chart.locator("svg.main-svg").first).to_be_visible(timeout=20_000)
     screenshot(page, "metrics-p99")
+
+    page.goto(f"{live_server}/")
+    tiles = page.locator("#live-tiles")
+    expect(tiles).to_contain_text("req/s", timeout=20_000)
+    expect(tiles).to_contain_text("budget")
+    screenshot(page, "overview")
     assert page.console_errors == []  # type: ignore[attr-defined]
     traffic.join()

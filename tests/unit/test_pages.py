@@ -136,3 +136,16 @@ def test_markers_are_the_changes_to_the_chosen_model(db: None) -> None:
     )
     assert [m.label for m in change_markers(**window, node="demo-1")] == ["load embedder"]
     assert len(change_markers(**window)) == 2
+
+
+def test_auto_refresh_makes_the_chart_fetch_itself_again(
+    client: Client, viewer: User, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    client.force_login(viewer)
+    url = "/metrics/?metric=p99&range=1h"
+    plain = client.get(url, headers={"HX-Request": "true"}).content.decode()
+    assert "hx-trigger" not in plain
+    refreshing = client.get(f"{url}&refresh=on", headers={"HX-Request": "true"}).content.decode()
+    assert 'hx-trigger="every 15s"' in refreshing
+    assert 'hx-get="/metrics/?metric=p99&amp;range=1h&amp;refresh=on"' in refreshing
