@@ -130,10 +130,16 @@ CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 FLEET_POLL_INTERVAL_S = env_float("FLEET_POLL_INTERVAL_S", 5.0)
 FLEET_RECONCILE_INTERVAL_S = env_float("FLEET_RECONCILE_INTERVAL_S", 10.0)
+ROLLOUT_TICK_S = env_float("ROLLOUT_TICK_S", 2.0)
 CELERY_BEAT_SCHEDULE = {
     "poll-nodes": {"task": "fleet.poll_nodes", "schedule": FLEET_POLL_INTERVAL_S},
     "reconcile": {"task": "fleet.reconcile_all", "schedule": FLEET_RECONCILE_INTERVAL_S},
+    "rollouts": {"task": "rollouts.advance_all", "schedule": ROLLOUT_TICK_S},
 }
+# Slack-compatible webhook told about rollouts (start, steps, pauses, failures, rollbacks,
+# success); empty: none. Links in its messages start with SITE_URL.
+ROLLOUT_WEBHOOK_URL = env_str("ROLLOUT_WEBHOOK_URL", "")
+SITE_URL = env_str("SITE_URL", "http://127.0.0.1:8000").rstrip("/")
 
 # Local model repositories whose files a release download may include (artifacts are free text).
 REGISTRY_ARTIFACT_ROOTS = env_list("REGISTRY_ARTIFACT_ROOTS", [str(BASE_DIR / "deploy" / "models")])

@@ -22,3 +22,19 @@ document.addEventListener("htmx:confirm", function (event) {
   var choice = select ? select.options[select.selectedIndex].text : "";
   if (window.confirm(form.dataset.confirm.replace("{choice}", choice))) event.detail.issueRequest(true);
 });
+
+// Times are stored and sent in UTC; each viewer reads them in their own zone (UTC on hover).
+(function () {
+  function localise(root) {
+    root.querySelectorAll("time[datetime]:not([data-local])").forEach(function (el) {
+      var at = new Date(el.getAttribute("datetime"));
+      if (isNaN(at)) return;
+      el.title = el.textContent.trim() + " UTC";
+      var date = at.toLocaleDateString("sv-SE"), time = at.toLocaleTimeString("sv-SE");
+      el.textContent = el.textContent.trim().length > 8 ? date + " " + time : time;
+      el.dataset.local = "1";
+    });
+  }
+  window.addEventListener("DOMContentLoaded", function () { localise(document); });
+  document.addEventListener("htmx:afterSettle", function (event) { localise(event.target); });
+})();

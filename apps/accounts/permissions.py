@@ -36,6 +36,7 @@ def require(permission: str, action: str) -> Callable[[View], View]:
             context = {"permission": permission, "action": action}
             return render(request, "403.html", context, status=403)
 
+        wrapped.required = (permission, action)  # type: ignore[attr-defined]  # for tests/unit/test_audit.py
         return wrapped
 
     return decorator

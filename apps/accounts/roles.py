@@ -22,7 +22,12 @@ ROLE_GRANTS: dict[Role, list[str]] = {
         "rollouts.view_rollout",
         "audit.view_auditevent",
     ],
-    Role.OPERATOR: ["fleet.operate_node", "fleet.add_node", "fleet.change_node"],
+    Role.OPERATOR: [
+        "fleet.operate_node",
+        "fleet.add_node",
+        "fleet.change_node",
+        "rollouts.rollback_release",  # on-call rolls back without waiting for a release manager
+    ],
     Role.RELEASE_MANAGER: [
         "registry.add_model",
         "registry.add_modelversion",

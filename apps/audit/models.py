@@ -12,8 +12,10 @@ class AuditEvent(models.Model):
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.CharField(max_length=150, help_text="username, or system:<component>")
+    # PROTECT: the trail is append-only (a database trigger on PostgreSQL), so a user with events
+    # is deactivated, never deleted.
     user = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT
     )
     action = models.CharField(max_length=80, db_index=True)
     target = models.CharField(max_length=200, db_index=True)

@@ -1,33 +1,167 @@
-from datetime import timedelta
+import csv
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 from django.core.paginator import Paginator
-from django.http import HttpRequest, HttpResponse
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.shortcuts import render
+from django.template.loader import render_to_string
+from django.urls import reverse
 from django.utils import timezone
+from django.utils.http import urlencode
 
 from apps.audit.models import AuditEvent
-from apps.audit.selectors import audit_event_list
+from apps.audit.selectors import audit_event_list, what_changed
 from apps.observability.charts import metric_chart
+from apps.rollouts.models import Rollout
 
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
+FILTERS = ("actor", "action", "target", "since", "until")
+COLUMNS = ["time", "actor", "action", "target", "result", "before", "after", "message"]
+
+
+def _moment(text: str) -> datetime | None:
+    """An ISO date and time in UTC (as the filters and permalinks write it), or None."""
+    try:
+        return datetime.fromisoformat(text).replace(tzinfo=UTC) if text else None
+    except ValueError:
+        return None
+
+
+def _filtered(request: HttpRequest) -> tuple[dict[str, str], list[str], QuerySet[AuditEvent]]:
+    filters = {key: request.GET.get(key, "").strip() for key in FILTERS}
+    bad = [key for key in ("since", "until") if filters[key] and _moment(filters[key]) is None]
+    events = audit_event_list(
+        actor=filters["actor"],
+        action=filters["action"],
+        target=filters["target"],
+        since=_moment(filters["since"]),
+        until=_moment(filters["until"]),
+    )
+    return filters, bad, events
 
 
 def audit_list(request: HttpRequest) -> HttpResponse:
-    filters = {key: request.GET.get(key, "").strip() for key in ("actor", "action", "target")}
-    page = Paginator(audit_event_list(**filters), 50).get_page(request.GET.get("page"))
-    return render(request, "audit/audit_list.html", {"page": page, "filters": filters})
+    filters, bad, events = _filtered(request)
+    page = Paginator(events, 50).get_page(request.GET.get("page"))
+    errors = [f"{key}: expected a date and time such as 2026-11-29T14:05 (UTC)" for key in bad]
+    query = urlencode({k: v for k, v in filters.items() if v})
+    context = {"page": page, "filters": filters, "errors": errors, "query": query}
+    return render(request, "audit/audit_list.html", context)
+
+
+def _row(event: AuditEvent) -> dict[str, object]:
+    return {
+        "time": event.created_at.isoformat(),
+        "actor": event.actor,
+        "action": event.action,
+        "target": event.target,
+        "result": event.result,
+        "before": event.before,
+        "after": event.after,
+        "message": event.message,
+    }
+
+
+def audit_export(request: HttpRequest, fmt: str) -> StreamingHttpResponse:
+    """The filtered trail, oldest first, as CSV or JSON, streamed: a long trail never sits in
+    memory whole."""
+    _, _, events = _filtered(request)
+    rows = (_row(e) for e in events.order_by("created_at", "id").iterator())
+    body, kind = (
+        (_csv(rows), "text/csv; charset=utf-8")
+        if fmt == "csv"
+        else (_json(rows), "application/json")
+    )
+    response = StreamingHttpResponse(body, content_type=kind)
+    stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
+    response["Content-Disposition"] = f'attachment; filename="audit-{stamp}.{fmt}"'
+    return response
+
+
+class _Line:
+    """A file-like target for csv.writer that hands each written line back."""
+
+    def write(self, value: str) -> str:
+        return value
+
+
+def _csv(rows: Iterator[dict[str, object]]) -> Iterator[str]:
+    writer = csv.writer(_Line())
+    yield writer.writerow(COLUMNS)
+    for row in rows:
+        row["before"], row["after"] = json.dumps(row["before"]), json.dumps(row["after"])
+        yield writer.writerow([row[column] for column in COLUMNS])
+
+
+def _json(rows: Iterator[dict[str, object]]) -> Iterator[str]:
+    yield "["
+    for index, row in enumerate(rows):
+        yield ("," if index else "") + json.dumps(row)
+    yield "]"
+
+
+def _window(request: HttpRequest) -> tuple[datetime, datetime, str, str, str]:
+    """(start, end, model, title, preset): a preset before now, an absolute start and end (a
+    permalink), or a rollout's span with five minutes either side."""
+    end = timezone.now()
+    start_at, end_at = _moment(request.GET.get("start", "")), _moment(request.GET.get("end", ""))
+    if start_at and end_at and start_at < end_at:
+        return start_at, end_at, request.GET.get("model", ""), "", ""
+    wanted = request.GET.get("rollout", "")
+    rollout = Rollout.objects.filter(pk=int(wanted)).first() if wanted.isdigit() else None
+    if rollout is not None:
+        margin = timedelta(minutes=5)
+        start, end = rollout.created_at - margin, min(end, (rollout.finished_at or end) + margin)
+        return start, end, rollout.model.name, f"rollout #{rollout.pk}: {rollout}", ""
+    preset = request.GET.get("window", "1h")
+    preset = preset if preset in WINDOWS else "1h"
+    return end - WINDOWS[preset], end, "", f"last {preset}", preset
+
+
+def _timeline_context(request: HttpRequest) -> dict[str, object]:
+    start, end, model, title, preset = _window(request)
+    events = list(
+        AuditEvent.objects.filter(created_at__range=(start, end)).order_by("created_at", "id")
+    )
+    fixed = {"start": f"{start:%Y-%m-%dT%H:%M:%S}", "end": f"{end:%Y-%m-%dT%H:%M:%S}"}
+    fixed |= {"model": model} if model else {}
+    permalink = request.build_absolute_uri(f"{reverse('audit:timeline')}?{urlencode(fixed)}")
+    return {
+        "events": events,
+        "changes": what_changed(events),
+        "start": start,
+        "end": end,
+        "model": model,
+        "title": title or f"{start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S} UTC",
+        "window": preset,
+        "windows": WINDOWS,
+        "permalink": permalink,
+        "report": f"{reverse('audit:timeline_report')}?{urlencode(fixed)}",
+    }
 
 
 def timeline(request: HttpRequest) -> HttpResponse:
-    """What changed in a window, oldest first, over the fleet's P99 with every change marked."""
-    window = request.GET.get("window", "1h")
-    window = window if window in WINDOWS else "1h"
-    end = timezone.now()
-    start = end - WINDOWS[window]
-    events = list(AuditEvent.objects.filter(created_at__gte=start).order_by("created_at", "id"))
-    chart = metric_chart("p99", start=start, end=end)
-    return render(
-        request,
-        "audit/timeline.html",
-        {"events": events, "chart": chart, "window": window, "windows": WINDOWS},
-    )
+    """What changed in a window, oldest first, over P99 with every change marked."""
+    context = _timeline_context(request)
+    start, end = context["start"], context["end"]
+    context["chart"] = metric_chart("p99", start=start, end=end, model=str(context["model"]))  # type: ignore[arg-type]
+    return render(request, "audit/timeline.html", context)
+
+
+def timeline_report(request: HttpRequest) -> HttpResponse:
+    """The same window as Markdown, ready to paste into a postmortem."""
+    context = _timeline_context(request)
+    context["cells"] = [  # one line each, and no stray "|" to break the table
+        {
+            key: " ".join(str(value).split()).replace("|", "\\|")
+            for key, value in _row(event).items()
+        }
+        for event in context["events"]  # type: ignore[attr-defined]
+    ]
+    text = render_to_string("audit/timeline_report.md", context, request)
+    response = HttpResponse(text, content_type="text/markdown; charset=utf-8")
+    response["Content-Disposition"] = 'attachment; filename="incident-timeline.md"'
+    return response

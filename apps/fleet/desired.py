@@ -49,14 +49,14 @@ def node_desired(node: Node) -> dict[str, DesiredModel]:
     wanted: dict[str, dict[int, Any]] = {}  # model -> version -> config
     resolve = registry_resolver()
     for name, deployment in deployments.items():
-        found = ModelVersion.objects.filter(model__name=name, version=deployment.version).first()
-        if found is None:
-            raise DesiredStateError(
-                f"{deployment}: {name} v{deployment.version} is not in the registry"
-            )
-        config = from_dict(found.config)
-        wanted.setdefault(name, {})[deployment.version] = config
-        pending = list(ensemble_steps(config))
+        numbers = [v for v in (deployment.version, deployment.baseline_version) if v]
+        found = ModelVersion.objects.filter(model__name=name, version__in=numbers)
+        configs = {v.version: from_dict(v.config) for v in found}
+        missing = [v for v in numbers if v not in configs]
+        if missing:
+            raise DesiredStateError(f"{deployment}: {name} v{missing[0]} is not in the registry")
+        wanted.setdefault(name, {}).update(configs)
+        pending = [step for config in configs.values() for step in ensemble_steps(config)]
         while pending:  # nested ensembles bring their own steps
             step, pinned = pending.pop()
             resolved = resolve(step, pinned)

@@ -168,31 +168,37 @@ class Devfleet:
         self.state_file.unlink(missing_ok=True)
         return lines
 
-    def kill_node(self, name: str) -> Proc:
-        """SIGKILL one node, as a crash would (for drills and tests)."""
-        proc = self._node(name)
+    def kill(self, name: str) -> Proc:
+        """SIGKILL one node, or Prometheus, as a crash would (for drills and tests)."""
+        proc = self._proc(name)
         if proc.running:
             os.killpg(proc.pid, signal.SIGKILL)
             _wait_gone(proc, 10.0)
         return proc
 
-    def restart_node(self, name: str) -> Proc:
-        """Start a stopped node again with its recorded command line and ports."""
+    def restart(self, name: str) -> Proc:
+        """Start a stopped node (or Prometheus) again with its recorded command line and ports;
+        Prometheus keeps the data it had."""
         state = self.state()
-        old = self._node(name)
+        old = self._proc(name)
         if old.running:
             raise DevfleetError(f"{name} is still running (pid {old.pid})")
+        if state.prometheus is not None and name == state.prometheus.name:
+            state.prometheus = proc = self._spawn(name, old.argv, old.ports)
+            self._save(state)
+            _wait_http(f"{state.prometheus_url}/-/ready", proc)
+            return proc
         proc = self._spawn(name, old.argv, old.ports, _triton_env())
         state.nodes = [proc if n.name == name else n for n in state.nodes]
         self._save(state)
         _wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
         return proc
 
-    def _node(self, name: str) -> Proc:
-        for proc in self.state().nodes:
+    def _proc(self, name: str) -> Proc:
+        for proc in self.state().processes:
             if proc.name == name:
                 return proc
-        raise DevfleetError(f"no node named {name} in {self.state_file}")
+        raise DevfleetError(f"no node or process named {name} in {self.state_file}")
 
     def _spawn(
         self, name: str, argv: list[str], ports: dict[str, int], env: dict[str, str] | None = None

@@ -66,6 +66,11 @@ class Deployment(models.Model):
     )
     model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="deployments")
     version = models.PositiveIntegerField()
+    baseline_version = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="kept READY beside `version`, a canary's baseline: a rollback only narrows",
+    )
     created_by = models.CharField(max_length=150)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -85,7 +90,8 @@ class Deployment(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.model.name} v{self.version} on {self.pool or self.node}"
+        beside = f" beside v{self.baseline_version}" if self.baseline_version else ""
+        return f"{self.model.name} v{self.version}{beside} on {self.pool or self.node}"
 
     @property
     def target(self) -> str:

@@ -36,14 +36,22 @@ def plan(
     whether each is an ensemble; any other model on the node is left alone."""
     first: list[Action] = []
     narrow: list[Action] = []
+    held: set[str] = set()  # models this plan cannot bring to their wanted versions
     for model in sorted(desired.values(), key=lambda m: (m.depth, m.name)):
         seen = observed.get(model.name, Observed(frozenset()))
         wanted = frozenset(model.versions)
-        if seen.busy or (seen.ready == wanted and seen.digest == model.digest):
+        if seen.busy or held & _steps(model):
+            # Busy, or a step is not ready for it: Triton would refuse the ensemble, and a
+            # refused config is not retried. The next pass plans it.
+            held.add(model.name)
+            continue
+        if seen.ready == wanted and seen.digest == model.digest:
             continue
         final = Action("load", model.name, model.versions, model.config, model.digest)
         if model.ensemble or not seen.ready - wanted:
-            if final.digest not in seen.failed:
+            if final.digest in seen.failed:
+                held.add(model.name)
+            else:
                 first.append(final)
             continue
         # Narrowing waits until the ensembles have switched; missing versions load first, beside
@@ -53,6 +61,7 @@ def plan(
             config = with_versions(model.config, list(versions))
             union = Action("load", model.name, versions, config, digest(config))
             if union.digest in seen.failed:
+                held.add(model.name)
                 continue
             first.append(union)
         if final.digest not in seen.failed:
@@ -65,3 +74,7 @@ def plan(
         if name not in desired and name in managed and seen.ready and not seen.busy
     ]
     return first + narrow + unloads
+
+
+def _steps(model: DesiredModel) -> set[str]:
+    return {s["model_name"] for s in model.config.get("ensemble_scheduling", {}).get("step", [])}

@@ -1,4 +1,5 @@
 from dataclasses import dataclass
+from datetime import datetime
 
 from django.db.models import QuerySet
 
@@ -65,6 +66,26 @@ def node_models(node: Node) -> list[ModelRow]:
         )
         for name in names
     ]
+
+
+def observed_versions(node: Node, model: str) -> tuple[set[int], datetime | None]:
+    """The versions of `model` READY on `node` by the newest reading, the last poll's index or
+    the last operation's read-back, and since when that reading is known."""
+    polled = {
+        int(e["version"])
+        for e in node.index
+        if e["model"] == model and e.get("state") == "READY" and e.get("version")
+    }
+    op = (
+        node.operations.filter(model_name=model, status=Operation.Status.SUCCEEDED)
+        .order_by("-finished_at")
+        .first()
+    )
+    if op is None or op.finished_at is None:
+        return polled, node.last_seen
+    if node.last_seen is None or op.finished_at >= node.last_seen or set(op.versions) == polled:
+        return set(op.versions), op.finished_at
+    return polled, node.last_seen
 
 
 def node_drift(node: Node) -> list[str]:

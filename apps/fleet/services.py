@@ -183,8 +183,10 @@ def deployment_set(
     actor: Actor,
     pool: NodePool | None = None,
     node: Node | None = None,
+    baseline: int | None = None,
 ) -> Deployment:
-    """Desire `model_name` at `version` on a pool (every node) or on one node; idempotent."""
+    """Desire `model_name` at `version` on a pool (every node) or on one node, with `baseline`
+    kept READY beside it when given; idempotent."""
     if (pool is None) == (node is None):
         raise FleetError("a deployment targets a pool or a node")
     found = (
@@ -203,21 +205,24 @@ def deployment_set(
         .filter(model=found.model, pool=pool, node=node)
         .first()
     )
-    if existing is not None and existing.version == version:
+    if baseline is not None and not found.model.versions.filter(version=baseline).exists():
+        raise FleetError(f"{model_name} v{baseline} is not in the registry")
+    same = existing and (existing.version, existing.baseline_version) == (version, baseline)
+    if existing is not None and same:
         return existing  # a double click changes nothing
-    before = {"version": existing.version} if existing else {}
+    before = _versions(existing) if existing else {}
     deployment, _ = Deployment.objects.update_or_create(
         model=found.model,
         pool=pool,
         node=node,
-        defaults={"version": version, "created_by": _name(actor)},
+        defaults={"version": version, "baseline_version": baseline, "created_by": _name(actor)},
     )
     audit_record(
         actor=actor,
         action="deployment.set",
         target=f"{deployment.target}:{model_name}",
         before=before,
-        after={"version": version},
+        after=_versions(deployment),
     )
     _reconcile_later(_target_nodes(pool, node))
     return deployment
@@ -226,7 +231,7 @@ def deployment_set(
 @transaction.atomic
 def deployment_remove(*, deployment_id: int, actor: Actor) -> None:
     deployment = (
-        Deployment.objects.select_for_update()
+        Deployment.objects.select_for_update(of=("self",))  # pool and node are outer joins
         .select_related("model", "pool", "node")
         .get(pk=deployment_id)
     )
@@ -235,7 +240,7 @@ def deployment_remove(*, deployment_id: int, actor: Actor) -> None:
         actor=actor,
         action="deployment.remove",
         target=f"{deployment.target}:{deployment.model.name}",
-        before={"version": deployment.version},
+        before=_versions(deployment),
     )
     deployment.delete()
     _reconcile_later(nodes)
@@ -277,6 +282,13 @@ def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor)
     )
     transaction.on_commit(lambda: enqueue_run(node_id))
     return op
+
+
+def _versions(deployment: Deployment) -> dict[str, int]:
+    found = {"version": deployment.version}
+    if deployment.baseline_version:
+        found["baseline"] = deployment.baseline_version
+    return found
 
 
 def _target_nodes(pool: NodePool | None, node: Node | None) -> list[int]:

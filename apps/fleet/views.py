@@ -1,9 +1,8 @@
 from django.contrib import messages
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404, redirect, render
+from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
-from django_htmx.http import HttpResponseClientRedirect
 
 from apps.accounts.permissions import current_user, require
 from apps.audit.models import AuditEvent
@@ -19,16 +18,9 @@ from apps.fleet.selectors import (
 )
 from apps.fleet.services import FleetError, deployment_remove, deployment_set, operation_request
 from apps.registry.models import Model
-from controlplane.htmx import HtmxHttpRequest
+from controlplane.htmx import HtmxHttpRequest, back
 
 OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
-
-
-def back(request: HttpRequest, url: str) -> HttpResponse:
-    """After a POST: htmx (which asked for the confirmation) navigates, a plain form redirects."""
-    if getattr(request, "htmx", False):
-        return HttpResponseClientRedirect(url)
-    return redirect(url)
 
 
 def overview(request: HttpRequest) -> HttpResponse:

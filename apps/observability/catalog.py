@@ -24,6 +24,15 @@ METRICS = {
             "max by (model, version) "
             '(nv_inference_request_summary_us{{quantile="0.99",{selector}}}) / 1000',
         ),
+        # Per node: how a rollout's canary nodes compare with the rest. (Triton 2.51 labels an
+        # ensemble's own metrics version="1" whatever version served, so a version overlay
+        # cannot show an ensemble's canary.)
+        Metric(
+            "p99_nodes",
+            "P99 latency per node",
+            "ms",
+            'max by (node) (nv_inference_request_summary_us{{quantile="0.99",{selector}}}) / 1000',
+        ),
         Metric(
             "throughput",
             "Throughput",

@@ -18,7 +18,7 @@ class Chart:
 
 
 def series_name(labels: dict[str, str]) -> str:
-    if "model" not in labels and "node" in labels:  # memory: per node, and per GPU
+    if "model" not in labels and "node" in labels:  # per node (and per GPU for memory)
         return " ".join(filter(None, [labels["node"], labels.get("gpu_uuid", "")]))
     parts = [labels.get("model", "all"), f"v{labels['version']}" if "version" in labels else ""]
     parts.append(labels.get("reason", ""))

@@ -21,6 +21,13 @@ CHANGES = [
     "operation.load",
     "operation.unload",
     "operation.reload",
+    "rollout.step",
+    "rollout.promoting",
+    "rollout.succeeded",
+    "rollout.aborting",
+    "rollout.rolled_back",
+    "release.rollback",
+    "release.fallback",
 ]
 MAX_MARKERS = 60
 

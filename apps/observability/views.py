@@ -66,11 +66,12 @@ def metrics(request: HtmxHttpRequest) -> HttpResponse:
         "node": node,
         "refresh": request.GET.get("refresh") == "on",
         "refresh_s": REFRESH_S,
-        "models": Model.objects.values_list("name", flat=True),
-        "pools": NodePool.objects.values_list("name", flat=True),
-        "nodes": Node.objects.values_list("name", flat=True),
     }
     if not request.htmx:
+        # The filters' choices: only the whole page shows them, the chart fragment does not.
+        context["models"] = Model.objects.values_list("name", flat=True)
+        context["pools"] = NodePool.objects.values_list("name", flat=True)
+        context["nodes"] = Node.objects.values_list("name", flat=True)
         return render(request, "observability/metrics.html", context)
     window = chart_window(request.GET.dict())
     if isinstance(window, str):

@@ -17,6 +17,11 @@ class Model(models.Model):
         blank=True,
         help_text="P99 budget: per step for step models, end to end for ensembles",
     )
+    fallback_version = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="a degraded, faster version (say, no reranker) for latency emergencies",
+    )
 
     class Meta:
         ordering = ["name"]

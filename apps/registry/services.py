@@ -180,3 +180,24 @@ def model_set_budget(*, model_name: str, latency_budget_ms: int | None, actor: A
         after={"latency_budget_ms": latency_budget_ms},
     )
     return model
+
+
+@transaction.atomic
+def model_set_fallback(*, model_name: str, version: int | None, actor: Actor) -> Model:
+    """The version on-call switches a pool to in a latency emergency; it must be released."""
+    model = Model.objects.select_for_update().get(name=model_name)
+    released = model.versions.filter(status=ModelVersion.Status.RELEASED)
+    if version is not None and not released.filter(version=version).exists():
+        problem = Problem("error", model_name, "fallback_version", f"v{version} is not released")
+        raise RegistryError([problem])
+    before = model.fallback_version
+    model.fallback_version = version
+    model.save(update_fields=["fallback_version"])
+    audit_record(
+        actor=actor,
+        action="registry.fallback_set",
+        target=f"model:{model_name}",
+        before={"fallback_version": before},
+        after={"fallback_version": version},
+    )
+    return model

@@ -1,11 +1,17 @@
-from django.conf import settings
+from datetime import timedelta
+
 from django.db import models
+from django.db.models import Q
 
 from apps.fleet.models import NodePool
 from apps.registry.models import Model
 
 
 class Rollout(models.Model):
+    """A gray release of `canary_version` over `pool`, step by step, judged against the version
+    the pool ran before (`baseline_version`). All of its state lives in this row, so the
+    controller can be killed and restarted at any point."""
+
     class State(models.TextChoices):
         PENDING = "pending"
         PROGRESSING = "progressing"
@@ -13,21 +19,114 @@ class Rollout(models.Model):
         PROMOTING = "promoting"
         SUCCEEDED = "succeeded"
         ABORTING = "aborting"
-        ROLLED_BACK = "rolled_back"
+        ROLLED_BACK = "rolled_back", "Rolled back"
         FAILED = "failed"
+
+    ACTIVE = [State.PENDING, State.PROGRESSING, State.PAUSED, State.PROMOTING, State.ABORTING]
+    TERMINAL = [State.SUCCEEDED, State.ROLLED_BACK, State.FAILED]
 
     model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="rollouts")
     pool = models.ForeignKey(NodePool, on_delete=models.PROTECT, related_name="rollouts")
     baseline_version = models.PositiveIntegerField()
     canary_version = models.PositiveIntegerField()
+    plan = models.JSONField(help_text='steps: [{"nodes": 1, "hold_s": 60}, {"percent": 100}]')
+    analysis = models.JSONField(default=dict, help_text="thresholds; see rollouts.plans.Analysis")
     state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
-    started_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
-    )
+    step = models.PositiveIntegerField(default=0, help_text="index of the current step in plan")
+    step_started_at = models.DateTimeField(null=True, blank=True, help_text="share applied")
+    step_ready_at = models.DateTimeField(null=True, blank=True, help_text="canary READY on it")
+    canary_nodes = models.JSONField(default=list, blank=True, help_text="nodes given the canary")
+    last_verdict = models.CharField(max_length=15, blank=True)
+    last_measured_at = models.DateTimeField(null=True, blank=True)
+    failures = models.PositiveIntegerField(default=0, help_text="failed measurements so far")
+    errors = models.PositiveIntegerField(default=0, help_text="Prometheus errors in a row")
+    reason = models.TextField(blank=True, help_text="why it paused, was aborted or failed")
+    started_by = models.CharField(max_length=150)
     created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    first_failure_at = models.DateTimeField(null=True, blank=True)
+    rolled_back_at = models.DateTimeField(
+        null=True, blank=True, help_text="read back: every canary node serves the baseline only"
+    )
 
     class Meta:
-        ordering = ["-created_at"]
+        ordering = ["-created_at", "-id"]
+        permissions = [
+            ("rollback_release", "Roll a pool back to its last good release or its fallback")
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["model", "pool"],
+                # ACTIVE spelled out: Meta cannot see the class body (a test checks they agree).
+                condition=Q(
+                    state__in=["pending", "progressing", "paused", "promoting", "aborting"]
+                ),
+                name="one_active_rollout_per_model_and_pool",
+            )
+        ]
 
     def __str__(self) -> str:
-        return f"{self.model} v{self.baseline_version} -> v{self.canary_version} on {self.pool}"
+        return f"{self.model.name} v{self.baseline_version} → v{self.canary_version} on {self.pool}"
+
+    @property
+    def active(self) -> bool:
+        return self.state in self.ACTIVE
+
+    @property
+    def rollback_duration(self) -> timedelta | None:
+        """From the first failing measurement to every canary node serving the baseline only."""
+        if self.first_failure_at and self.rolled_back_at:
+            return self.rolled_back_at - self.first_failure_at
+        return None
+
+
+class Measurement(models.Model):
+    """One analysis query, canary against baseline, with what it was judged against."""
+
+    class Verdict(models.TextChoices):
+        SUCCESS = "success"
+        FAILURE = "failure"
+        INCONCLUSIVE = "inconclusive"
+        ERROR = "error"
+
+    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="measurements")
+    step = models.PositiveIntegerField()
+    taken_at = models.DateTimeField(auto_now_add=True)
+    metric = models.CharField(max_length=120)
+    query = models.TextField(help_text="the PromQL as sent")
+    canary_value = models.FloatField(null=True, blank=True)
+    baseline_value = models.FloatField(null=True, blank=True)
+    threshold = models.FloatField(null=True, blank=True)
+    verdict = models.CharField(max_length=15, choices=Verdict.choices)
+    detail = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-taken_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.metric}: {self.verdict}"
+
+
+class Notification(models.Model):
+    """A webhook message about a rollout; delivered by a worker, retried, never blocking."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        SENT = "sent"
+        FAILED = "failed"
+
+    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="notifications")
+    event = models.CharField(max_length=30)
+    payload = models.JSONField()
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    sent_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.event} ({self.status})"

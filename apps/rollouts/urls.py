@@ -3,4 +3,14 @@ from django.urls import path
 from apps.rollouts import views
 
 app_name = "rollouts"
-urlpatterns = [path("", views.rollout_list, name="rollout_list")]
+urlpatterns = [
+    path("", views.rollout_list, name="rollout_list"),
+    path("new/", views.rollout_new, name="rollout_new"),
+    path("<int:pk>/", views.rollout_detail, name="rollout_detail"),
+    path("<int:pk>/<slug:action>/", views.rollout_act, name="rollout_act"),
+    path(
+        "release/<slug:pool>/<str:model>/<slug:to>/",
+        views.release_switch,
+        name="release_switch",
+    ),
+]

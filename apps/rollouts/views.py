@@ -1,9 +1,140 @@
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+from collections.abc import Callable
 
+from django.contrib import messages
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, render
+from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_POST
+
+from apps.accounts.permissions import current_user, require
+from apps.audit.models import AuditEvent
+from apps.fleet.models import Deployment
+from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Rollout
+from apps.rollouts.plans import PlanError, parse_plan
+from apps.rollouts.services import (
+    RolloutError,
+    last_good_version,
+    release_fallback,
+    release_rollback,
+    rollout_abort,
+    rollout_pause,
+    rollout_promote,
+    rollout_propose,
+    rollout_resume,
+    rollout_retry,
+    rollout_start,
+)
+from controlplane.htmx import HtmxHttpRequest, back
 
 
 def rollout_list(request: HttpRequest) -> HttpResponse:
-    rollouts = Rollout.objects.select_related("model", "pool", "started_by")[:100]
-    return render(request, "rollouts/rollout_list.html", {"rollouts": rollouts})
+    """Rollouts, and what each pool runs with the releases on-call can switch it to."""
+    rollouts = Rollout.objects.select_related("model", "pool")[:100]
+    releases = [
+        (deployment, last_good_version(deployment.model, deployment.pool))
+        for deployment in Deployment.objects.select_related("model", "pool")
+        if deployment.pool is not None
+    ]
+    return render(
+        request, "rollouts/rollout_list.html", {"rollouts": rollouts, "releases": releases}
+    )
+
+
+@require("rollouts.add_rollout", "rollout.start")
+def rollout_new(request: HttpRequest) -> HttpResponse:
+    """The form; "Preview" shows what each step does to which nodes, "Start" starts it."""
+    form = RolloutForm(request.POST or None, initial=request.GET.dict())
+    context: dict[str, object] = {"form": form}
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        arguments = {
+            "model_name": data["model"].name,
+            "pool_name": data["pool"].name,
+            "canary_version": data["canary_version"],
+            "plan": data["plan"],
+            "analysis": form.analysis(),
+        }
+        try:
+            if "start" in request.POST:
+                rollout = rollout_start(**arguments, actor=current_user(request))
+                messages.success(request, f"Rollout #{rollout.pk} started.")
+                return back(request, reverse("rollouts:rollout_detail", args=[rollout.pk]))
+            context["proposal"] = rollout_propose(**arguments)
+        except (RolloutError, PlanError) as exc:
+            form.add_error("plan" if isinstance(exc, PlanError) else None, str(exc))
+    return render(request, "rollouts/rollout_new.html", context)
+
+
+def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
+    """The rollout page; htmx polling gets the live part, and HTTP 286 stops it once terminal."""
+    rollout = get_object_or_404(Rollout.objects.select_related("model", "pool"), pk=pk)
+    steps = parse_plan(rollout.plan)
+    context = {
+        "rollout": rollout,
+        "steps": [(i, step) for i, step in enumerate(steps)],
+        "measurements": rollout.measurements.all()[:60],
+        "notifications": rollout.notifications.all()[:20],
+        "events": rollout_events(rollout),
+    }
+    if request.htmx and request.htmx.target == "rollout-live":
+        response = render(request, "rollouts/rollout_detail.html#rollout-live", context)
+        response.status_code = 200 if rollout.active else 286
+        return response
+    return render(request, "rollouts/rollout_detail.html", context)
+
+
+def rollout_events(rollout: Rollout) -> list[AuditEvent]:
+    return list(
+        AuditEvent.objects.filter(target__startswith=f"rollout:{rollout.pk}:").order_by(
+            "created_at", "id"
+        )
+    )
+
+
+ACTIONS: dict[str, Callable[..., Rollout]] = {
+    "pause": rollout_pause,
+    "resume": rollout_resume,
+    "abort": rollout_abort,
+    "retry": rollout_retry,
+}
+
+
+@require_POST
+@require("rollouts.change_rollout", "rollout.act")
+def rollout_act(request: HttpRequest, pk: int, action: str) -> HttpResponse:
+    actor = current_user(request)
+    target = pk
+    try:
+        if action == "promote":
+            rollout_promote(rollout_id=pk, reason=request.POST.get("reason", ""), actor=actor)
+        elif action in ACTIONS:
+            result = ACTIONS[action](rollout_id=pk, actor=actor)
+            target = result.pk
+        else:
+            raise RolloutError(f"unknown action {action!r}")
+    except RolloutError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Rollout #{target}: {action} done.")
+    return back(request, reverse("rollouts:rollout_detail", args=[target]))
+
+
+@require_POST
+@require("rollouts.rollback_release", "release.switch")
+def release_switch(request: HttpRequest, pool: str, model: str, to: str) -> HttpResponse:
+    """One click for on-call: the pool to its last good release, or to the model's fallback."""
+    service = {"last-good": release_rollback, "fallback": release_fallback}.get(to)
+    try:
+        if service is None:
+            raise RolloutError(f"unknown target {to!r}")
+        version = service(model_name=model, pool_name=pool, actor=current_user(request))
+    except RolloutError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Pool {pool} is switching {model} to v{version}.")
+    following = request.POST.get("next", "")
+    if not url_has_allowed_host_and_scheme(following, allowed_hosts={request.get_host()}):
+        following = reverse("fleet:deployments")
+    return back(request, following)

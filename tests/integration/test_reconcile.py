@@ -4,7 +4,6 @@ import re
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -14,87 +13,22 @@ from playwright.sync_api import Page, expect
 from apps.accounts.roles import Role
 from apps.fleet.devfleet import Devfleet, FleetState
 from apps.fleet.models import Node, NodePool, Operation
-from apps.fleet.services import deployment_set, node_register
+from apps.fleet.services import deployment_set
 from apps.fleet.triton import TritonClient
 from apps.registry.codec import parse_pbtxt
-from apps.registry.imports import repository_import
 from apps.registry.services import version_create
 from tests.conftest import make_user, screenshot
 from tests.e2e.test_login import sign_in
-from tests.integration.conftest import ROOT, Celery
+from tests.integration.conftest import (
+    STEPS_V1,
+    STEPS_V2,
+    Celery,
+    converged,
+    ready_on,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
-
-STEPS_V1 = {
-    ("embedder", 1),
-    ("retriever", 1),
-    ("reranker", 1),
-    ("generator", 1),
-    ("rag_pipeline", 1),
-}
-STEPS_V2 = {
-    ("embedder", 2),
-    ("retriever", 2),
-    ("reranker", 2),
-    ("generator", 2),
-    ("rag_pipeline", 2),
-}
-
-
-@pytest.fixture(scope="module")
-def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of the demo repository that tests may add versions to."""
-    root = tmp_path_factory.mktemp("repo") / "deploy"
-    shutil.copytree(
-        ROOT / "deploy" / "models", root / "models", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    shutil.copytree(
-        ROOT / "deploy" / "ragkit", root / "ragkit", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    return root / "models"
-
-
-@pytest.fixture(scope="module")
-def trio(
-    repository: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Devfleet, FleetState]]:
-    devfleet = Devfleet(home=tmp_path_factory.mktemp("trio"), repository=repository)
-    state = devfleet.up(nodes=3, pool="trio", base_port=None, prometheus_port=None)
-    try:
-        yield devfleet, state
-    finally:
-        devfleet.down()
-
-
-@pytest.fixture
-def pool(trio: tuple[Devfleet, FleetState], repository: Path, celery: Celery) -> NodePool:
-    _, state = trio
-    for proc in state.nodes:
-        node_register(name=proc.name, pool="trio", actor="system:test", **state.node_urls(proc))
-    results = repository_import(path=repository, actor="system:test")
-    assert all(r.ok for r in results)
-    return NodePool.objects.get(name="trio")
-
-
-def ready_on(node: Node) -> set[tuple[str, int]]:
-    client = TritonClient(node.http_url, node=node.name)
-    return {
-        (e.model, e.version) for e in client.repository_index() if e.state == "READY" and e.version
-    }
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.5)
-
-
-def converged(pool: NodePool, expected: set[tuple[str, int]]) -> Callable[[], bool]:
-    def check() -> bool:
-        return all(ready_on(node) == expected for node in pool.nodes.all())
-
-    return check
 
 
 def ask(node: Node) -> str:
@@ -164,14 +98,14 @@ def test_a_killed_node_turns_unreachable_and_rejoins_without_a_click(
     deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
     wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
     victim, *others = list(pool.nodes.order_by("name"))
-    devfleet.kill_node(victim.name)
+    devfleet.kill(victim.name)
     wait_for(
         "the killed node is unreachable",
         lambda: Node.objects.get(pk=victim.pk).health == Node.Health.UNREACHABLE,
     )
     deployment_set(model_name="rag_pipeline", version=2, pool=pool, actor="system:test")
     wait_for("the others converge", lambda: all(ready_on(n) == STEPS_V2 for n in others))
-    devfleet.restart_node(victim.name)  # comes back empty, as a restarted node does
+    devfleet.restart(victim.name)  # comes back empty, as a restarted node does
     wait_for("the restarted node converges", lambda: ready_on(victim) == STEPS_V2)
     assert Node.objects.get(pk=victim.pk).health == Node.Health.READY
     assert ask(victim) == "faq:account-password"

@@ -6,6 +6,8 @@ CONFIG = {"name": "m", "backend": "python", "max_batch_size": 8}
 
 def desired(name: str, *versions: int, ensemble: bool = False) -> DesiredModel:
     config = with_versions({**CONFIG, "name": name}, list(versions))
+    if ensemble:
+        config["ensemble_scheduling"] = {"step": [{"model_name": "step", "model_version": -1}]}
     return DesiredModel(name, versions, config, ensemble, depth=1 if ensemble else 0)
 
 
@@ -58,6 +60,16 @@ def test_busy_models_wait_for_the_next_pass() -> None:
     want = {"step": desired("step", 2)}
     assert plan(want, {"step": ready(busy=True)}, MANAGED) == []
     assert plan({}, {"old": ready(1, busy=True)}, MANAGED) == []
+
+
+def test_an_ensemble_waits_for_a_busy_or_refused_step() -> None:
+    """Triton refuses an ensemble whose step version is not READY, and a refused config is not
+    retried: loading it now would leave the pipeline stuck."""
+    want = {"pipe": desired("pipe", 2, ensemble=True), "step": desired("step", 2)}
+    assert plan(want, {"pipe": ready(1), "step": ready(1, 2, busy=True)}, MANAGED) == []
+    refused = want["step"].digest
+    union = plan(want, {"pipe": ready(1), "step": ready(1)}, MANAGED)[0].digest
+    assert plan(want, {"pipe": ready(1), "step": ready(1, failed=(union, refused))}, MANAGED) == []
 
 
 def test_a_config_that_failed_is_not_retried_by_the_reconciler() -> None:

@@ -35,8 +35,8 @@ class Command(BaseCommand):
         sub.add_parser("down", help="stop exactly the processes `up` started")
         sub.add_parser("status", help="list the fleet's processes and registered nodes")
         for action, text in (
-            ("kill", "SIGKILL one node (a crash drill)"),
-            ("restart", "start a killed node again"),
+            ("kill", "SIGKILL one node, or prometheus (a crash drill)"),
+            ("restart", "start a killed node (or prometheus) again"),
         ):
             sub.add_parser(action, help=text).add_argument("node")
         traffic = sub.add_parser("traffic", help="send real inference requests round-robin")
@@ -88,11 +88,11 @@ class Command(BaseCommand):
             self.stdout.write(line)
 
     def _kill(self, fleet: Devfleet, *, node: str, **options: object) -> None:
-        proc = fleet.kill_node(node)
+        proc = fleet.kill(node)
         self.stdout.write(f"{node}: killed (pid {proc.pid})")
 
     def _restart(self, fleet: Devfleet, *, node: str, **options: object) -> None:
-        proc = fleet.restart_node(node)
+        proc = fleet.restart(node)
         self.stdout.write(f"{node}: running again (pid {proc.pid})")
 
     def _status(self, fleet: Devfleet, **options: object) -> None:

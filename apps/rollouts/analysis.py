@@ -1,0 +1,208 @@
+"""Canary against baseline from Prometheus, with the same queries for both sides. Every
+measurement keeps its PromQL, both values, threshold and verdict.
+
+The model itself is compared by node: canary nodes against the nodes still on the baseline. An
+unversioned request goes to the highest READY version, so a canary node's traffic is the canary's;
+and Triton 2.51 labels an ensemble's own request metrics `version="1"` whatever version served them
+(measured: tests/integration/test_rollouts.py), so the version label cannot tell an ensemble's
+canary from its baseline. Step models do carry their real version: each step whose pinned version
+differs between the two releases is compared by its `version` label (mean latency, held to the
+same tolerance, and to the step's budget)."""
+
+import math
+import re
+from dataclasses import dataclass
+
+from apps.observability.prometheus import escape_label, instant_query
+from apps.rollouts.models import Measurement
+from apps.rollouts.plans import Analysis
+
+Verdict = Measurement.Verdict
+
+
+@dataclass(frozen=True)
+class Result:
+    metric: str
+    query: str
+    canary: float | None
+    baseline: float | None
+    threshold: float | None
+    verdict: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class ChangedStep:
+    model: str
+    canary: int  # the version the canary release pins
+    baseline: int  # the version the baseline release pins
+    budget_ms: int | None
+
+
+def _selector(model: str, pool: str) -> str:
+    return f'model="{escape_label(model)}",pool="{escape_label(pool)}"'
+
+
+def model_queries(model: str, pool: str, window_s: int) -> dict[str, str]:
+    """Per node: requests that succeeded and failed in the window, worst P99 (ms)."""
+    selector, window = _selector(model, pool), f"{window_s}s"
+    return {
+        "ok": f"sum by (node) (increase(nv_inference_request_success{{{selector}}}[{window}]))",
+        "failed": f"sum by (node) (increase(nv_inference_request_failure{{{selector}}}[{window}]))",
+        # The summary's P99 averaged over the window: one slow scrape does not decide alone.
+        "p99": "max by (node) (avg_over_time(nv_inference_request_summary_us"
+        f'{{quantile="0.99",{selector}}}[{window}])) / 1000',
+    }
+
+
+def step_query(step: str, pool: str, window_s: int) -> str:
+    """Mean latency (ms) per version over the window, from counters: unlike a summary's P99,
+    which keeps a freshly loaded version's first slow requests for as long as its own age window,
+    it forgets them with the window."""
+    selector, window = _selector(step, pool), f"{window_s}s"
+    return (
+        f"sum by (version) (increase(nv_inference_request_duration_us{{{selector}}}[{window}]))"
+        f" / sum by (version) (increase(nv_inference_request_success{{{selector}}}[{window}]))"
+        " / 1000"
+    )
+
+
+def _by(label: str, query: str) -> dict[str, float]:
+    return {
+        labels[label]: value
+        for labels, value in instant_query(query)
+        if label in labels and not math.isnan(value)
+    }
+
+
+def measure(
+    *,
+    model: str,
+    pool: str,
+    canary_nodes: list[str],
+    spec: Analysis,
+    budget_ms: int | None,
+    steps: list[ChangedStep],
+    compare: bool = True,
+) -> list[Result]:
+    """One round of analysis. `compare` is False when no node serves the baseline any more (a
+    100% step): the canary is then held to the budget and the error allowance alone. Raises
+    PrometheusUnavailable."""
+    text = model_queries(model, pool, spec.window_s)
+    per_node = {name: _by("node", query) for name, query in text.items()}
+    canary_set = set(canary_nodes)
+
+    def side(name: str, canary: bool) -> list[float]:
+        return [v for node, v in per_node[name].items() if (node in canary_set) == canary]
+
+    def totals(canary: bool) -> tuple[float, float, float | None]:
+        ok, failed, p99 = side("ok", canary), side("failed", canary), side("p99", canary)
+        return sum(ok), sum(failed), max(p99) if p99 else None
+
+    c_ok, c_failed, c_p99 = totals(True)
+    b_ok, b_failed, b_p99 = totals(False) if compare else (0.0, 0.0, None)
+    nodes = "|".join(re.escape(n) for n in canary_nodes)
+    where = f'canary: node=~"{escape_label(nodes)}"; baseline: the pool\'s other nodes'
+    c_requests, b_requests = c_ok + c_failed, b_ok + b_failed
+    short = [
+        f"{name} served {round(n)}"
+        for name, n, needed in [("canary", c_requests, True), ("baseline", b_requests, compare)]
+        if needed and n < spec.min_requests
+    ]
+    enough = not short
+    results = [
+        Result(
+            "requests",
+            f"{text['ok']} + {text['failed']}\n# {where}",
+            c_requests,
+            b_requests if compare else None,
+            spec.min_requests,
+            Verdict.SUCCESS if enough else Verdict.INCONCLUSIVE,
+            ""
+            if enough
+            else f"{' and '.join(short)} requests in the last {spec.window_s} s; "
+            f"at least {spec.min_requests} each are needed",
+        )
+    ]
+    results.append(
+        _judge(
+            "p99",
+            f"{text['p99']}\n# {where}",
+            c_p99,
+            b_p99,
+            _p99_limit(b_p99, budget_ms, spec),
+            enough,
+            " ms",
+            compare,
+        )
+    )
+    c_errors = c_failed / c_requests if c_requests else None
+    b_errors = b_failed / b_requests if b_requests else None
+    # Without a baseline to compare with (a 100% step), the delta is the whole allowance.
+    allowed = b_errors if compare else 0.0
+    threshold = None if allowed is None else allowed + spec.error_delta
+    results.append(
+        _judge(
+            "error_ratio",
+            f"{text['failed']} / requests\n# {where}",
+            c_errors,
+            b_errors,
+            threshold,
+            enough,
+            "",
+            compare,
+        )
+    )
+    for step in steps:
+        query = step_query(step.model, pool, spec.window_s)
+        by_version = _by("version", query)
+        c, b = by_version.get(str(step.canary)), by_version.get(str(step.baseline))
+        label = f"mean latency {step.model} v{step.canary} vs v{step.baseline}"
+        limit = _p99_limit(b if compare else None, step.budget_ms, spec)
+        results.append(
+            _judge(label, query, c, b if compare else None, limit, enough, " ms", compare)
+        )
+    return results
+
+
+def _p99_limit(baseline: float | None, budget_ms: int | None, spec: Analysis) -> float | None:
+    """Canary <= baseline x (1 + tolerance) or baseline + margin, whichever is higher, and <= the
+    budget when there is one."""
+    relative = None
+    if baseline is not None:
+        relative = max(baseline * (1 + spec.p99_tolerance), baseline + spec.p99_margin_ms)
+    found = [x for x in (relative, budget_ms) if x]
+    return min(found) if found else None
+
+
+def _judge(
+    metric: str,
+    query: str,
+    canary: float | None,
+    baseline: float | None,
+    threshold: float | None,
+    enough: bool,
+    unit: str,
+    compare: bool,
+) -> Result:
+    if not enough:
+        verdict, detail = Verdict.INCONCLUSIVE, "too few requests to judge"
+    elif canary is None or (threshold is None and compare):
+        missing = "canary" if canary is None else "baseline"
+        verdict, detail = Verdict.INCONCLUSIVE, f"no {metric} for the {missing} in the window"
+    elif threshold is None:  # every node runs the canary and there is no budget to hold it to
+        verdict, detail = Verdict.SUCCESS, "no baseline left to compare with, and no budget"
+    elif canary > threshold:
+        verdict = Verdict.FAILURE
+        detail = f"canary {canary:.4g}{unit} is above the threshold {threshold:.4g}{unit}"
+    else:
+        verdict, detail = Verdict.SUCCESS, ""
+    return Result(metric, query, canary, baseline, threshold, verdict, detail)
+
+
+def overall(results: list[Result]) -> str:
+    verdicts = {r.verdict for r in results}
+    for verdict in (Verdict.FAILURE, Verdict.INCONCLUSIVE):
+        if verdict in verdicts:
+            return verdict
+    return Verdict.SUCCESS

@@ -1,0 +1,324 @@
+"""The rollout state machine, advanced by a periodic task. One tick takes the rollout's row lock,
+does at most one transition and saves it; everything it needs is in the database, so any process
+may be killed at any point and the next tick carries on without repeating a step.
+
+    pending -> progressing (step i) <-> paused -> promoting -> succeeded
+    (any active state) -> aborting -> rolled_back;  failed when the fleet cannot do what it must.
+"""
+
+from collections.abc import Callable
+from datetime import datetime
+
+from django.contrib.auth.models import User
+from django.db import transaction
+from django.utils import timezone
+
+from apps.audit.services import audit_record
+from apps.fleet.models import Deployment, Node
+from apps.fleet.selectors import observed_versions
+from apps.fleet.services import FleetError, deployment_remove, deployment_set
+from apps.observability.prometheus import PrometheusUnavailable
+from apps.registry.codec import ensemble_steps, from_dict
+from apps.registry.models import Model
+from apps.registry.selectors import registry_resolver
+from apps.rollouts.analysis import ChangedStep, measure, overall
+from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.notify import notify
+from apps.rollouts.plans import Analysis, canary_nodes, parse_plan
+
+ACTOR = "system:rollouts"
+Actor = str | User
+State = Rollout.State
+Verdict = Measurement.Verdict
+
+
+def rollout_advance(*, rollout_id: int) -> None:
+    with transaction.atomic():
+        rollout = (
+            Rollout.objects.select_for_update().select_related("model", "pool").get(pk=rollout_id)
+        )
+        handler = HANDLERS.get(rollout.state)
+        if handler is not None:
+            handler(rollout)
+
+
+def _nodes(rollout: Rollout) -> list[Node]:
+    return list(rollout.pool.nodes.order_by("name"))
+
+
+def _canary(rollout: Rollout, nodes: list[Node]) -> list[Node]:
+    step = parse_plan(rollout.plan)[rollout.step]
+    names = set(canary_nodes(step, [n.name for n in nodes]))
+    return [n for n in nodes if n.name in names]
+
+
+def canary_versions(rollout: Rollout) -> tuple[int, ...]:
+    """What a canary node serves: the baseline stays beside the canary, so that rolling back only
+    narrows the version policy; unless the canary's number is lower, since an unversioned request
+    goes to the highest READY version."""
+    if rollout.canary_version > rollout.baseline_version:
+        return (rollout.baseline_version, rollout.canary_version)
+    return (rollout.canary_version,)
+
+
+def transition(
+    rollout: Rollout, state: str, reason: str = "", event: str = "", actor: Actor = ACTOR
+) -> None:
+    """Save the new state, with one audit event and a webhook message."""
+    before = rollout.state
+    rollout.state = state
+    rollout.reason = reason or rollout.reason
+    if state in Rollout.TERMINAL:
+        rollout.finished_at = timezone.now()
+    rollout.save()
+    audit_record(
+        actor=actor,
+        action=f"rollout.{event or state}",
+        target=f"rollout:{rollout.pk}:{rollout.model.name}",
+        before={"state": before, "step": rollout.step},
+        after={"state": state, "step": rollout.step, "version": rollout.canary_version},
+        result="failed" if state == State.FAILED else "ok",
+        message=reason,
+    )
+    notify(rollout, event or state)
+
+
+def pause(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
+    transition(rollout, State.PAUSED, reason, actor=actor)
+
+
+def begin_abort(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
+    """Canary nodes back to the pool's deployment, the baseline, which they still serve: only a
+    narrowing. During a promotion the pool itself goes back to the baseline."""
+    pool = Deployment.objects.filter(model=rollout.model, pool=rollout.pool).first()
+    if pool is not None and pool.version == rollout.canary_version:
+        deployment_set(
+            model_name=rollout.model.name,
+            version=rollout.baseline_version,
+            pool=rollout.pool,
+            actor=actor,
+        )
+    for deployment in _node_deployments(rollout):
+        deployment_remove(deployment_id=deployment.pk, actor=actor)
+    transition(rollout, State.ABORTING, reason, actor=actor)
+
+
+def _node_deployments(rollout: Rollout) -> list[Deployment]:
+    return list(Deployment.objects.filter(model=rollout.model, node__pool=rollout.pool))
+
+
+def _progress(rollout: Rollout) -> None:
+    steps = parse_plan(rollout.plan)
+    spec = Analysis.from_dict(rollout.analysis)
+    nodes = _nodes(rollout)
+    if not nodes:
+        return pause(rollout, f"pool {rollout.pool.name} has no nodes")
+    canary = _canary(rollout, nodes)
+    now = timezone.now()
+    if rollout.step_started_at is None:
+        _apply_share(rollout, canary)
+        rollout.step_started_at, rollout.step_ready_at = now, None
+        rollout.last_verdict, rollout.last_measured_at = "", None
+        return transition(rollout, State.PROGRESSING, event="step")
+    down = [n.name for n in nodes if n.health == Node.Health.UNREACHABLE]
+    if down:
+        return pause(rollout, f"node {', '.join(down)} is unreachable; resume when it is back")
+    if rollout.step_ready_at is None:
+        return _await_canary(rollout, canary, spec, now)
+    compare = len(canary) < len(nodes)
+    # Judged on whole windows of canary traffic, after the load's own spike has passed.
+    warm = (now - rollout.step_ready_at).total_seconds() >= spec.warmup_s + spec.window_s
+    if warm and (
+        rollout.last_measured_at is None
+        or (now - rollout.last_measured_at).total_seconds() >= spec.interval_s
+    ):
+        _analyse(rollout, spec, compare)
+        if rollout.state != State.PROGRESSING:
+            return None
+    held = (now - rollout.step_ready_at).total_seconds() >= steps[rollout.step].hold_s
+    if not held or rollout.last_verdict in ("", Verdict.FAILURE, Verdict.ERROR):
+        return None
+    if rollout.last_verdict == Verdict.INCONCLUSIVE:
+        return pause(rollout, f"inconclusive: {_last_round_details(rollout)}")
+    if rollout.step + 1 < len(steps):
+        rollout.step += 1
+        rollout.step_started_at = None
+        rollout.save()
+        return _progress(rollout)  # the next share goes out in this same tick
+    return transition(rollout, State.PROMOTING)
+
+
+def _last_round_details(rollout: Rollout) -> str:
+    """What the last analysis round found, once per distinct finding."""
+    found = rollout.measurements.filter(taken_at__gte=rollout.last_measured_at).exclude(
+        verdict=Verdict.SUCCESS
+    )
+    details = dict.fromkeys(m.detail for m in found.order_by("taken_at", "id") if m.detail)
+    return "; ".join(details) or "no data"
+
+
+def _apply_share(rollout: Rollout, canary: list[Node]) -> None:
+    versions = canary_versions(rollout)
+    rollout.canary_nodes = [node.name for node in canary]
+    for node in canary:
+        deployment_set(
+            model_name=rollout.model.name,
+            version=rollout.canary_version,
+            baseline=versions[0] if len(versions) == 2 else None,
+            node=node,
+            actor=ACTOR,
+        )
+
+
+def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: datetime) -> None:
+    wanted = set(canary_versions(rollout))
+    waiting = [n for n in canary if observed_versions(n, rollout.model.name)[0] != wanted]
+    if not waiting:
+        rollout.step_ready_at = now
+        rollout.save()
+        return None
+    failed = (
+        waiting[0]
+        .operations.filter(model_name=rollout.model.name, finished_at__gte=rollout.step_started_at)
+        .exclude(status__in=["succeeded", "queued", "running", "cancelled"])
+        .first()
+    )
+    if failed is not None:
+        return pause(rollout, f"{waiting[0].name}: {failed.kind} failed: {failed.error}")
+    assert rollout.step_started_at is not None
+    if (now - rollout.step_started_at).total_seconds() > spec.converge_timeout_s:
+        names = ", ".join(n.name for n in waiting)
+        return pause(
+            rollout,
+            f"v{rollout.canary_version} not READY on {names} after {spec.converge_timeout_s} s",
+        )
+    return None
+
+
+def _analyse(rollout: Rollout, spec: Analysis, compare: bool) -> None:
+    now = timezone.now()
+    rollout.last_measured_at = now
+    try:
+        results = measure(
+            model=rollout.model.name,
+            pool=rollout.pool.name,
+            canary_nodes=rollout.canary_nodes,
+            spec=spec,
+            budget_ms=rollout.model.latency_budget_ms,
+            steps=changed_steps(rollout),
+            compare=compare,
+        )
+    except PrometheusUnavailable as exc:
+        Measurement.objects.create(
+            rollout=rollout,
+            step=rollout.step,
+            metric="prometheus",
+            query="",
+            verdict=Verdict.ERROR,
+            detail=str(exc),
+        )
+        rollout.errors += 1
+        rollout.last_verdict = Verdict.ERROR
+        if rollout.errors >= spec.error_limit:
+            return begin_abort(
+                rollout, f"error: Prometheus failed {rollout.errors} times in a row: {exc}"
+            )
+        rollout.save()
+        return None
+    Measurement.objects.bulk_create(
+        Measurement(
+            rollout=rollout,
+            step=rollout.step,
+            metric=r.metric,
+            query=r.query,
+            canary_value=r.canary,
+            baseline_value=r.baseline,
+            threshold=r.threshold,
+            verdict=r.verdict,
+            detail=r.detail,
+        )
+        for r in results
+    )
+    rollout.errors = 0
+    rollout.last_verdict = overall(results)
+    if rollout.last_verdict == Verdict.FAILURE:
+        rollout.failures += 1
+        rollout.first_failure_at = rollout.first_failure_at or now
+        if rollout.failures >= spec.failure_limit:
+            why = "; ".join(f"{r.metric}: {r.detail}" for r in results if r.verdict == "failure")
+            return begin_abort(rollout, f"failure: {why}")
+    rollout.save()
+    return None
+
+
+def changed_steps(rollout: Rollout) -> list[ChangedStep]:
+    """The steps an ensemble release pins at another version than its baseline does."""
+    configs = dict(
+        rollout.model.versions.filter(
+            version__in=[rollout.baseline_version, rollout.canary_version]
+        ).values_list("version", "config")
+    )
+    resolve = registry_resolver()
+
+    def pins(version: int) -> dict[str, int | None]:
+        steps = ensemble_steps(from_dict(configs[version])) if version in configs else []
+        return {name: resolve(name, pinned).version for name, pinned in steps}
+
+    canary, baseline = pins(rollout.canary_version), pins(rollout.baseline_version)
+    budgets = dict(Model.objects.filter(name__in=canary).values_list("name", "latency_budget_ms"))
+    return [
+        ChangedStep(name, version, before, budgets.get(name))
+        for name, version in sorted(canary.items())
+        if version is not None and (before := baseline.get(name)) is not None and before != version
+    ]
+
+
+def _promote(rollout: Rollout) -> None:
+    """The pool moves to the canary, canary nodes drop their own deployments and narrow; done when
+    every node is read back serving the canary alone."""
+    pool_deployment = Deployment.objects.filter(model=rollout.model, pool=rollout.pool).first()
+    if pool_deployment is None or pool_deployment.version != rollout.canary_version:
+        try:
+            deployment_set(
+                model_name=rollout.model.name,
+                version=rollout.canary_version,
+                pool=rollout.pool,
+                actor=ACTOR,
+            )
+        except FleetError as exc:
+            return transition(rollout, State.FAILED, f"promotion failed: {exc}")
+        for deployment in _node_deployments(rollout):
+            deployment_remove(deployment_id=deployment.pk, actor=ACTOR)
+        return None
+    if _all_serve(rollout, rollout.canary_version) is not None:
+        return transition(rollout, State.SUCCEEDED)
+    return None
+
+
+def _aborting(rollout: Rollout) -> None:
+    for deployment in _node_deployments(rollout):  # a canary step may have raced the abort
+        deployment_remove(deployment_id=deployment.pk, actor=ACTOR)
+    pool_deployment = Deployment.objects.filter(model=rollout.model, pool=rollout.pool).first()
+    target = pool_deployment.version if pool_deployment else rollout.baseline_version
+    done_at = _all_serve(rollout, target, timed=rollout.canary_nodes)
+    if done_at is not None:
+        rollout.rolled_back_at = done_at
+        transition(rollout, State.ROLLED_BACK)
+
+
+def _all_serve(rollout: Rollout, version: int, timed: list[str] | None = None) -> datetime | None:
+    """None while a node of the pool is not read back serving `version` of the model alone;
+    then since when all of them (or all `timed` nodes) do."""
+    readings = {n.name: observed_versions(n, rollout.model.name) for n in _nodes(rollout)}
+    if not readings or any(versions != {version} for versions, _ in readings.values()):
+        return None
+    since = [readings[n][1] for n in timed or readings if n in readings]
+    return max((at for at in since if at is not None), default=timezone.now())
+
+
+HANDLERS: dict[str, Callable[[Rollout], None]] = {
+    State.PENDING: _progress,
+    State.PROGRESSING: _progress,
+    State.PROMOTING: _promote,
+    State.ABORTING: _aborting,
+}

@@ -1,0 +1,56 @@
+from django import forms
+
+from apps.fleet.models import NodePool
+from apps.registry.models import Model
+from apps.rollouts.plans import Analysis
+
+DEFAULT_PLAN = "1 node, hold 60s\n50%, hold 120s\n100%"
+DEFAULTS = Analysis()
+
+
+class RolloutForm(forms.Form):
+    model = forms.ModelChoiceField(Model.objects.all(), to_field_name="name")
+    pool = forms.ModelChoiceField(NodePool.objects.all(), to_field_name="name")
+    canary_version = forms.IntegerField(min_value=1, label="Canary version")
+    plan = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 4}),
+        initial=DEFAULT_PLAN,
+        help_text="One step per line: '1 node, hold 60s', '50%, hold 2m', '100%'.",
+    )
+    interval_s = forms.IntegerField(min_value=1, initial=DEFAULTS.interval_s, label="Every (s)")
+    window_s = forms.IntegerField(min_value=5, initial=DEFAULTS.window_s, label="Window (s)")
+    p99_tolerance = forms.FloatField(
+        min_value=0, initial=DEFAULTS.p99_tolerance, label="P99 tolerance (fraction)"
+    )
+    p99_margin_ms = forms.IntegerField(
+        min_value=0, initial=DEFAULTS.p99_margin_ms, label="P99 margin (ms)"
+    )
+    warmup_s = forms.IntegerField(min_value=0, initial=DEFAULTS.warmup_s, label="Warm-up (s)")
+    error_delta = forms.FloatField(min_value=0, initial=DEFAULTS.error_delta, label="Error delta")
+    min_requests = forms.IntegerField(
+        min_value=1, initial=DEFAULTS.min_requests, label="Min requests"
+    )
+    failure_limit = forms.IntegerField(
+        min_value=1, initial=DEFAULTS.failure_limit, label="Failure limit"
+    )
+
+    TARGET = ["model", "pool", "canary_version"]
+    ANALYSIS = [
+        "interval_s",
+        "window_s",
+        "warmup_s",
+        "p99_tolerance",
+        "p99_margin_ms",
+        "error_delta",
+        "min_requests",
+        "failure_limit",
+    ]
+
+    def target_fields(self) -> list[forms.BoundField]:
+        return [self[name] for name in self.TARGET]
+
+    def analysis_fields(self) -> list[forms.BoundField]:
+        return [self[name] for name in self.ANALYSIS]
+
+    def analysis(self) -> dict[str, float]:
+        return {name: self.cleaned_data[name] for name in self.ANALYSIS}

@@ -1,0 +1,161 @@
+"""Rollout plans and analysis specs: parsed and checked before anything reaches a node."""
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class PlanError(ValueError):
+    """What is wrong with a plan or analysis spec, and where (line or field)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    nodes: int | None = None  # a number of canary nodes...
+    percent: int | None = None  # ...or a share of the pool, rounded up to a whole node
+    hold_s: int = 0
+
+    def canary_count(self, pool_size: int) -> int:
+        if self.nodes is not None:
+            return min(self.nodes, pool_size)
+        assert self.percent is not None
+        return min(pool_size, max(1, math.ceil(pool_size * self.percent / 100)))
+
+    @property
+    def share(self) -> str:
+        count = f"{self.nodes} node{'s' if self.nodes != 1 else ''}" if self.nodes else ""
+        return count or f"{self.percent}%"
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+UNITS = {"s": 1, "m": 60, "h": 3600}
+LINE = re.compile(
+    r"^\s*(?:(?P<nodes>\d+)\s*nodes?|(?P<percent>\d+)\s*%)\s*"
+    r"(?:,?\s*hold\s+(?P<hold>\d+)\s*(?P<unit>[smh]))?\s*$",
+    re.IGNORECASE,
+)
+
+
+def parse_duration(value: object, where: str) -> int:
+    if isinstance(value, int) and value >= 0:
+        return value
+    found = re.fullmatch(r"(\d+)\s*([smh])", str(value).strip())
+    if not found:
+        raise PlanError(f"{where}: hold {value!r} is not a duration such as 60s, 2m or 1h")
+    return int(found[1]) * UNITS[found[2]]
+
+
+def parse_plan(plan: str | list[dict[str, Any]]) -> list[Step]:
+    """One step per line (`1 node, hold 60s` / `50%, hold 2m` / `100%`), or the stored form
+    (`[{"nodes": 1, "hold_s": 60}, ...]`, `hold` also accepted as "60s")."""
+    steps = []
+    if isinstance(plan, str):
+        lines = [(n, line) for n, line in enumerate(plan.splitlines(), 1) if line.strip()]
+        for number, line in lines:
+            found = LINE.match(line)
+            if not found:
+                raise PlanError(
+                    f"line {number}: {line.strip()!r} is not a step; write '1 node, hold 60s', "
+                    "'50%, hold 2m' or '100%'"
+                )
+            hold = found["hold"] and int(found["hold"]) * UNITS[found["unit"].lower()]
+            steps.append(_step(found["nodes"], found["percent"], hold or 0, where=f"line {number}"))
+    else:
+        for number, raw in enumerate(plan, 1):
+            if not isinstance(raw, dict) or ("nodes" in raw) == ("percent" in raw):
+                raise PlanError(f"step {number}: give either 'nodes' or 'percent'")
+            hold = parse_duration(raw.get("hold_s", raw.get("hold", 0)), f"step {number}")
+            steps.append(_step(raw.get("nodes"), raw.get("percent"), hold, f"step {number}"))
+    if not steps:
+        raise PlanError("a plan needs at least one step")
+    return steps
+
+
+def _step(nodes: object, percent: object, hold_s: int, where: str) -> Step:
+    try:
+        step = Step(
+            nodes=None if nodes is None else int(str(nodes)),
+            percent=None if percent is None else int(str(percent)),
+            hold_s=hold_s,
+        )
+    except ValueError as exc:
+        raise PlanError(f"{where}: {exc}") from exc
+    if step.nodes is not None and step.nodes < 1:
+        raise PlanError(f"{where}: a step puts the canary on 1 node at least")
+    if step.percent is not None and not 1 <= step.percent <= 100:
+        raise PlanError(f"{where}: a share is between 1% and 100%")
+    return step
+
+
+def plan_text(steps: list[Step]) -> str:
+    return "\n".join(s.share + (f", hold {s.hold_s}s" if s.hold_s else "") for s in steps)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """How each step is judged: every `interval_s`, over the last `window_s`, canary against
+    baseline."""
+
+    interval_s: int = 10
+    window_s: int = 60
+    warmup_s: int = 30  # after a step's canary is READY, before its first window opens
+    p99_tolerance: float = 0.2  # canary P99 <= baseline P99 x (1 + tolerance), and <= the budget
+    p99_margin_ms: int = 10  # ...unless within this of the baseline: a 2 ms baseline is all noise
+    error_delta: float = 0.01  # canary error ratio <= baseline's + delta
+    min_requests: int = 20  # fewer in the window, on either side: inconclusive
+    failure_limit: int = 2  # failed measurements before the rollout rolls back
+    error_limit: int = 3  # Prometheus errors in a row before it rolls back
+    converge_timeout_s: int = 300  # a step's canary must be READY within this
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Analysis":
+        defaults = asdict(cls())
+        known: dict[str, Callable[[Any], float]] = {k: type(v) for k, v in defaults.items()}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise PlanError(f"analysis: unknown field {unknown[0]!r}; known: {', '.join(known)}")
+        values: dict[str, Any] = {}
+        for name, raw_value in raw.items():
+            try:
+                value = known[name](raw_value)
+            except (TypeError, ValueError):
+                raise PlanError(f"analysis.{name}: {raw_value!r} is not a number") from None
+            positive = name.endswith("_limit") or name in ("interval_s", "window_s")
+            if value < 0 or (positive and value < 1):
+                raise PlanError(f"analysis.{name}: {raw_value!r} is out of range")
+            values[name] = value
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PreviewStep:
+    index: int
+    step: Step
+    canary_nodes: list[str]
+    baseline_nodes: list[str]
+
+    @property
+    def analysed(self) -> bool:
+        """With no baseline node left there is nothing to compare against: the step only holds."""
+        return bool(self.baseline_nodes)
+
+
+def canary_nodes(step: Step, nodes: list[str]) -> list[str]:
+    """The same nodes, in name order, at every step: a step only adds canary nodes."""
+    ordered = sorted(nodes)
+    return ordered[: step.canary_count(len(ordered))]
+
+
+def preview(steps: list[Step], nodes: list[str]) -> list[PreviewStep]:
+    rows = []
+    for index, step in enumerate(steps):
+        canary = canary_nodes(step, nodes)
+        rows.append(PreviewStep(index, step, canary, sorted(set(nodes) - set(canary))))
+    return rows

@@ -1,0 +1,306 @@
+"""Everything a person (or the API) does to rollouts and releases. Each action takes the rollout's
+row lock, checks the state it is allowed from, and writes one audit event with the change."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import wraps
+from typing import Any, TypeVar, cast
+
+from django.contrib.auth.models import User
+from django.db import IntegrityError, transaction
+
+from apps.audit.models import AuditEvent
+from apps.audit.services import audit_record
+from apps.fleet.models import Deployment, NodePool
+from apps.fleet.services import FleetError, deployment_remove, deployment_set
+from apps.registry.codec import ensemble_steps, from_dict
+from apps.registry.models import Model, ModelVersion
+from apps.registry.selectors import registry_resolver
+from apps.rollouts import controller
+from apps.rollouts.models import Rollout
+from apps.rollouts.notify import notify
+from apps.rollouts.plans import Analysis, PlanError, PreviewStep, parse_plan, preview
+
+Actor = str | User
+F = TypeVar("F", bound=Callable[..., Any])
+State = Rollout.State
+
+
+class RolloutError(Exception):
+    """Why a rollout action was refused, in words fit for the page."""
+
+
+@dataclass(frozen=True)
+class Proposal:
+    model: Model
+    pool: NodePool
+    baseline: int
+    canary: int
+    plan: list[dict[str, int]]
+    analysis: Analysis
+    preview: list[PreviewStep]
+
+
+def rollout_propose(
+    *,
+    model_name: str,
+    pool_name: str,
+    canary_version: int,
+    plan: str | list[dict[str, Any]],
+    analysis: dict[str, Any] | None = None,
+) -> Proposal:
+    """Check a rollout before it starts and say what each step will do to which nodes (the
+    dry run). Raises RolloutError or PlanError."""
+    model = Model.objects.filter(name=model_name).first()
+    if model is None:
+        raise RolloutError(f"no model {model_name!r} in the registry")
+    pool = NodePool.objects.filter(name=pool_name).first()
+    if pool is None:
+        raise RolloutError(f"no pool {pool_name!r}")
+    nodes = list(pool.nodes.values_list("name", flat=True))
+    if not nodes:
+        raise RolloutError(f"pool {pool_name} has no nodes")
+    deployed = Deployment.objects.filter(model=model, pool=pool).first()
+    if deployed is None:
+        raise RolloutError(f"pool {pool_name} does not run {model_name}: deploy a baseline first")
+    canary = model.versions.filter(version=canary_version).first()
+    if canary is None:
+        raise RolloutError(f"{model_name} v{canary_version} is not in the registry")
+    if canary.status != ModelVersion.Status.RELEASED:
+        raise RolloutError(f"{model_name} v{canary_version} is {canary.status}, not released")
+    if canary_version == deployed.version:
+        raise RolloutError(f"pool {pool_name} already runs {model_name} v{canary_version}")
+    resolve = registry_resolver()
+    for step, pinned in ensemble_steps(from_dict(canary.config)):
+        if resolve(step, pinned).config is None:
+            raise RolloutError(f"{model_name} v{canary_version}: {resolve(step, pinned).reason}")
+    steps = parse_plan(plan)
+    counts = [s.canary_count(len(nodes)) for s in steps]
+    shrinking = next((i for i in range(1, len(counts)) if counts[i] < counts[i - 1]), None)
+    if shrinking is not None:
+        raise PlanError(
+            f"step {shrinking + 1}: {counts[shrinking]} canary nodes after {counts[shrinking - 1]}"
+            "; a step may only widen the canary"
+        )
+    return Proposal(
+        model=model,
+        pool=pool,
+        baseline=deployed.version,
+        canary=canary_version,
+        plan=[s.as_dict() for s in steps],
+        analysis=Analysis.from_dict(analysis or {}),
+        preview=preview(steps, nodes),
+    )
+
+
+def _active(model: Model, pool: NodePool) -> Rollout | None:
+    return Rollout.objects.filter(model=model, pool=pool, state__in=Rollout.ACTIVE).first()
+
+
+def _refusals_audited(action: str, target: Callable[..., str]) -> Callable[[F], F]:
+    """Run the service in its own transaction; when it refuses, the refusal is audited after that
+    transaction rolled back (so it is kept) and raised to the caller."""
+
+    def decorator(service: F) -> F:
+        @wraps(service)
+        def wrapped(**kwargs: Any) -> Any:
+            try:
+                with transaction.atomic():
+                    return service(**kwargs)
+            except (RolloutError, PlanError) as exc:
+                audit_record(
+                    actor=kwargs["actor"],
+                    action=action,
+                    target=target(**kwargs),
+                    result=AuditEvent.Result.FAILED,
+                    message=str(exc),
+                )
+                raise
+
+        return cast(F, wrapped)
+
+    return decorator
+
+
+def _pool_target(*, model_name: str, pool_name: str, **_: object) -> str:
+    return f"pool:{pool_name}:{model_name}"
+
+
+def _rollout_target(*, rollout_id: int, **_: object) -> str:
+    found = Rollout.objects.filter(pk=rollout_id).values_list("model__name", flat=True).first()
+    return f"rollout:{rollout_id}:{found or ''}"
+
+
+@_refusals_audited("rollout.start", _pool_target)
+def rollout_start(
+    *,
+    model_name: str,
+    pool_name: str,
+    canary_version: int,
+    plan: str | list[dict[str, Any]],
+    analysis: dict[str, Any] | None,
+    actor: Actor,
+) -> Rollout:
+    proposal = rollout_propose(
+        model_name=model_name,
+        pool_name=pool_name,
+        canary_version=canary_version,
+        plan=plan,
+        analysis=analysis,
+    )
+    running = _active(proposal.model, proposal.pool)
+    if running is not None:
+        raise RolloutError(
+            f"rollout #{running.pk} of {model_name} on {pool_name} is {running.state}"
+        )
+    try:
+        with transaction.atomic():  # the database has the last word on "one active rollout"
+            rollout = Rollout.objects.create(
+                model=proposal.model,
+                pool=proposal.pool,
+                baseline_version=proposal.baseline,
+                canary_version=proposal.canary,
+                plan=proposal.plan,
+                analysis=proposal.analysis.as_dict(),
+                started_by=_name(actor),
+            )
+    except IntegrityError:
+        raise RolloutError(f"another rollout of {model_name} on {pool_name} is active") from None
+    audit_record(
+        actor=actor,
+        action="rollout.start",
+        target=f"rollout:{rollout.pk}:{model_name}",
+        after={"baseline": proposal.baseline, "canary": canary_version, "plan": proposal.plan},
+    )
+    notify(rollout, "started")
+    return rollout
+
+
+def _locked(rollout_id: int, action: str, allowed: list[State]) -> Rollout:
+    rollout = Rollout.objects.select_for_update().select_related("model", "pool").get(pk=rollout_id)
+    if rollout.state not in allowed:
+        raise RolloutError(f"rollout #{rollout.pk} is {rollout.state}: cannot {action} it")
+    return rollout
+
+
+@_refusals_audited("rollout.pause", _rollout_target)
+def rollout_pause(*, rollout_id: int, actor: Actor) -> Rollout:
+    rollout = _locked(rollout_id, "pause", [State.PENDING, State.PROGRESSING])
+    controller.pause(rollout, f"paused by {_name(actor)}", actor=actor)
+    return rollout
+
+
+@_refusals_audited("rollout.resume", _rollout_target)
+def rollout_resume(*, rollout_id: int, actor: Actor) -> Rollout:
+    rollout = _locked(rollout_id, "resume", [State.PAUSED])
+    # Judged afresh: what made it pause (too little data, a node down) may have passed.
+    rollout.errors, rollout.last_verdict, rollout.last_measured_at = 0, "", None
+    controller.transition(rollout, State.PROGRESSING, "", event="resumed", actor=actor)
+    return rollout
+
+
+@_refusals_audited("rollout.promote", _rollout_target)
+def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
+    """Skip the remaining steps and analysis; a reason is required, and recorded."""
+    if not reason.strip():
+        raise RolloutError("say why the analysis is skipped: a reason is required")
+    rollout = _locked(rollout_id, "promote", [State.PENDING, State.PROGRESSING, State.PAUSED])
+    controller.transition(
+        rollout, State.PROMOTING, f"promoted by {_name(actor)}: {reason}", actor=actor
+    )
+    return rollout
+
+
+@_refusals_audited("rollout.abort", _rollout_target)
+def rollout_abort(*, rollout_id: int, actor: Actor, reason: str = "") -> Rollout:
+    allowed = [State.PENDING, State.PROGRESSING, State.PAUSED, State.PROMOTING]
+    rollout = _locked(rollout_id, "abort", allowed)
+    why = f"aborted by {_name(actor)}" + (f": {reason}" if reason.strip() else "")
+    controller.begin_abort(rollout, why, actor=actor)
+    return rollout
+
+
+@_refusals_audited("rollout.retry", _rollout_target)
+def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
+    """A new rollout with the same canary, plan and analysis (terminal states stay terminal)."""
+    rollout = _locked(rollout_id, "retry", [State.FAILED, State.ROLLED_BACK])
+    return rollout_start(
+        model_name=rollout.model.name,
+        pool_name=rollout.pool.name,
+        canary_version=rollout.canary_version,
+        plan=rollout.plan,
+        analysis=rollout.analysis,
+        actor=actor,
+    )
+
+
+def last_good_version(model: Model, pool: NodePool) -> int | None:
+    """The newest version the pool ran before its current one, never a canary that was rolled
+    back or failed."""
+    current = Deployment.objects.filter(model=model, pool=pool).values_list("version", flat=True)
+    bad = set(
+        Rollout.objects.filter(
+            model=model, pool=pool, state__in=[State.ROLLED_BACK, State.FAILED]
+        ).values_list("canary_version", flat=True)
+    )
+    changes = AuditEvent.objects.filter(
+        action="deployment.set", target=f"pool:{pool.name}:{model.name}", result="ok"
+    )
+    for change in changes.order_by("-created_at", "-id"):
+        for version in (change.after.get("version"), change.before.get("version")):
+            if version and version not in bad and version not in current:
+                return int(version)
+    return None
+
+
+@_refusals_audited("release.rollback", _pool_target)
+def release_rollback(*, model_name: str, pool_name: str, actor: Actor) -> int:
+    """On-call's one click: the pool back to its last good release, now. Returns the version."""
+    model, pool = _model_and_pool(model_name, pool_name)
+    version = last_good_version(model, pool)
+    if version is None:
+        raise RolloutError(f"{model_name} on {pool_name} has no earlier good release")
+    return _switch(model, pool, version, "rollback", actor)
+
+
+@_refusals_audited("release.fallback", _pool_target)
+def release_fallback(*, model_name: str, pool_name: str, actor: Actor) -> int:
+    """The pool onto the model's pre-registered degraded version (a latency emergency)."""
+    model, pool = _model_and_pool(model_name, pool_name)
+    if model.fallback_version is None:
+        raise RolloutError(f"{model_name} has no fallback version; set one on the model page")
+    return _switch(model, pool, model.fallback_version, "fallback", actor)
+
+
+def _model_and_pool(model_name: str, pool_name: str) -> tuple[Model, NodePool]:
+    model = Model.objects.filter(name=model_name).first()
+    pool = NodePool.objects.filter(name=pool_name).first()
+    if model is None or pool is None:
+        raise RolloutError(f"no {'model ' + model_name if model is None else 'pool ' + pool_name}")
+    return model, pool
+
+
+def _switch(model: Model, pool: NodePool, version: int, action: str, actor: Actor) -> int:
+    """The whole pool onto `version` now: an active rollout is aborted and canary nodes drop
+    their own deployments."""
+    try:
+        deployment_set(model_name=model.name, version=version, pool=pool, actor=actor)
+    except FleetError as exc:
+        raise RolloutError(str(exc)) from exc
+    running = _active(model, pool)
+    if running is not None and running.state != State.ABORTING:
+        why = f"pool switched to v{version} ({action}) by {_name(actor)}"
+        controller.begin_abort(_locked(running.pk, "abort", Rollout.ACTIVE), why, actor=actor)
+    for deployment in Deployment.objects.filter(model=model, node__pool=pool):
+        deployment_remove(deployment_id=deployment.pk, actor=actor)
+    audit_record(
+        actor=actor,
+        action=f"release.{action}",
+        target=f"pool:{pool.name}:{model.name}",
+        after={"version": version},
+    )
+    return version
+
+
+def _name(actor: Actor) -> str:
+    return actor if isinstance(actor, str) else actor.get_username()

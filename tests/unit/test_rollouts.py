@@ -1,0 +1,548 @@
+"""Rollout plans, checks and the state machine, with the fleet and Prometheus stubbed at their
+boundaries: what nodes report (`observed_versions`) and what analysis measures (`measure`). The
+same paths run against real nodes and a real Prometheus in tests/integration/test_rollouts.py."""
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.test import Client
+from django.utils import timezone
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from apps.accounts.roles import Role
+from apps.audit.models import AuditEvent
+from apps.fleet.models import Deployment, Node, NodePool
+from apps.fleet.services import deployment_set
+from apps.observability.prometheus import PrometheusUnavailable
+from apps.registry.models import Model, ModelVersion
+from apps.rollouts import controller
+from apps.rollouts.analysis import Result
+from apps.rollouts.models import Rollout
+from apps.rollouts.plans import Analysis, PlanError, Step, parse_plan, preview
+from apps.rollouts.services import (
+    RolloutError,
+    last_good_version,
+    release_fallback,
+    release_rollback,
+    rollout_abort,
+    rollout_pause,
+    rollout_promote,
+    rollout_resume,
+    rollout_retry,
+    rollout_start,
+)
+from tests.conftest import make_user
+
+State = Rollout.State
+PLAN = "1 node, hold 0s\n100%"
+FAST = {"interval_s": 1, "window_s": 1, "warmup_s": 0, "failure_limit": 2, "error_limit": 2}
+
+
+# Plans -------------------------------------------------------------------------------------------
+
+
+def test_a_plan_reads_one_step_per_line() -> None:
+    steps = parse_plan("1 node, hold 60s\n\n50%, hold 2m\n100%")
+    assert steps == [Step(nodes=1, hold_s=60), Step(percent=50, hold_s=120), Step(percent=100)]
+    assert parse_plan([{"nodes": 1, "hold": "60s"}, {"percent": 100, "hold_s": 5}]) == [
+        Step(nodes=1, hold_s=60),
+        Step(percent=100, hold_s=5),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        ("1 node\n50 hold 2m", "line 2: '50 hold 2m' is not a step"),
+        ("0 nodes", "line 1: a step puts the canary on 1 node at least"),
+        ("150%", "line 1: a share is between 1% and 100%"),
+        ("", "a plan needs at least one step"),
+        ([{"nodes": 1, "percent": 5}], "step 1: give either 'nodes' or 'percent'"),
+        ([{"nodes": 1, "hold": "soon"}], "step 1: hold 'soon' is not a duration"),
+    ],
+)
+def test_a_bad_plan_says_where(plan: Any, message: str) -> None:
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_plan(plan)
+
+
+def test_bad_analysis_fields_are_named() -> None:
+    with pytest.raises(PlanError, match=r"analysis\.window_s: 'x' is not a number"):
+        Analysis.from_dict({"window_s": "x"})
+    with pytest.raises(PlanError, match="unknown field 'p95'"):
+        Analysis.from_dict({"p95": 1})
+    assert Analysis.from_dict({"p99_tolerance": "0.5"}).p99_tolerance == 0.5
+
+
+def test_shares_round_up_and_keep_the_same_nodes() -> None:
+    nodes = ["c", "a", "b"]
+    rows = preview(parse_plan("1 node\n50%\n100%"), nodes)
+    assert [r.canary_nodes for r in rows] == [["a"], ["a", "b"], ["a", "b", "c"]]
+    assert [r.analysed for r in rows] == [True, True, False]
+
+
+def test_the_active_states_match_the_database_constraint() -> None:
+    (constraint,) = Rollout._meta.constraints
+    assert sorted(dict(constraint.condition.children)["state__in"]) == sorted(Rollout.ACTIVE)  # type: ignore[attr-defined]
+
+
+# A pool of three nodes running rag v1, and a simulated fleet -------------------------------------
+
+
+@dataclass
+class Fleet:
+    """Stands in for the reconciler and Prometheus: nodes serve what they are told once
+    `converge()` runs, and each analysis round returns `verdict`."""
+
+    pool: NodePool
+    served: dict[str, set[int]] = field(default_factory=dict)
+    verdict: str = "success"
+
+    def converge(self) -> None:
+        for node in self.pool.nodes.all():
+            own = Deployment.objects.filter(node=node).first()
+            wanted = own or Deployment.objects.get(pool=self.pool)
+            self.served[node.name] = {wanted.version} | (
+                {wanted.baseline_version} if wanted.baseline_version else set()
+            )
+
+    def observed(self, node: Node, model: str) -> tuple[set[int], datetime]:
+        return self.served.get(node.name, set()), timezone.now()
+
+    def measure(self, **kwargs: Any) -> list[Result]:
+        if self.verdict == "error":
+            raise PrometheusUnavailable("Prometheus at http://prom did not answer: stubbed.")
+        values = {"success": 100.0, "failure": 900.0, "inconclusive": None}[self.verdict]
+        return [
+            Result("requests", "q1", 50, 50, 20, "success", ""),
+            Result("p99", "q2", values, 100.0, 120.0, self.verdict, f"{self.verdict} detail"),
+        ]
+
+
+@pytest.fixture
+def fleet(db: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
+    model = Model.objects.create(name="rag", latency_budget_ms=500)
+    for number in (1, 2, 3):
+        ModelVersion.objects.create(
+            model=model,
+            version=number,
+            config={"name": "rag", "backend": "python"},
+            status=ModelVersion.Status.RELEASED,
+        )
+    pool = NodePool.objects.create(name="gpu")
+    for name in ("gpu-1", "gpu-2", "gpu-3"):
+        Node.objects.create(name=name, pool=pool, http_url=f"http://{name}:8000")
+    deployment_set(model_name="rag", version=1, pool=pool, actor="ops")
+    simulated = Fleet(pool)
+    simulated.converge()
+    monkeypatch.setattr(controller, "observed_versions", simulated.observed)
+    monkeypatch.setattr(controller, "measure", simulated.measure)
+    yield simulated
+
+
+def start(canary: int = 2, plan: str = PLAN, **analysis: Any) -> Rollout:
+    return rollout_start(
+        model_name="rag",
+        pool_name="gpu",
+        canary_version=canary,
+        plan=plan,
+        analysis={**FAST, **analysis},
+        actor="release-manager",
+    )
+
+
+def tick(rollout: Rollout, *, later_s: float = 2) -> Rollout:
+    """One controller tick, `later_s` seconds after the last one (the clock the controller reads
+    is the database's timestamps: they move back instead of the test sleeping)."""
+    earlier = timedelta(seconds=later_s)
+    Rollout.objects.filter(pk=rollout.pk, last_measured_at__isnull=False).update(
+        last_measured_at=F("last_measured_at") - earlier
+    )
+    Rollout.objects.filter(pk=rollout.pk, step_ready_at__isnull=False).update(
+        step_ready_at=F("step_ready_at") - earlier
+    )
+    controller.rollout_advance(rollout_id=rollout.pk)
+    return Rollout.objects.get(pk=rollout.pk)
+
+
+def test_a_good_canary_goes_step_by_step_to_the_whole_pool(fleet: Fleet) -> None:
+    rollout = tick(start())
+    assert (rollout.state, rollout.step, rollout.canary_nodes) == (State.PROGRESSING, 0, ["gpu-1"])
+    assert Deployment.objects.get(node__name="gpu-1").baseline_version == 1  # beside, for rollback
+    assert tick(rollout).step_ready_at is None  # gpu-1 is not serving v2 yet
+    fleet.converge()
+    rollout = tick(tick(rollout))  # ready; then measured and held: the next step goes out
+    assert (rollout.step, rollout.canary_nodes) == (1, ["gpu-1", "gpu-2", "gpu-3"])
+    fleet.converge()
+    rollout = tick(tick(rollout))
+    assert rollout.state == State.PROMOTING
+    rollout = tick(rollout)
+    assert Deployment.objects.get(pool__name="gpu").version == 2
+    assert not Deployment.objects.filter(node__isnull=False).exists()
+    assert tick(rollout).state == State.PROMOTING  # until every node is read back on v2 alone
+    fleet.converge()
+    rollout = tick(rollout)
+    assert rollout.state == State.SUCCEEDED and rollout.finished_at
+    assert fleet.served == {"gpu-1": {2}, "gpu-2": {2}, "gpu-3": {2}}
+
+
+def test_a_failing_canary_rolls_back_by_itself(fleet: Fleet) -> None:
+    rollout = tick(start(canary=3))
+    fleet.converge()
+    rollout = tick(rollout)
+    fleet.verdict = "failure"
+    rollout = tick(rollout)
+    assert (rollout.state, rollout.failures) == (State.PROGRESSING, 1)  # limit 2
+    rollout = tick(rollout)
+    assert rollout.state == State.ABORTING
+    assert "p99: failure detail" in rollout.reason
+    assert not Deployment.objects.filter(node__isnull=False).exists()
+    fleet.converge()
+    rollout = tick(rollout)
+    assert rollout.state == State.ROLLED_BACK
+    assert rollout.rollback_duration is not None
+    assert fleet.served["gpu-1"] == {1}
+    failing = rollout.measurements.filter(verdict="failure").first()
+    assert failing and failing.canary_value == 900.0 and failing.threshold == 120.0
+
+
+def test_prometheus_errors_past_the_limit_roll_back(fleet: Fleet) -> None:
+    rollout = tick(start())
+    fleet.converge()
+    fleet.verdict = "error"
+    rollout = tick(tick(rollout))
+    assert (rollout.state, rollout.errors) == (State.PROGRESSING, 1)
+    rollout = tick(rollout)
+    assert rollout.state == State.ABORTING
+    assert rollout.reason.startswith("error: Prometheus failed 2 times in a row")
+
+
+def test_too_little_data_pauses_and_says_why(fleet: Fleet) -> None:
+    rollout = tick(start())
+    fleet.converge()
+    fleet.verdict = "inconclusive"
+    rollout = tick(tick(rollout))
+    assert rollout.state == State.PAUSED
+    assert rollout.reason == "inconclusive: inconclusive detail"
+    fleet.verdict = "success"
+    rollout = tick(rollout_resume(rollout_id=rollout.pk, actor="ops"))
+    assert (rollout.state, rollout.step) == (State.PROGRESSING, 1)
+
+
+def test_a_node_down_mid_step_pauses(fleet: Fleet) -> None:
+    rollout = tick(start())
+    Node.objects.filter(name="gpu-3").update(health=Node.Health.UNREACHABLE)
+    rollout = tick(rollout)
+    assert rollout.state == State.PAUSED and "gpu-3 is unreachable" in rollout.reason
+
+
+def test_start_refuses_what_cannot_roll_out(fleet: Fleet) -> None:
+    with pytest.raises(RolloutError, match="already runs rag v1"):
+        start(canary=1)
+    with pytest.raises(RolloutError, match="rag v9 is not in the registry"):
+        start(canary=9)
+    ModelVersion.objects.filter(version=3).update(status=ModelVersion.Status.DRAFT)
+    with pytest.raises(RolloutError, match="rag v3 is draft, not released"):
+        start(canary=3)
+    with pytest.raises(PlanError, match="step 2: 1 canary nodes after 2"):
+        start(plan="2 nodes\n1 node")
+    rollout = start()
+    with pytest.raises(RolloutError, match=f"rollout #{rollout.pk} of rag on gpu is pending"):
+        start()
+    NodePool.objects.create(name="empty")
+    with pytest.raises(RolloutError, match="pool empty has no nodes"):
+        rollout_start(
+            model_name="rag", pool_name="empty", canary_version=2, plan=PLAN, analysis={}, actor="x"
+        )
+
+
+def test_the_database_allows_one_active_rollout_per_model_and_pool(fleet: Fleet) -> None:
+    first = start()
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Rollout.objects.create(
+            model=first.model, pool=first.pool, baseline_version=1, canary_version=3, plan=[]
+        )
+    Rollout.objects.filter(pk=first.pk).update(state=State.ROLLED_BACK)
+    assert start(canary=3).active
+
+
+def test_human_actions_are_audited_and_respect_the_state(fleet: Fleet) -> None:
+    rollout = tick(start())
+    rollout_pause(rollout_id=rollout.pk, actor="ops")
+    with pytest.raises(RolloutError, match="is paused: cannot pause it"):
+        rollout_pause(rollout_id=rollout.pk, actor="ops")
+    with pytest.raises(RolloutError, match="a reason is required"):
+        rollout_promote(rollout_id=rollout.pk, reason=" ", actor="ops")
+    rollout_promote(rollout_id=rollout.pk, reason="hotfix", actor="ops")
+    rollout = rollout_abort(rollout_id=rollout.pk, actor="ops", reason="changed my mind")
+    assert rollout.reason == "aborted by ops: changed my mind"
+    assert Deployment.objects.get(pool__name="gpu").version == 1
+    actions = list(
+        AuditEvent.objects.filter(target__startswith="rollout:", actor="ops").values_list(
+            "action", "result"
+        )
+    )
+    assert actions == [
+        ("rollout.aborting", "ok"),
+        ("rollout.promoting", "ok"),
+        ("rollout.promote", "failed"),  # no reason given
+        ("rollout.pause", "failed"),  # already paused
+        ("rollout.paused", "ok"),
+    ]
+
+
+def test_retry_starts_a_new_rollout_and_the_old_one_stays_terminal(fleet: Fleet) -> None:
+    rollout = tick(start())
+    rollout_abort(rollout_id=rollout.pk, actor="ops")
+    fleet.converge()
+    rollout = tick(rollout)
+    assert rollout.state == State.ROLLED_BACK
+    again = rollout_retry(rollout_id=rollout.pk, actor="ops")
+    assert again.pk != rollout.pk and again.state == State.PENDING
+    assert Rollout.objects.get(pk=rollout.pk).state == State.ROLLED_BACK
+
+
+def test_rollback_and_fallback_switch_the_pool_at_once(fleet: Fleet) -> None:
+    deployment_set(model_name="rag", version=2, pool=fleet.pool, actor="ops")
+    assert last_good_version(fleet.pool.deployments.get().model, fleet.pool) == 1
+    rollout = tick(start(canary=3))
+    assert release_rollback(model_name="rag", pool_name="gpu", actor="oncall") == 1
+    assert Rollout.objects.get(pk=rollout.pk).state == State.ABORTING
+    assert Deployment.objects.get(pool__name="gpu").version == 1
+    assert not Deployment.objects.filter(node__isnull=False).exists()
+    with pytest.raises(RolloutError, match="rag has no fallback version"):
+        release_fallback(model_name="rag", pool_name="gpu", actor="oncall")
+    Model.objects.filter(name="rag").update(fallback_version=3)
+    assert release_fallback(model_name="rag", pool_name="gpu", actor="oncall") == 3
+    assert AuditEvent.objects.filter(action="release.fallback", result="failed").count() == 1
+
+
+# Any sequence of actions, verdicts and crashes -----------------------------------------------------
+
+# Ticks are most of what happens; before each step the fleet may or may not have converged.
+ACTIONS = st.sampled_from(
+    ["tick"] * 12 + ["start", "pause", "resume", "promote", "abort", "retry", "rollback", "crash"]
+)
+VERDICTS = st.sampled_from(["success", "failure", "inconclusive", "error"])
+HUMAN = {
+    "pause": rollout_pause,
+    "resume": rollout_resume,
+    "abort": rollout_abort,
+    "promote": lambda **kwargs: rollout_promote(reason="test", **kwargs),
+}
+
+
+class Crash(Exception):
+    pass
+
+
+def _crash(*args: object) -> None:
+    raise Crash
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(st.lists(st.tuples(ACTIONS, VERDICTS, st.integers(2, 3), st.booleans()), max_size=40))
+def test_any_sequence_keeps_the_invariants(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch, script: list[tuple[str, str, int, bool]]
+) -> None:
+    Rollout.objects.all().delete()
+    Deployment.objects.filter(node__isnull=False).delete()
+    Deployment.objects.filter(pool=fleet.pool).update(version=1)
+    fleet.converge()
+    terminal: dict[int, str] = {}
+    for action, verdict, canary, converged in script:
+        fleet.verdict = verdict
+        if converged:
+            fleet.converge()
+        active = Rollout.objects.filter(state__in=Rollout.ACTIVE).first()
+        latest = Rollout.objects.first()
+        try:
+            with transaction.atomic():
+                if action == "start":
+                    start(canary=canary)
+                elif action == "rollback":
+                    release_rollback(model_name="rag", pool_name="gpu", actor="x")
+                elif action == "retry" and latest:
+                    rollout_retry(rollout_id=latest.pk, actor="x")
+                elif active and action == "tick":
+                    tick(active)
+                elif active and action == "crash":  # the worker dies in the middle of a tick
+                    with monkeypatch.context() as patched:
+                        patched.setattr(controller, "notify", _crash)
+                        tick(active)
+                elif active and action in HUMAN:
+                    HUMAN[action](rollout_id=active.pk, actor="x")
+        except (RolloutError, PlanError, Crash):
+            pass
+        rollouts = list(Rollout.objects.all())
+        assert sum(r.active for r in rollouts) <= 1
+        for r in rollouts:
+            if r.pk in terminal:
+                assert r.state == terminal[r.pk], f"#{r.pk} left {terminal[r.pk]}"
+            elif r.state in Rollout.TERMINAL:
+                terminal[r.pk] = r.state
+        if active and active.state == State.PROGRESSING and action == "tick":
+            # Every tick measures (the interval has passed) and moves on only if that measurement
+            # passed: never on failure, error or too little data.
+            after = Rollout.objects.get(pk=active.pk)
+            if after.step > active.step or after.state == State.PROMOTING:
+                assert verdict == "success", f"moved on after {verdict}"
+
+
+# Analysis arithmetic, Prometheus stubbed at its module boundary ---------------------------------
+
+
+def test_analysis_splits_by_node_and_compares_changed_steps_by_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from apps.rollouts import analysis
+
+    def answer(query: str) -> list[tuple[dict[str, str], float]]:
+        if "nv_inference_request_success" in query and "duration" not in query:
+            return [({"node": n}, 40.0) for n in ("a", "b", "c")]
+        if "nv_inference_request_failure" in query:
+            return [({"node": "a"}, 4.0)]  # only the canary fails, 10% of its requests
+        if "summary" in query:
+            return [({"node": "a"}, 300.0), ({"node": "b"}, 100.0), ({"node": "c"}, 120.0)]
+        assert 'model="reranker"' in query  # mean latency of the changed step, per version
+        return [({"version": "3"}, 260.0), ({"version": "1"}, 20.0)]
+
+    monkeypatch.setattr(analysis, "instant_query", answer)
+    results = analysis.measure(
+        model="rag",
+        pool="gpu",
+        canary_nodes=["a"],
+        spec=Analysis(p99_tolerance=0.5, error_delta=0.01, min_requests=20),
+        budget_ms=250,
+        steps=[analysis.ChangedStep("reranker", 3, 1, None)],
+    )
+    found = {r.metric: r for r in results}
+    assert (found["requests"].canary, found["requests"].baseline) == (44.0, 80.0)
+    assert (found["p99"].canary, found["p99"].baseline, found["p99"].threshold) == (
+        300.0,
+        120.0,
+        180.0,  # 120 x 1.5, under the 250 ms budget
+    )
+    assert found["error_ratio"].canary == pytest.approx(4 / 44)
+    assert found["error_ratio"].verdict == "failure"
+    step = found["mean latency reranker v3 vs v1"]
+    assert (step.canary, step.baseline, step.threshold, step.verdict) == (260, 20, 30, "failure")
+    assert analysis.overall(results) == "failure"
+    assert 'node=~"a"' in found["p99"].query
+
+
+def test_with_the_canary_everywhere_only_the_budget_judges(monkeypatch: pytest.MonkeyPatch) -> None:
+    from apps.rollouts import analysis
+
+    def answer(query: str) -> list[tuple[dict[str, str], float]]:
+        if "summary" in query:
+            return [({"node": "a"}, 90.0), ({"node": "b"}, 95.0)]
+        return [({"node": n}, 30.0) for n in ("a", "b")] if "success" in query else []
+
+    monkeypatch.setattr(analysis, "instant_query", answer)
+    results = analysis.measure(
+        model="rag",
+        pool="gpu",
+        canary_nodes=["a", "b"],
+        spec=Analysis(min_requests=20),
+        budget_ms=None,
+        steps=[],
+        compare=False,
+    )
+    assert [r.verdict for r in results] == ["success", "success", "success"]
+    assert results[1].detail == "no baseline left to compare with, and no budget"
+    assert results[2].threshold == Analysis().error_delta
+
+
+# Pages and permissions -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def release_manager(db: None) -> User:
+    return make_user(Role.RELEASE_MANAGER)
+
+
+FORM = {
+    "model": "rag",
+    "pool": "gpu",
+    "canary_version": "2",
+    "plan": "1 node, hold 30s\n100%",
+    "interval_s": "10",
+    "window_s": "60",
+    "warmup_s": "30",
+    "p99_tolerance": "0.2",
+    "p99_margin_ms": "10",
+    "error_delta": "0.01",
+    "min_requests": "20",
+    "failure_limit": "2",
+}
+
+
+def test_the_form_previews_then_starts(fleet: Fleet, client: Client, release_manager: User) -> None:
+    client.force_login(release_manager)
+    preview = client.post("/rollouts/new/", {**FORM, "preview": ""}).content.decode()
+    assert "Dry run: rag v1 → v2 on gpu" in preview
+    assert "<td>gpu-1</td><td>gpu-2, gpu-3</td>" in preview
+    assert not Rollout.objects.exists()
+    bad = client.post("/rollouts/new/", {**FORM, "plan": "1 node\nhalf", "preview": ""})
+    assert "line 2: &#x27;half&#x27; is not a step" in bad.content.decode()
+    started = client.post("/rollouts/new/", {**FORM, "start": ""})
+    rollout = Rollout.objects.get()
+    assert started["Location"] == f"/rollouts/{rollout.pk}/"
+    assert rollout.analysis["window_s"] == 60 and rollout.plan[0] == {"nodes": 1, "hold_s": 30}
+
+
+def test_the_live_part_stops_polling_once_terminal(
+    fleet: Fleet, client: Client, viewer: User
+) -> None:
+    rollout = tick(start())
+    client.force_login(viewer)
+    live = {"HX-Request": "true", "HX-Target": "rollout-live"}
+    assert client.get(f"/rollouts/{rollout.pk}/", headers=live).status_code == 200
+    Rollout.objects.filter(pk=rollout.pk).update(state=State.ROLLED_BACK)
+    response = client.get(f"/rollouts/{rollout.pk}/", headers=live)
+    assert response.status_code == 286 and "Rolled back" in response.content.decode()
+
+
+def test_each_action_needs_its_role(
+    fleet: Fleet, client: Client, viewer: User, operator: User, release_manager: User
+) -> None:
+    rollout = tick(start())
+    client.force_login(viewer)
+    assert client.get("/rollouts/new/").status_code == 403
+    assert client.post(f"/rollouts/{rollout.pk}/abort/").status_code == 403
+    client.force_login(operator)  # on-call: may roll a pool back, not steer a rollout
+    assert client.post(f"/rollouts/{rollout.pk}/pause/").status_code == 403
+    switched = client.post("/rollouts/release/gpu/rag/last-good/", follow=True)
+    assert "rag on gpu has no earlier good release" in switched.content.decode()
+    client.force_login(release_manager)
+    client.post(f"/rollouts/{rollout.pk}/abort/")
+    assert Rollout.objects.get(pk=rollout.pk).state == State.ABORTING
+    denied = AuditEvent.objects.filter(result="denied").values_list("actor", "action")
+    assert set(denied) == {
+        ("viewer-user", "rollout.start"),
+        ("viewer-user", "rollout.act"),
+        ("operator-user", "rollout.act"),
+    }
+
+
+def test_the_timeline_opens_on_a_rollouts_span(
+    fleet: Fleet, client: Client, viewer: User, settings: Any
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"
+    rollout = tick(start())
+    client.force_login(viewer)
+    page = client.get(f"/audit/timeline/?rollout={rollout.pk}").content.decode()
+    assert f"rollout #{rollout.pk}: rag v1 → v2 on gpu" in page
+    assert "rollout.start" in page and "rollout.step" in page
