@@ -126,7 +126,9 @@ def _timeline_context(request: HttpRequest) -> dict[str, object]:
     events = list(
         AuditEvent.objects.filter(created_at__range=(start, end)).order_by("created_at", "id")
     )
-    fixed = {"start": f"{start:%Y-%m-%dT%H:%M:%S}", "end": f"{end:%Y-%m-%dT%H:%M:%S}"}
+    # Written to the second, the end rounded up: nothing of the window falls out of its link.
+    last = end.replace(microsecond=0) + timedelta(seconds=1 if end.microsecond else 0)
+    fixed = {"start": f"{start:%Y-%m-%dT%H:%M:%S}", "end": f"{last:%Y-%m-%dT%H:%M:%S}"}
     fixed |= {"model": model} if model else {}
     permalink = request.build_absolute_uri(f"{reverse('audit:timeline')}?{urlencode(fixed)}")
     return {

@@ -169,17 +169,7 @@ def version_set_status(*, version_id: int, status: str, actor: Actor) -> ModelVe
 @transaction.atomic
 def model_set_budget(*, model_name: str, latency_budget_ms: int | None, actor: Actor) -> Model:
     model = Model.objects.select_for_update().get(name=model_name)
-    before = model.latency_budget_ms
-    model.latency_budget_ms = latency_budget_ms
-    model.save(update_fields=["latency_budget_ms"])
-    audit_record(
-        actor=actor,
-        action="registry.budget_set",
-        target=f"model:{model_name}",
-        before={"latency_budget_ms": before},
-        after={"latency_budget_ms": latency_budget_ms},
-    )
-    return model
+    return _model_set(model, "latency_budget_ms", latency_budget_ms, "registry.budget_set", actor)
 
 
 @transaction.atomic
@@ -190,14 +180,19 @@ def model_set_fallback(*, model_name: str, version: int | None, actor: Actor) ->
     if version is not None and not released.filter(version=version).exists():
         problem = Problem("error", model_name, "fallback_version", f"v{version} is not released")
         raise RegistryError([problem])
-    before = model.fallback_version
-    model.fallback_version = version
-    model.save(update_fields=["fallback_version"])
+    return _model_set(model, "fallback_version", version, "registry.fallback_set", actor)
+
+
+def _model_set(model: Model, field: str, value: int | None, action: str, actor: Actor) -> Model:
+    """One field of a (locked) model changed, with its audit event."""
+    before = getattr(model, field)
+    setattr(model, field, value)
+    model.save(update_fields=[field])
     audit_record(
         actor=actor,
-        action="registry.fallback_set",
-        target=f"model:{model_name}",
-        before={"fallback_version": before},
-        after={"fallback_version": version},
+        action=action,
+        target=f"model:{model.name}",
+        before={field: before},
+        after={field: value},
     )
     return model

@@ -5,6 +5,7 @@ import json
 import re
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 from django.test import Client
@@ -285,7 +286,8 @@ def test_a_slow_release_is_rolled_back_by_itself_and_the_incident_reads_in_order
     wait_for("trio-3 is back", AuditEvent.objects.filter(action="node.up").exists, 60)
 
     client.force_login(make_user(Role.VIEWER))
-    window = {"start": f"{began:%Y-%m-%dT%H:%M:%S}", "end": f"{timezone.now():%Y-%m-%dT%H:%M:%S}"}
+    until = timezone.now() + timedelta(seconds=1)  # the window is written to the second
+    window = {"start": f"{began:%Y-%m-%dT%H:%M:%S}", "end": f"{until:%Y-%m-%dT%H:%M:%S}"}
     page = client.get("/audit/timeline/", {**window, "model": "rag_pipeline"}).content.decode()
     story = [
         ("rollout.start", "release-manager"),
@@ -302,7 +304,7 @@ def test_a_slow_release_is_rolled_back_by_itself_and_the_incident_reads_in_order
         match = found.search(page, position)
         assert match, f"{action} by {actor} is missing or out of order"
         position = match.end()
-    figure = json.loads(re.search(r'id="timeline-figure">(.*?)</script>', page, re.S)[1])  # type: ignore[index]
+    figure = json.loads(re.search(r'json" id="timeline-figure">(.*?)</script>', page, re.S)[1])  # type: ignore[index]
     marked = {a["text"] for a in figure["layout"]["annotations"]}
     assert {"aborting rag_pipeline v3", "rolled_back rag_pipeline v3"} <= marked
     report = client.get("/audit/timeline/report.md", window).content.decode()
