@@ -1,4 +1,6 @@
-from typing import Any
+from collections.abc import Callable
+from functools import wraps
+from typing import Any, TypeVar, cast
 
 from django.contrib.auth.models import AnonymousUser, User
 from django.db import transaction
@@ -30,3 +32,36 @@ def audit_record(
             result=result,
             message=message,
         )
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def refusals_audited(
+    action: str | Callable[..., str],
+    target: Callable[..., str],
+    refusals: tuple[type[Exception], ...],
+) -> Callable[[F], F]:
+    """Run a service (called with keyword arguments, `actor` among them) in its own transaction.
+    When it refuses, raising one of `refusals`, its changes roll back but the refusal is recorded,
+    after that transaction, and raised to the caller: a failed action is in the trail too."""
+
+    def decorator(service: F) -> F:
+        @wraps(service)
+        def wrapped(**kwargs: Any) -> Any:
+            try:
+                with transaction.atomic():
+                    return service(**kwargs)
+            except refusals as exc:
+                audit_record(
+                    actor=kwargs["actor"],
+                    action=action if isinstance(action, str) else action(**kwargs),
+                    target=target(**kwargs),
+                    result=AuditEvent.Result.FAILED,
+                    message=str(exc),
+                )
+                raise
+
+        return cast(F, wrapped)
+
+    return decorator

@@ -6,7 +6,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from apps.audit.services import audit_record
+from apps.audit.services import audit_record, refusals_audited
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.triton import (
     IndexEntry,
@@ -54,7 +54,7 @@ _OBSERVED = [
 ]
 
 
-@transaction.atomic
+@refusals_audited("node.register", lambda name, **_: f"node:{name}", (FleetError,))
 def node_register(
     *, name: str, pool: str, http_url: str, grpc_url: str, metrics_url: str, actor: str
 ) -> Node:
@@ -175,7 +175,14 @@ def _reconcile_later(node_ids: list[int]) -> None:
     transaction.on_commit(enqueue)
 
 
-@transaction.atomic
+def _deployment_target(
+    *, model_name: str, pool: NodePool | None = None, node: Node | None = None, **_: object
+) -> str:
+    where = f"pool:{pool.name}" if pool else f"node:{node.name}" if node else "nowhere"
+    return f"{where}:{model_name}"
+
+
+@refusals_audited("deployment.set", _deployment_target, (FleetError,))
 def deployment_set(
     *,
     model_name: str,
@@ -246,7 +253,12 @@ def deployment_remove(*, deployment_id: int, actor: Actor) -> None:
     _reconcile_later(nodes)
 
 
-@transaction.atomic
+def _node_target(*, node_id: int, model_name: str, **_: object) -> str:
+    name = Node.objects.filter(pk=node_id).values_list("name", flat=True).first()
+    return f"node:{name}:{model_name}"
+
+
+@refusals_audited(lambda kind, **_: f"operation.request_{kind}", _node_target, (FleetError,))
 def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor) -> Operation:
     """A person's reload or unload on one node. A second click while one is open returns it."""
     from apps.fleet.desired import node_desired

@@ -6,7 +6,7 @@ from typing import Any
 from django.contrib.auth.models import User
 from django.db import transaction
 
-from apps.audit.services import audit_record
+from apps.audit.services import audit_record, refusals_audited
 from apps.registry.codec import ConfigSyntaxError, from_dict, parse_pbtxt, to_dict
 from apps.registry.ensembles import Resolver, validate_ensemble
 from apps.registry.models import Model, ModelVersion
@@ -75,7 +75,16 @@ def compatibility_breaks(*, model_name: str, config: Any) -> list[Break]:
     return breaks
 
 
-@transaction.atomic
+def _model_target(*, model_name: str, **_: object) -> str:
+    return f"model:{model_name}"
+
+
+def _version_target(*, version_id: int, **_: object) -> str:
+    found = ModelVersion.objects.filter(pk=version_id).select_related("model").first()
+    return f"model:{found.model.name}:v{found.version}" if found else f"version:{version_id}"
+
+
+@refusals_audited("registry.version_create", _model_target, (RegistryError,))
 def version_create(
     *,
     model_name: str,
@@ -139,7 +148,7 @@ _TRANSITIONS = {
 }
 
 
-@transaction.atomic
+@refusals_audited("registry.version_status", _version_target, (RegistryError,))
 def version_set_status(*, version_id: int, status: str, actor: Actor) -> ModelVersion:
     version = ModelVersion.objects.select_for_update().select_related("model").get(pk=version_id)
     if status not in _TRANSITIONS[ModelVersion.Status(version.status)]:
@@ -172,7 +181,7 @@ def model_set_budget(*, model_name: str, latency_budget_ms: int | None, actor: A
     return _model_set(model, "latency_budget_ms", latency_budget_ms, "registry.budget_set", actor)
 
 
-@transaction.atomic
+@refusals_audited("registry.fallback_set", _model_target, (RegistryError,))
 def model_set_fallback(*, model_name: str, version: int | None, actor: Actor) -> Model:
     """The version on-call switches a pool to in a latency emergency; it must be released."""
     model = Model.objects.select_for_update().get(name=model_name)

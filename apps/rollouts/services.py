@@ -1,16 +1,14 @@
 """Everything a person (or the API) does to rollouts and releases. Each action takes the rollout's
 row lock, checks the state it is allowed from, and writes one audit event with the change."""
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import wraps
-from typing import Any, TypeVar, cast
+from typing import Any
 
 from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 
 from apps.audit.models import AuditEvent
-from apps.audit.services import audit_record
+from apps.audit.services import audit_record, refusals_audited
 from apps.fleet.models import Deployment, NodePool
 from apps.fleet.services import FleetError, deployment_remove, deployment_set
 from apps.registry.codec import ensemble_steps, from_dict
@@ -22,7 +20,6 @@ from apps.rollouts.notify import notify
 from apps.rollouts.plans import Analysis, PlanError, PreviewStep, parse_plan, preview
 
 Actor = str | User
-F = TypeVar("F", bound=Callable[..., Any])
 State = Rollout.State
 
 
@@ -97,31 +94,6 @@ def _active(model: Model, pool: NodePool) -> Rollout | None:
     return Rollout.objects.filter(model=model, pool=pool, state__in=Rollout.ACTIVE).first()
 
 
-def _refusals_audited(action: str, target: Callable[..., str]) -> Callable[[F], F]:
-    """Run the service in its own transaction; when it refuses, the refusal is audited after that
-    transaction rolled back (so it is kept) and raised to the caller."""
-
-    def decorator(service: F) -> F:
-        @wraps(service)
-        def wrapped(**kwargs: Any) -> Any:
-            try:
-                with transaction.atomic():
-                    return service(**kwargs)
-            except (RolloutError, PlanError) as exc:
-                audit_record(
-                    actor=kwargs["actor"],
-                    action=action,
-                    target=target(**kwargs),
-                    result=AuditEvent.Result.FAILED,
-                    message=str(exc),
-                )
-                raise
-
-        return cast(F, wrapped)
-
-    return decorator
-
-
 def _pool_target(*, model_name: str, pool_name: str, **_: object) -> str:
     return f"pool:{pool_name}:{model_name}"
 
@@ -131,7 +103,7 @@ def _rollout_target(*, rollout_id: int, **_: object) -> str:
     return f"rollout:{rollout_id}:{found or ''}"
 
 
-@_refusals_audited("rollout.start", _pool_target)
+@refusals_audited("rollout.start", _pool_target, (RolloutError, PlanError))
 def rollout_start(
     *,
     model_name: str,
@@ -183,14 +155,14 @@ def _locked(rollout_id: int, action: str, allowed: list[State]) -> Rollout:
     return rollout
 
 
-@_refusals_audited("rollout.pause", _rollout_target)
+@refusals_audited("rollout.pause", _rollout_target, (RolloutError, PlanError))
 def rollout_pause(*, rollout_id: int, actor: Actor) -> Rollout:
     rollout = _locked(rollout_id, "pause", [State.PENDING, State.PROGRESSING])
     controller.pause(rollout, f"paused by {_name(actor)}", actor=actor)
     return rollout
 
 
-@_refusals_audited("rollout.resume", _rollout_target)
+@refusals_audited("rollout.resume", _rollout_target, (RolloutError, PlanError))
 def rollout_resume(*, rollout_id: int, actor: Actor) -> Rollout:
     rollout = _locked(rollout_id, "resume", [State.PAUSED])
     # Judged afresh: what made it pause (too little data, a node down) may have passed.
@@ -199,7 +171,7 @@ def rollout_resume(*, rollout_id: int, actor: Actor) -> Rollout:
     return rollout
 
 
-@_refusals_audited("rollout.promote", _rollout_target)
+@refusals_audited("rollout.promote", _rollout_target, (RolloutError, PlanError))
 def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
     """Skip the remaining steps and analysis; a reason is required, and recorded."""
     if not reason.strip():
@@ -211,7 +183,7 @@ def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
     return rollout
 
 
-@_refusals_audited("rollout.abort", _rollout_target)
+@refusals_audited("rollout.abort", _rollout_target, (RolloutError, PlanError))
 def rollout_abort(*, rollout_id: int, actor: Actor, reason: str = "") -> Rollout:
     allowed = [State.PENDING, State.PROGRESSING, State.PAUSED, State.PROMOTING]
     rollout = _locked(rollout_id, "abort", allowed)
@@ -220,7 +192,7 @@ def rollout_abort(*, rollout_id: int, actor: Actor, reason: str = "") -> Rollout
     return rollout
 
 
-@_refusals_audited("rollout.retry", _rollout_target)
+@refusals_audited("rollout.retry", _rollout_target, (RolloutError, PlanError))
 def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
     """A new rollout with the same canary, plan and analysis (terminal states stay terminal)."""
     rollout = _locked(rollout_id, "retry", [State.FAILED, State.ROLLED_BACK])
@@ -253,7 +225,7 @@ def last_good_version(model: Model, pool: NodePool) -> int | None:
     return None
 
 
-@_refusals_audited("release.rollback", _pool_target)
+@refusals_audited("release.rollback", _pool_target, (RolloutError, PlanError))
 def release_rollback(*, model_name: str, pool_name: str, actor: Actor) -> int:
     """On-call's one click: the pool back to its last good release, now. Returns the version."""
     model, pool = _model_and_pool(model_name, pool_name)
@@ -263,7 +235,7 @@ def release_rollback(*, model_name: str, pool_name: str, actor: Actor) -> int:
     return _switch(model, pool, version, "rollback", actor)
 
 
-@_refusals_audited("release.fallback", _pool_target)
+@refusals_audited("release.fallback", _pool_target, (RolloutError, PlanError))
 def release_fallback(*, model_name: str, pool_name: str, actor: Actor) -> int:
     """The pool onto the model's pre-registered degraded version (a latency emergency)."""
     model, pool = _model_and_pool(model_name, pool_name)

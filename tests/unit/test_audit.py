@@ -1,7 +1,9 @@
+import contextlib
 import csv
 import io
 import json
 import re
+from collections.abc import Callable
 
 import pytest
 from django.contrib.auth.models import User
@@ -11,6 +13,10 @@ from django.urls import URLPattern, URLResolver, get_resolver
 
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
+from apps.fleet.models import Node, NodePool
+from apps.registry.models import Model, ModelVersion
+
+CONFIG = {"name": "rag", "backend": "python", "max_batch_size": 8}
 
 
 @pytest.fixture
@@ -134,3 +140,86 @@ def test_every_guarded_endpoint_refuses_and_records_exactly_one_event(
             "denied",
             url,
         )
+
+
+def _service_calls() -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
+    """Each mutating service with (action, a call it refuses, a call it accepts)."""
+    from apps.fleet import services as fleet
+    from apps.registry import services as registry
+    from apps.registry.codec import from_dict
+
+    pool = NodePool.objects.create(name="gpu")
+    node = Node.objects.create(name="gpu-1", pool=pool, http_url="http://gpu-1:8000")
+    model = Model.objects.create(name="rag")
+    draft = ModelVersion.objects.create(model=model, version=1, config=CONFIG)
+    ModelVersion.objects.create(model=model, version=2, config=CONFIG, status="released")
+    tensor = {"data_type": "TYPE_FP32", "dims": [4]}
+    good = from_dict(
+        {
+            **CONFIG,
+            "name": "ocr",
+            "input": [{"name": "IMAGE", **tensor}],
+            "output": [{"name": "TEXT", **tensor}],
+        }
+    )
+    return [
+        (
+            "node.register",
+            lambda: fleet.node_register(
+                name="n", pool="gpu", http_url="ftp://x", grpc_url="", metrics_url="", actor="ops"
+            ),
+            lambda: fleet.node_register(
+                name="n",
+                pool="gpu",
+                http_url="http://n:8000",
+                grpc_url="",
+                metrics_url="",
+                actor="ops",
+            ),
+        ),
+        (
+            "deployment.set",
+            lambda: fleet.deployment_set(model_name="rag", version=1, pool=pool, actor="ops"),
+            lambda: fleet.deployment_set(model_name="rag", version=2, pool=pool, actor="ops"),
+        ),
+        (
+            "operation.request_unload",
+            lambda: fleet.operation_request(
+                node_id=node.pk, kind="unload", model_name="rag", actor="ops"
+            ),
+            lambda: fleet.operation_request(
+                node_id=node.pk, kind="unload", model_name="other", actor="ops"
+            ),
+        ),
+        (
+            "registry.version_create",
+            lambda: registry.version_create(
+                model_name="ocr", config=from_dict({**CONFIG, "name": "nope"}), actor="ops"
+            ),
+            lambda: registry.version_create(model_name="ocr", config=good, actor="ops"),
+        ),
+        (
+            "registry.version_status",
+            lambda: registry.version_set_status(version_id=draft.pk, status="draft", actor="ops"),
+            lambda: registry.version_set_status(
+                version_id=draft.pk, status="released", actor="ops"
+            ),
+        ),
+        (
+            "registry.fallback_set",
+            lambda: registry.model_set_fallback(model_name="rag", version=9, actor="ops"),
+            lambda: registry.model_set_fallback(model_name="rag", version=2, actor="ops"),
+        ),
+    ]
+
+
+def test_every_mutating_service_records_one_event_refused_or_done(db: None) -> None:
+    for action, refused, accepted in _service_calls():
+        for call, result in ((refused, "failed"), (accepted, "ok")):
+            before = AuditEvent.objects.count()
+            with contextlib.suppress(Exception):
+                call()
+            new = list(AuditEvent.objects.all()[: AuditEvent.objects.count() - before])
+            assert [(e.action, e.result) for e in new] == [(action, result)], action
+            if result == "failed":
+                assert new[0].message, f"{action}: a refusal says why"
