@@ -8,6 +8,11 @@ from django.db import transaction
 from apps.audit.models import AuditEvent
 
 
+def actor_name(actor: str | User | AnonymousUser) -> str:
+    """How an actor stands in the trail: a username, or `system:<component>`."""
+    return actor if isinstance(actor, str) else actor.get_username()
+
+
 def audit_record(
     *,
     actor: str | User | AnonymousUser,
@@ -23,7 +28,7 @@ def audit_record(
     user = actor if isinstance(actor, User) else None
     with transaction.atomic():
         return AuditEvent.objects.create(
-            actor=actor if isinstance(actor, str) else actor.get_username(),
+            actor=actor_name(actor),
             user=user,
             action=action,
             target=target,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from apps.fleet.desired import DesiredModel, digest, with_versions
+from apps.registry.codec import step_names
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def plan(
     for model in sorted(desired.values(), key=lambda m: (m.depth, m.name)):
         seen = observed.get(model.name, Observed(frozenset()))
         wanted = frozenset(model.versions)
-        if seen.busy or held & _steps(model):
+        if seen.busy or held & step_names(model.config):
             # Busy, or a step is not ready for it: Triton would refuse the ensemble, and a
             # refused config is not retried. The next pass plans it.
             held.add(model.name)
@@ -74,7 +75,3 @@ def plan(
         if name not in desired and name in managed and seen.ready and not seen.busy
     ]
     return first + narrow + unloads
-
-
-def _steps(model: DesiredModel) -> set[str]:
-    return {s["model_name"] for s in model.config.get("ensemble_scheduling", {}).get("step", [])}

@@ -6,7 +6,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from apps.audit.services import audit_record, refusals_audited
+from apps.audit.services import actor_name, audit_record, refusals_audited
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.triton import (
     IndexEntry,
@@ -222,7 +222,11 @@ def deployment_set(
         model=found.model,
         pool=pool,
         node=node,
-        defaults={"version": version, "baseline_version": baseline, "created_by": _name(actor)},
+        defaults={
+            "version": version,
+            "baseline_version": baseline,
+            "created_by": actor_name(actor),
+        },
     )
     audit_record(
         actor=actor,
@@ -287,7 +291,7 @@ def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor)
         versions=list(desired.versions) if desired else [],
         config=desired.config if desired else None,
         config_digest=desired.digest if desired else "",
-        requested_by=_name(actor),
+        requested_by=actor_name(actor),
     )
     audit_record(
         actor=actor, action=f"operation.request_{kind}", target=f"node:{node.name}:{model_name}"
@@ -308,7 +312,3 @@ def _target_nodes(pool: NodePool | None, node: Node | None) -> list[int]:
         return [node.pk]
     assert pool is not None
     return list(pool.nodes.values_list("id", flat=True))
-
-
-def _name(actor: Actor) -> str:
-    return actor if isinstance(actor, str) else actor.get_username()

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from apps.observability.breakdown import worst_p99_ms
 from apps.observability.prometheus import instant_query
+from apps.registry.codec import step_names
 from apps.registry.models import Model, ModelVersion
 
 WINDOW = "1m"
@@ -37,11 +38,7 @@ def _steps() -> set[str]:
     configs = ModelVersion.objects.filter(model__kind=Model.Kind.ENSEMBLE).values_list(
         "config", flat=True
     )
-    return {
-        step["model_name"]
-        for config in configs
-        for step in config.get("ensemble_scheduling", {}).get("step", [])
-    }
+    return {name for config in configs for name in step_names(config)}
 
 
 def _rate_by_model(counter: str) -> dict[str, float]:

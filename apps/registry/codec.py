@@ -64,3 +64,8 @@ def without_version_policy(config: Any) -> Any:
 def ensemble_steps(config: Any) -> list[tuple[str, int]]:
     """(model, version) of each step of an ensemble; -1 means the latest version."""
     return [(s.model_name, s.model_version) for s in config.ensemble_scheduling.step]
+
+
+def step_names(config: dict[str, Any]) -> set[str]:
+    """The models an ensemble's stored (JSON) config calls; empty for any other model."""
+    return {s.get("model_name", "") for s in config.get("ensemble_scheduling", {}).get("step", [])}

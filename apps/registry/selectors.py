@@ -2,7 +2,7 @@ from typing import Any
 
 from django.db.models import Count, Max, Q, QuerySet
 
-from apps.registry.codec import from_dict
+from apps.registry.codec import from_dict, step_names
 from apps.registry.ensembles import LATEST, Resolved, Resolver
 from apps.registry.models import Model, ModelVersion
 
@@ -57,11 +57,4 @@ def ensembles_using(model_name: str) -> list[ModelVersion]:
     candidates = ModelVersion.objects.filter(model__kind=Model.Kind.ENSEMBLE).select_related(
         "model"
     )
-    return [
-        v
-        for v in candidates
-        if any(
-            s.get("model_name") == model_name
-            for s in v.config.get("ensemble_scheduling", {}).get("step", [])
-        )
-    ]
+    return [v for v in candidates if model_name in step_names(v.config)]

@@ -14,7 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.audit.services import audit_record
-from apps.fleet.models import Deployment, Node
+from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.selectors import observed_versions
 from apps.fleet.services import FleetError, deployment_remove, deployment_set
 from apps.observability.prometheus import PrometheusUnavailable
@@ -98,13 +98,14 @@ def begin_abort(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
             pool=rollout.pool,
             actor=actor,
         )
-    for deployment in _node_deployments(rollout):
-        deployment_remove(deployment_id=deployment.pk, actor=actor)
+    drop_node_deployments(rollout.model, rollout.pool, actor)
     transition(rollout, State.ABORTING, reason, actor=actor)
 
 
-def _node_deployments(rollout: Rollout) -> list[Deployment]:
-    return list(Deployment.objects.filter(model=rollout.model, node__pool=rollout.pool))
+def drop_node_deployments(model: Model, pool: NodePool, actor: Actor) -> None:
+    """Every node of the pool back to the pool's own deployment of `model`."""
+    for deployment in Deployment.objects.filter(model=model, node__pool=pool):
+        deployment_remove(deployment_id=deployment.pk, actor=actor)
 
 
 def _progress(rollout: Rollout) -> None:
@@ -287,8 +288,7 @@ def _promote(rollout: Rollout) -> None:
             )
         except FleetError as exc:
             return transition(rollout, State.FAILED, f"promotion failed: {exc}")
-        for deployment in _node_deployments(rollout):
-            deployment_remove(deployment_id=deployment.pk, actor=ACTOR)
+        drop_node_deployments(rollout.model, rollout.pool, ACTOR)
         return None
     if _all_serve(rollout, rollout.canary_version) is not None:
         return transition(rollout, State.SUCCEEDED)
@@ -296,8 +296,7 @@ def _promote(rollout: Rollout) -> None:
 
 
 def _aborting(rollout: Rollout) -> None:
-    for deployment in _node_deployments(rollout):  # a canary step may have raced the abort
-        deployment_remove(deployment_id=deployment.pk, actor=ACTOR)
+    drop_node_deployments(rollout.model, rollout.pool, ACTOR)  # a step may have raced the abort
     pool_deployment = Deployment.objects.filter(model=rollout.model, pool=rollout.pool).first()
     target = pool_deployment.version if pool_deployment else rollout.baseline_version
     done_at = _all_serve(rollout, target, timed=rollout.canary_nodes)

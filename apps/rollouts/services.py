@@ -8,9 +8,9 @@ from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 
 from apps.audit.models import AuditEvent
-from apps.audit.services import audit_record, refusals_audited
+from apps.audit.services import actor_name, audit_record, refusals_audited
 from apps.fleet.models import Deployment, NodePool
-from apps.fleet.services import FleetError, deployment_remove, deployment_set
+from apps.fleet.services import FleetError, deployment_set
 from apps.registry.codec import ensemble_steps, from_dict
 from apps.registry.models import Model, ModelVersion
 from apps.registry.selectors import registry_resolver
@@ -134,7 +134,7 @@ def rollout_start(
                 canary_version=proposal.canary,
                 plan=proposal.plan,
                 analysis=proposal.analysis.as_dict(),
-                started_by=_name(actor),
+                started_by=actor_name(actor),
             )
     except IntegrityError:
         raise RolloutError(f"another rollout of {model_name} on {pool_name} is active") from None
@@ -158,7 +158,7 @@ def _locked(rollout_id: int, action: str, allowed: list[State]) -> Rollout:
 @refusals_audited("rollout.pause", _rollout_target, (RolloutError, PlanError))
 def rollout_pause(*, rollout_id: int, actor: Actor) -> Rollout:
     rollout = _locked(rollout_id, "pause", [State.PENDING, State.PROGRESSING])
-    controller.pause(rollout, f"paused by {_name(actor)}", actor=actor)
+    controller.pause(rollout, f"paused by {actor_name(actor)}", actor=actor)
     return rollout
 
 
@@ -178,7 +178,7 @@ def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
         raise RolloutError("say why the analysis is skipped: a reason is required")
     rollout = _locked(rollout_id, "promote", [State.PENDING, State.PROGRESSING, State.PAUSED])
     controller.transition(
-        rollout, State.PROMOTING, f"promoted by {_name(actor)}: {reason}", actor=actor
+        rollout, State.PROMOTING, f"promoted by {actor_name(actor)}: {reason}", actor=actor
     )
     return rollout
 
@@ -187,7 +187,7 @@ def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
 def rollout_abort(*, rollout_id: int, actor: Actor, reason: str = "") -> Rollout:
     allowed = [State.PENDING, State.PROGRESSING, State.PAUSED, State.PROMOTING]
     rollout = _locked(rollout_id, "abort", allowed)
-    why = f"aborted by {_name(actor)}" + (f": {reason}" if reason.strip() else "")
+    why = f"aborted by {actor_name(actor)}" + (f": {reason}" if reason.strip() else "")
     controller.begin_abort(rollout, why, actor=actor)
     return rollout
 
@@ -261,10 +261,9 @@ def _switch(model: Model, pool: NodePool, version: int, action: str, actor: Acto
         raise RolloutError(str(exc)) from exc
     running = _active(model, pool)
     if running is not None and running.state != State.ABORTING:
-        why = f"pool switched to v{version} ({action}) by {_name(actor)}"
+        why = f"pool switched to v{version} ({action}) by {actor_name(actor)}"
         controller.begin_abort(_locked(running.pk, "abort", Rollout.ACTIVE), why, actor=actor)
-    for deployment in Deployment.objects.filter(model=model, node__pool=pool):
-        deployment_remove(deployment_id=deployment.pk, actor=actor)
+    controller.drop_node_deployments(model, pool, actor)
     audit_record(
         actor=actor,
         action=f"release.{action}",
@@ -272,7 +271,3 @@ def _switch(model: Model, pool: NodePool, version: int, action: str, actor: Acto
         after={"version": version},
     )
     return version
-
-
-def _name(actor: Actor) -> str:
-    return actor if isinstance(actor, str) else actor.get_username()
