@@ -36,7 +36,7 @@ test: $(STAMP) os-deps lint
 	$(BIN)/pytest tests/unit tests/integration tests/e2e
 
 bench: $(STAMP) os-deps
-	$(BIN)/pytest tests/bench -p no:cacheprovider
+	$(BIN)/pytest tests/bench -p no:cacheprovider -s
 
 clean:
 	rm -rf var/devfleet var/test-* var/screenshots

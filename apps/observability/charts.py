@@ -1,9 +1,10 @@
 """Plotly figures from Prometheus series, with vertical markers for what changed."""
 
-import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+
+import orjson
 
 from apps.observability.catalog import METRICS, build_query, step_for
 from apps.observability.markers import Marker, change_markers
@@ -122,7 +123,8 @@ def metric_chart(
     fig = figure(series, unit=metric.unit, markers=markers, start=start, end=end)
     # Escaped so that no label value can close the <script type="application/json"> it sits in.
     safe_json = (
-        json.dumps(fig, separators=(",", ":"))
+        orjson.dumps(fig)
+        .decode()
         .replace("<", "\\u003c")
         .replace(">", "\\u003e")
         .replace("&", "\\u0026")

@@ -2,7 +2,6 @@
 `PrometheusUnavailable` with a message fit for the page."""
 
 import functools
-import math
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -70,9 +69,9 @@ def instant_query(query: str) -> list[tuple[dict[str, str], float]]:
     return [(row["metric"], float(row["value"][1])) for row in _call("custom_query", query)]
 
 
-def _finite(text: str) -> float | None:
-    value = float(text)
-    return value if math.isfinite(value) else None
+# How Prometheus writes the values a line cannot draw. Matching the text is several times
+# cheaper than parsing and testing every point, and a 6 h chart has thousands.
+NOT_FINITE = frozenset({"NaN", "+Inf", "-Inf"})
 
 
 def range_query(query: str, *, start: datetime, end: datetime, step_s: int) -> list[Series]:
@@ -81,7 +80,7 @@ def range_query(query: str, *, start: datetime, end: datetime, step_s: int) -> l
         Series(
             labels=row["metric"],
             times=[t for t, _ in row["values"]],
-            values=[_finite(v) for _, v in row["values"]],
+            values=[None if v in NOT_FINITE else float(v) for _, v in row["values"]],
         )
         for row in result
     ]

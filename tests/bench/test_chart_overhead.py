@@ -19,7 +19,7 @@ from tests.backfill import backfilled_prometheus
 MODELS = ["rag_pipeline", "embedder", "retriever", "reranker", "generator"]
 NODES = [f"node-{i}" for i in range(10)]
 SPAN = timedelta(hours=6)
-ROUNDS = 40
+ROUNDS = 150
 WARMUP = 10
 
 

@@ -1,4 +1,11 @@
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from apps.observability import prometheus
 from apps.observability.catalog import METRICS, build_query, step_for
+from apps.observability.charts import metric_chart
 from apps.observability.prometheus import escape_label
 
 
@@ -25,3 +32,25 @@ def test_batch_size_is_inferences_per_execution() -> None:
 def test_steps_keep_charts_at_a_few_hundred_points() -> None:
     for seconds in [900, 3600, 6 * 3600, 7 * 86400]:
         assert seconds / step_for(seconds) <= 450
+
+
+@pytest.mark.django_db
+def test_a_chart_draws_gaps_for_values_a_line_cannot_hold_and_escapes_labels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prometheus stubbed at the client boundary: its rows as the HTTP API writes them."""
+    rows = [
+        {
+            "metric": {"model": "</script><b>", "version": "1"},
+            "values": [[1700000000, "12.5"], [1700000015, "NaN"], [1700000030, "+Inf"]],
+        },
+        {"metric": {"model": "idle", "version": "1"}, "values": [[1700000000, "NaN"]]},
+    ]
+    monkeypatch.setattr(prometheus, "_call", lambda *args, **kwargs: rows)
+    end = datetime.fromtimestamp(1700000040, UTC)
+    chart = metric_chart("p99", start=end - timedelta(minutes=15), end=end)
+    assert "<" not in chart.figure_json and ">" not in chart.figure_json
+    (trace,) = json.loads(chart.figure_json)["data"]  # the idle model has nothing to draw
+    assert trace["name"] == "</script><b> v1"
+    assert trace["x"] == [1700000000000, 1700000015000, 1700000030000]
+    assert trace["y"] == [12.5, None, None]
