@@ -45,6 +45,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "apps.audit.context.RequestIdMiddleware",  # first: every response names its request
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -145,6 +146,11 @@ SITE_URL = env_str("SITE_URL", "http://127.0.0.1:8000").rstrip("/")
 REGISTRY_ARTIFACT_ROOTS = env_list("REGISTRY_ARTIFACT_ROOTS", [str(BASE_DIR / "deploy" / "models")])
 
 FLEET_UNREACHABLE_AFTER = 3
+# A flapping node: past FLEET_FLAP_LIMIT up/down events within the window, changes are counted,
+# not recorded, until the node holds a state for FLEET_FLAP_SETTLE_S.
+FLEET_FLAP_LIMIT = 4
+FLEET_FLAP_WINDOW_S = 600.0
+FLEET_FLAP_SETTLE_S = 60.0
 FLEET_LEASE_S = env_float("FLEET_LEASE_S", 15.0)
 TRITON_TIMEOUT_S = 5.0
 PROMETHEUS_TIMEOUT_S = 5

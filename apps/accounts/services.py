@@ -2,7 +2,7 @@ from django.contrib.auth.models import Group, Permission, User
 from django.db import transaction
 
 from apps.accounts.roles import ROLE_ORDER, Role, role_permissions
-from apps.audit.services import audit_record
+from apps.audit.services import audit_record, audited
 
 
 @transaction.atomic
@@ -22,7 +22,7 @@ def roles_sync() -> list[Group]:
     return groups
 
 
-@transaction.atomic
+@audited("user.role_set", lambda username, **_: f"user:{username}")
 def user_ensure(*, username: str, password: str, role: Role, actor: str = "system") -> User:
     """Create the user if missing and give it exactly one role; audited when something changed."""
     user, created = User.objects.get_or_create(username=username)

@@ -1,3 +1,5 @@
+from typing import Any
+
 from django.conf import settings
 from django.db import models
 
@@ -23,9 +25,27 @@ class AuditEvent(models.Model):
     after = models.JSONField(default=dict, blank=True)
     result = models.CharField(max_length=10, choices=Result.choices, default=Result.OK)
     message = models.TextField(blank=True)
+    # The web request (or the task it enqueued) the event was written for: X-Request-ID.
+    request_id = models.CharField(max_length=64, blank=True, db_index=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]
 
     def __str__(self) -> str:
         return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action} {self.target}"
+
+    @property
+    def parts(self) -> list[dict[str, Any]]:
+        """The steps of this action that other services recorded (a rollback's deployments)."""
+        return list(self.after.get("parts", []))
+
+    @property
+    def outcome(self) -> dict[str, Any]:
+        """What the action itself left, without its parts."""
+        return {key: value for key, value in self.after.items() if key != "parts"}
+
+    def as_part(self) -> dict[str, Any]:
+        """How the event is listed inside the event of the action it was a step of."""
+        part = {"action": self.action, "target": self.target}
+        fields = {"before": self.before, "after": self.after, "message": self.message}
+        return part | {key: value for key, value in fields.items() if value}

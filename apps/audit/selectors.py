@@ -11,6 +11,7 @@ def audit_event_list(
     actor: str = "",
     action: str = "",
     target: str = "",
+    request_id: str = "",
     since: datetime | None = None,
     until: datetime | None = None,
 ) -> QuerySet[AuditEvent]:
@@ -21,6 +22,8 @@ def audit_event_list(
         events = events.filter(action__startswith=action)
     if target:
         events = events.filter(target__icontains=target)
+    if request_id:
+        events = events.filter(request_id=request_id)
     if since:
         events = events.filter(created_at__gte=since)
     if until:
@@ -38,16 +41,37 @@ class Change:
 
 
 def what_changed(events: list[AuditEvent]) -> list[Change]:
-    """Versions before and after, per deployment target, from the deployments in `events`."""
+    """Versions before and after, per deployment target, from the deployments in `events`, and
+    in their parts (a rollback's own deployment changes)."""
     first: dict[str, int | None] = {}
     last: dict[str, int | None] = {}
     for event in events:
-        if event.action not in ("deployment.set", "deployment.remove") or event.result != "ok":
+        if event.result != "ok":
             continue
-        first.setdefault(event.target, event.before.get("version"))
-        last[event.target] = event.after.get("version")
+        for change in [*event.after.get("parts", []), event.as_part()]:
+            if change["action"] in ("deployment.set", "deployment.remove"):
+                first.setdefault(change["target"], change.get("before", {}).get("version"))
+                last[change["target"]] = change.get("after", {}).get("version")
     return [
         Change(target, first[target], last[target])
         for target in sorted(last)
         if first[target] != last[target]
     ]
+
+
+def affected(events: list[AuditEvent]) -> tuple[list[str], list[str]]:
+    """The models and nodes the events' targets name (`pool:<pool>:<model>`, `node:<node>`,
+    `node:<node>:<model>`, `model:<model>:v<n>`, `rollout:<id>:<model>`), in order of first
+    mention."""
+    models: dict[str, None] = {}
+    nodes: dict[str, None] = {}
+    for event in events:
+        kind, _, rest = event.target.partition(":")
+        name, _, model = rest.partition(":")
+        if kind == "node":
+            nodes[name] = None
+        if kind == "model":
+            models[name] = None
+        elif kind in ("pool", "node", "rollout") and model:
+            models[model] = None
+    return list(models), list(nodes)

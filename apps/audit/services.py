@@ -1,16 +1,23 @@
 from collections.abc import Callable
+from contextvars import ContextVar
 from functools import wraps
 from typing import Any, TypeVar, cast
 
 from django.contrib.auth.models import AnonymousUser, User
 from django.db import transaction
 
+from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 
 
 def actor_name(actor: str | User | AnonymousUser) -> str:
     """How an actor stands in the trail: a username, or `system:<component>`."""
     return actor if isinstance(actor, str) else actor.get_username()
+
+
+# The events of the action under way, kept until it ends: an action is one event, and what the
+# services it calls record along the way become that event's parts.
+_ACTION: ContextVar[list[AuditEvent] | None] = ContextVar("audit_action", default=None)
 
 
 def audit_record(
@@ -24,39 +31,72 @@ def audit_record(
     message: str = "",
 ) -> AuditEvent:
     """Append one event. Callers run inside their own transaction, so the event commits with
-    the change it records, or not at all."""
-    user = actor if isinstance(actor, User) else None
-    with transaction.atomic():
-        return AuditEvent.objects.create(
-            actor=actor_name(actor),
-            user=user,
-            action=action,
-            target=target,
-            before=before or {},
-            after=after or {},
-            result=result,
-            message=message,
-        )
+    the change it records, or not at all. Within an `audited` service the event is held back and
+    written when the service ends, as that action's event or one of its parts."""
+    event = AuditEvent(
+        actor=actor_name(actor),
+        user=actor if isinstance(actor, User) else None,
+        action=action,
+        target=target,
+        before=before or {},
+        after=after or {},
+        result=result,
+        message=message,
+        request_id=REQUEST_ID.get(),
+    )
+    held = _ACTION.get()
+    if held is not None:
+        held.append(event)
+    else:
+        event.save()
+    return event
+
+
+def _record_action(events: list[AuditEvent]) -> None:
+    """The action's own event is the last one it recorded; the rest are listed in it as parts."""
+    if not events:
+        return  # nothing changed: a repeated click
+    *parts, own = events
+    if parts:
+        own.after = own.after | {"parts": [event.as_part() for event in parts]}
+    own.save()
+
+
+def _holding(service: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[Any, list[AuditEvent]]:
+    """The service's result, with the events it recorded held back instead of written."""
+    held: list[AuditEvent] = []
+    token = _ACTION.set(held)
+    try:
+        return service(**kwargs), held
+    finally:
+        _ACTION.reset(token)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def refusals_audited(
+def audited(
     action: str | Callable[..., str],
     target: Callable[..., str],
-    refusals: tuple[type[Exception], ...],
+    refusals: tuple[type[Exception], ...] = (),
 ) -> Callable[[F], F]:
-    """Run a service (called with keyword arguments, `actor` among them) in its own transaction.
-    When it refuses, raising one of `refusals`, its changes roll back but the refusal is recorded,
-    after that transaction, and raised to the caller: a failed action is in the trail too."""
+    """A mutating service (called with keyword arguments, `actor` among them): one action, one
+    event. It runs in its own transaction; services it calls are steps of the same action, and
+    their events become parts of its event. When it refuses, raising one of `refusals`, its
+    changes roll back but the refusal is recorded, after that transaction, and raised to the
+    caller: a failed action is in the trail too."""
 
     def decorator(service: F) -> F:
         @wraps(service)
         def wrapped(**kwargs: Any) -> Any:
-            try:
+            if _ACTION.get() is not None:  # a step of an action already under way
                 with transaction.atomic():
                     return service(**kwargs)
+            try:
+                with transaction.atomic():
+                    result, held = _holding(service, kwargs)
+                    _record_action(held)
+                    return result
             except refusals as exc:
                 audit_record(
                     actor=kwargs["actor"],
@@ -67,6 +107,7 @@ def refusals_audited(
                 )
                 raise
 
+        wrapped.audited = action  # type: ignore[attr-defined]  # tests find every service by it
         return cast(F, wrapped)
 
     return decorator

@@ -9,4 +9,5 @@ urlpatterns = [
     path("export.json", views.audit_export, {"fmt": "json"}, name="audit_export_json"),
     path("timeline/", views.timeline, name="timeline"),
     path("timeline/report.md", views.timeline_report, name="timeline_report"),
+    path("timeline/chart/", views.timeline_chart, name="timeline_chart"),
 ]

@@ -1,7 +1,9 @@
 import csv
+import dataclasses
 import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 from django.core.paginator import Paginator
 from django.db.models import QuerySet
@@ -11,15 +13,27 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import urlencode
+from django.utils.text import slugify
 
 from apps.audit.models import AuditEvent
-from apps.audit.selectors import audit_event_list, what_changed
-from apps.observability.charts import metric_chart
+from apps.audit.selectors import affected, audit_event_list, what_changed
+from apps.observability.charts import Chart, metric_chart
 from apps.rollouts.models import Rollout
 
+MAX_CHARTS = 8
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
-FILTERS = ("actor", "action", "target", "since", "until")
-COLUMNS = ["time", "actor", "action", "target", "result", "before", "after", "message"]
+FILTERS = ("actor", "action", "target", "request", "since", "until")
+COLUMNS = [
+    "time",
+    "actor",
+    "action",
+    "target",
+    "result",
+    "before",
+    "after",
+    "message",
+    "request_id",
+]
 
 
 def _moment(text: str) -> datetime | None:
@@ -37,6 +51,7 @@ def _filtered(request: HttpRequest) -> tuple[dict[str, str], list[str], QuerySet
         actor=filters["actor"],
         action=filters["action"],
         target=filters["target"],
+        request_id=filters["request"],
         since=_moment(filters["since"]),
         until=_moment(filters["until"]),
     )
@@ -62,6 +77,7 @@ def _row(event: AuditEvent) -> dict[str, object]:
         "before": event.before,
         "after": event.after,
         "message": event.message,
+        "request_id": event.request_id,
     }
 
 
@@ -132,6 +148,7 @@ def _timeline_context(request: HttpRequest) -> dict[str, object]:
     fixed |= {"model": model} if model else {}
     permalink = request.build_absolute_uri(f"{reverse('audit:timeline')}?{urlencode(fixed)}")
     return {
+        "fixed": {"start": fixed["start"], "end": fixed["end"]},
         "events": events,
         "changes": what_changed(events),
         "start": start,
@@ -146,11 +163,35 @@ def _timeline_context(request: HttpRequest) -> dict[str, object]:
 
 
 def timeline(request: HttpRequest) -> HttpResponse:
-    """What changed in a window, oldest first, over P99 with every change marked."""
+    """What changed in a window, oldest first, with P99 charts of the models and nodes it
+    touched, every change marked. The charts load as fragments: a slow Prometheus delays them,
+    never the events."""
     context = _timeline_context(request)
-    start, end = context["start"], context["end"]
-    context["chart"] = metric_chart("p99", start=start, end=end, model=str(context["model"]))  # type: ignore[arg-type]
+    models, nodes = affected(context["events"])  # type: ignore[arg-type]
+    if context["model"]:
+        models = [str(context["model"]), *(m for m in models if m != context["model"])]
+    window = cast(dict[str, str], context["fixed"])
+    charts = [{"model": m} for m in models] + [{"node": n} for n in nodes]
+    context["charts"] = [
+        f"{reverse('audit:timeline_chart')}?{urlencode(window | chart)}"
+        for chart in charts[:MAX_CHARTS] or [{}]  # nothing touched: the whole fleet
+    ]
+    context["more_charts"] = charts[MAX_CHARTS:]
     return render(request, "audit/timeline.html", context)
+
+
+def timeline_chart(request: HttpRequest) -> HttpResponse:
+    """One chart of a timeline window: a model's P99, or a node's P99 per model, or the fleet's."""
+    start, end = _moment(request.GET.get("start", "")), _moment(request.GET.get("end", ""))
+    model, node = request.GET.get("model", ""), request.GET.get("node", "")
+    if start is None or end is None or end <= start:
+        chart = Chart(title="P99 latency", message="The window needs a start before its end.")
+    else:
+        chart = metric_chart("p99", start=start, end=end, model=model, node=node)
+    subject = f"model {model}" if model else f"node {node}" if node else "the fleet"
+    chart = dataclasses.replace(chart, title=f"{chart.title}: {subject}")
+    figure_id = "figure-" + slugify(f"{model or '-'} {node or '-'}")
+    return render(request, "partials/chart.html", {"chart": chart, "id": figure_id})
 
 
 def timeline_report(request: HttpRequest) -> HttpResponse:

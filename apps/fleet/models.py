@@ -34,6 +34,9 @@ class Node(models.Model):
     failed_polls = models.PositiveIntegerField(default=0)
     last_seen = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True)
+    health_changed_at = models.DateTimeField(null=True, blank=True)
+    # Up/down changes of a flapping node that were counted here instead of recorded one by one.
+    unrecorded_transitions = models.PositiveIntegerField(default=0)
     index = models.JSONField(default=list, blank=True, help_text="last repository index read")
     gpus = models.JSONField(
         default=list, blank=True, help_text="GPU inventory from nv_gpu_* metrics"

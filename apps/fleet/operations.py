@@ -14,6 +14,7 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 from apps.fleet.desired import DesiredStateError, node_desired, plan_digest
 from apps.fleet.models import Node, Operation
@@ -115,14 +116,25 @@ def node_reconcile(*, node_id: int) -> list[Operation]:
             for seq, action in enumerate(actions)
         ]
         if ops:
-            audit_record(
-                actor=RECONCILER,
-                action="node.drift",
-                target=f"node:{node.name}",
-                after={"operations": [str(op) for op in ops]},
-            )
+            _record_drift(node, [str(op) for op in ops])
             transaction.on_commit(lambda: enqueue_run(node_id))
     return ops
+
+
+def _record_drift(node: Node, operations: list[str]) -> None:
+    """One `node.drift` event per drift: the same repair planned again within FLEET_FLAP_WINDOW_S
+    (something outside keeps undoing it) is not recorded again; its operations still are."""
+    target = f"node:{node.name}"
+    since = timezone.now() - timedelta(seconds=settings.FLEET_FLAP_WINDOW_S)
+    last = (
+        AuditEvent.objects.filter(action="node.drift", target=target, created_at__gte=since)
+        .values_list("after", flat=True)
+        .first()
+    )
+    if last is None or last.get("operations") != operations:
+        audit_record(
+            actor=RECONCILER, action="node.drift", target=target, after={"operations": operations}
+        )
 
 
 def enqueue_run(node_id: int) -> None:

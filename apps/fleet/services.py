@@ -1,12 +1,13 @@
 import dataclasses
-from datetime import datetime
+from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from apps.audit.services import actor_name, audit_record, refusals_audited
+from apps.audit.models import AuditEvent
+from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.triton import (
     IndexEntry,
@@ -18,6 +19,8 @@ from apps.fleet.triton import (
 )
 from apps.registry.models import ModelVersion
 from apps.registry.services import Actor
+
+POLLER = "system:poller"
 
 
 class FleetError(Exception):
@@ -44,6 +47,8 @@ def validate_node_url(url: str, *, field: str) -> None:
 # What polling writes: never the lease fields, which a worker may be renewing at the same moment.
 _OBSERVED = [
     "health",
+    "health_changed_at",
+    "unrecorded_transitions",
     "failed_polls",
     "last_seen",
     "last_error",
@@ -54,7 +59,7 @@ _OBSERVED = [
 ]
 
 
-@refusals_audited("node.register", lambda name, **_: f"node:{name}", (FleetError,))
+@audited("node.register", lambda name, **_: f"node:{name}", (FleetError,))
 def node_register(
     *, name: str, pool: str, http_url: str, grpc_url: str, metrics_url: str, actor: str
 ) -> Node:
@@ -128,15 +133,8 @@ def _node_poll_succeeded(
     node.extensions = metadata.extensions
     node.index = [dataclasses.asdict(entry) for entry in index]
     node.gpus = gpus
+    _note_health(node, before=previous, changed=previous == Node.Health.UNREACHABLE, now=seen)
     node.save(update_fields=_OBSERVED)
-    if previous == Node.Health.UNREACHABLE:
-        audit_record(
-            actor="system:poller",
-            action="node.up",
-            target=f"node:{node.name}",
-            before={"health": previous},
-            after={"health": health},
-        )
     return node
 
 
@@ -146,23 +144,66 @@ def _node_poll_failed(*, node_id: int, error: str) -> Node:
     node.failed_polls += 1
     node.last_error = error
     # One missed poll is noise; a few in a row is a node that is down.
-    went_down = (
-        node.failed_polls >= settings.FLEET_UNREACHABLE_AFTER
-        and node.health != Node.Health.UNREACHABLE
-    )
-    if went_down:
-        audit_record(
-            actor="system:poller",
-            action="node.down",
-            target=f"node:{node.name}",
-            before={"health": node.health},
-            after={"health": Node.Health.UNREACHABLE},
-            result="failed",
-            message=error,
-        )
+    previous = node.health
+    if node.failed_polls >= settings.FLEET_UNREACHABLE_AFTER:
         node.health = Node.Health.UNREACHABLE
+    changed = node.health != previous
+    _note_health(node, before=previous, changed=changed, now=timezone.now(), message=error)
     node.save(update_fields=_OBSERVED)
     return node
+
+
+HEALTH_EVENTS = ("node.up", "node.down")
+
+
+def _note_health(
+    node: Node, *, before: str, changed: bool, now: datetime, message: str = ""
+) -> None:
+    """Up and down transitions as system events, a flapping node folded so that it cannot flood
+    the trail: past FLEET_FLAP_LIMIT recorded transitions within FLEET_FLAP_WINDOW_S, one
+    `node.flapping` event, then changes are only counted on the node; once it has held a state
+    for FLEET_FLAP_SETTLE_S, one event says where it settled and how many changes it folded."""
+    target = f"node:{node.name}"
+    if changed:
+        node.health_changed_at = now
+        recent = AuditEvent.objects.filter(
+            target=target,
+            action__in=HEALTH_EVENTS,
+            created_at__gte=now - timedelta(seconds=settings.FLEET_FLAP_WINDOW_S),
+        ).count()
+        if node.unrecorded_transitions or recent >= settings.FLEET_FLAP_LIMIT:
+            if not node.unrecorded_transitions:
+                audit_record(
+                    actor=POLLER,
+                    action="node.flapping",
+                    target=target,
+                    before={"health": before},
+                    after={"health": node.health},
+                    result=AuditEvent.Result.FAILED,
+                    message=f"{recent} up/down changes within {settings.FLEET_FLAP_WINDOW_S:g} s; "
+                    f"further changes are counted, not recorded, until it holds a state for "
+                    f"{settings.FLEET_FLAP_SETTLE_S:g} s",
+                )
+            node.unrecorded_transitions += 1
+            return
+    elif not (
+        node.unrecorded_transitions
+        and node.health_changed_at
+        and now - node.health_changed_at >= timedelta(seconds=settings.FLEET_FLAP_SETTLE_S)
+    ):
+        return
+    down = node.health == Node.Health.UNREACHABLE
+    folded = node.unrecorded_transitions
+    audit_record(
+        actor=POLLER,
+        action="node.down" if down else "node.up",
+        target=target,
+        before={"health": before},
+        after={"health": node.health} | ({"unrecorded_changes": folded} if folded else {}),
+        result=AuditEvent.Result.FAILED if down else AuditEvent.Result.OK,
+        message=message or (f"settled after {folded} unrecorded changes" if folded else ""),
+    )
+    node.unrecorded_transitions = 0
 
 
 def _reconcile_later(node_ids: list[int]) -> None:
@@ -182,7 +223,7 @@ def _deployment_target(
     return f"{where}:{model_name}"
 
 
-@refusals_audited("deployment.set", _deployment_target, (FleetError,))
+@audited("deployment.set", _deployment_target, (FleetError,))
 def deployment_set(
     *,
     model_name: str,
@@ -239,13 +280,21 @@ def deployment_set(
     return deployment
 
 
-@transaction.atomic
+def _removed_target(*, deployment_id: int, **_: object) -> str:
+    found = Deployment.objects.filter(pk=deployment_id).select_related("model", "pool", "node")
+    return next((f"{d.target}:{d.model.name}" for d in found), f"deployment:{deployment_id}")
+
+
+@audited("deployment.remove", _removed_target, (FleetError,))
 def deployment_remove(*, deployment_id: int, actor: Actor) -> None:
     deployment = (
         Deployment.objects.select_for_update(of=("self",))  # pool and node are outer joins
         .select_related("model", "pool", "node")
-        .get(pk=deployment_id)
+        .filter(pk=deployment_id)
+        .first()
     )
+    if deployment is None:
+        raise FleetError(f"deployment {deployment_id} does not exist (removed already?)")
     nodes = _target_nodes(deployment.pool, deployment.node)
     audit_record(
         actor=actor,
@@ -262,7 +311,7 @@ def _node_target(*, node_id: int, model_name: str, **_: object) -> str:
     return f"node:{name}:{model_name}"
 
 
-@refusals_audited(lambda kind, **_: f"operation.request_{kind}", _node_target, (FleetError,))
+@audited(lambda kind, **_: f"operation.request_{kind}", _node_target, (FleetError,))
 def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor) -> Operation:
     """A person's reload or unload on one node. A second click while one is open returns it."""
     from apps.fleet.desired import node_desired

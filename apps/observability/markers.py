@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 from datetime import datetime
 
+from django.db.models import Q
+
 from apps.audit.models import AuditEvent
 
 
@@ -13,6 +15,7 @@ class Marker:
     label: str = ""  # a few words on the chart
 
 
+HEALTH = ["node.down", "node.up", "node.flapping"]
 # What changes what a node serves. Listed, not matched by prefix: one IN is several times
 # cheaper to build than ORed LIKEs, and a chart pays it on every refresh.
 CHANGES = [
@@ -28,6 +31,7 @@ CHANGES = [
     "rollout.rolled_back",
     "release.rollback",
     "release.fallback",
+    *HEALTH,
 ]
 MAX_MARKERS = 60
 
@@ -35,15 +39,18 @@ MAX_MARKERS = 60
 def change_markers(
     *, start: datetime, end: datetime, model: str = "", node: str = ""
 ) -> list[Marker]:
-    """Deployments, operations and rollout steps in [start, end]; only `model`'s or `node`'s when
-    given. Targets name both (`pool:demo:rag_pipeline`, `node:demo-1:embedder`)."""
+    """Deployments, operations, rollout steps and nodes going down or up in [start, end]; only
+    `model`'s or `node`'s when given. Targets name both (`pool:demo:rag_pipeline`,
+    `node:demo-1:embedder`, `node:demo-1`)."""
     events = AuditEvent.objects.filter(
-        action__in=CHANGES, created_at__range=(start, end), result="ok"
+        Q(result="ok") | Q(action__in=HEALTH),  # a node going down is recorded as a failure
+        action__in=CHANGES,
+        created_at__range=(start, end),
     )
     if model:
         events = events.filter(target__endswith=f":{model}")
     if node:
-        events = events.filter(target__startswith=f"node:{node}:")
+        events = events.filter(Q(target=f"node:{node}") | Q(target__startswith=f"node:{node}:"))
     latest = events.order_by("-created_at")[:MAX_MARKERS]
     return [
         Marker(at=event.created_at, text=f"{event.action} {event.target}", label=_label(event))

@@ -4,9 +4,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.db import transaction
 
-from apps.audit.services import audit_record, refusals_audited
+from apps.audit.services import audit_record, audited
 from apps.registry.codec import ConfigSyntaxError, from_dict, parse_pbtxt, to_dict
 from apps.registry.ensembles import Resolver, validate_ensemble
 from apps.registry.models import Model, ModelVersion
@@ -84,7 +83,7 @@ def _version_target(*, version_id: int, **_: object) -> str:
     return f"model:{found.model.name}:v{found.version}" if found else f"version:{version_id}"
 
 
-@refusals_audited("registry.version_create", _model_target, (RegistryError,))
+@audited("registry.version_create", _model_target, (RegistryError,))
 def version_create(
     *,
     model_name: str,
@@ -148,7 +147,7 @@ _TRANSITIONS = {
 }
 
 
-@refusals_audited("registry.version_status", _version_target, (RegistryError,))
+@audited("registry.version_status", _version_target, (RegistryError,))
 def version_set_status(*, version_id: int, status: str, actor: Actor) -> ModelVersion:
     version = ModelVersion.objects.select_for_update().select_related("model").get(pk=version_id)
     if status not in _TRANSITIONS[ModelVersion.Status(version.status)]:
@@ -175,21 +174,28 @@ def version_set_status(*, version_id: int, status: str, actor: Actor) -> ModelVe
     return version
 
 
-@transaction.atomic
+@audited("registry.budget_set", _model_target, (RegistryError,))
 def model_set_budget(*, model_name: str, latency_budget_ms: int | None, actor: Actor) -> Model:
-    model = Model.objects.select_for_update().get(name=model_name)
+    model = _model_locked(model_name)
     return _model_set(model, "latency_budget_ms", latency_budget_ms, "registry.budget_set", actor)
 
 
-@refusals_audited("registry.fallback_set", _model_target, (RegistryError,))
+@audited("registry.fallback_set", _model_target, (RegistryError,))
 def model_set_fallback(*, model_name: str, version: int | None, actor: Actor) -> Model:
     """The version on-call switches a pool to in a latency emergency; it must be released."""
-    model = Model.objects.select_for_update().get(name=model_name)
+    model = _model_locked(model_name)
     released = model.versions.filter(status=ModelVersion.Status.RELEASED)
     if version is not None and not released.filter(version=version).exists():
         problem = Problem("error", model_name, "fallback_version", f"v{version} is not released")
         raise RegistryError([problem])
     return _model_set(model, "fallback_version", version, "registry.fallback_set", actor)
+
+
+def _model_locked(name: str) -> Model:
+    model = Model.objects.select_for_update().filter(name=name).first()
+    if model is None:
+        raise RegistryError([Problem("error", name, "model", f"no model named {name!r}")])
+    return model
 
 
 def _model_set(model: Model, field: str, value: int | None, action: str, actor: Actor) -> Model:

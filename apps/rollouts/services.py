@@ -8,7 +8,7 @@ from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 
 from apps.audit.models import AuditEvent
-from apps.audit.services import actor_name, audit_record, refusals_audited
+from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet.models import Deployment, NodePool
 from apps.fleet.services import FleetError, deployment_set
 from apps.registry.codec import ensemble_steps, from_dict
@@ -103,7 +103,7 @@ def _rollout_target(*, rollout_id: int, **_: object) -> str:
     return f"rollout:{rollout_id}:{found or ''}"
 
 
-@refusals_audited("rollout.start", _pool_target, (RolloutError, PlanError))
+@audited("rollout.start", _pool_target, (RolloutError, PlanError))
 def rollout_start(
     *,
     model_name: str,
@@ -149,20 +149,23 @@ def rollout_start(
 
 
 def _locked(rollout_id: int, action: str, allowed: list[State]) -> Rollout:
-    rollout = Rollout.objects.select_for_update().select_related("model", "pool").get(pk=rollout_id)
+    found = Rollout.objects.select_for_update().select_related("model", "pool")
+    rollout = found.filter(pk=rollout_id).first()
+    if rollout is None:
+        raise RolloutError(f"there is no rollout #{rollout_id}")
     if rollout.state not in allowed:
         raise RolloutError(f"rollout #{rollout.pk} is {rollout.state}: cannot {action} it")
     return rollout
 
 
-@refusals_audited("rollout.pause", _rollout_target, (RolloutError, PlanError))
+@audited("rollout.pause", _rollout_target, (RolloutError, PlanError))
 def rollout_pause(*, rollout_id: int, actor: Actor) -> Rollout:
     rollout = _locked(rollout_id, "pause", [State.PENDING, State.PROGRESSING])
     controller.pause(rollout, f"paused by {actor_name(actor)}", actor=actor)
     return rollout
 
 
-@refusals_audited("rollout.resume", _rollout_target, (RolloutError, PlanError))
+@audited("rollout.resume", _rollout_target, (RolloutError, PlanError))
 def rollout_resume(*, rollout_id: int, actor: Actor) -> Rollout:
     rollout = _locked(rollout_id, "resume", [State.PAUSED])
     # Judged afresh: what made it pause (too little data, a node down) may have passed.
@@ -171,7 +174,7 @@ def rollout_resume(*, rollout_id: int, actor: Actor) -> Rollout:
     return rollout
 
 
-@refusals_audited("rollout.promote", _rollout_target, (RolloutError, PlanError))
+@audited("rollout.promote", _rollout_target, (RolloutError, PlanError))
 def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
     """Skip the remaining steps and analysis; a reason is required, and recorded."""
     if not reason.strip():
@@ -183,7 +186,7 @@ def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
     return rollout
 
 
-@refusals_audited("rollout.abort", _rollout_target, (RolloutError, PlanError))
+@audited("rollout.abort", _rollout_target, (RolloutError, PlanError))
 def rollout_abort(*, rollout_id: int, actor: Actor, reason: str = "") -> Rollout:
     allowed = [State.PENDING, State.PROGRESSING, State.PAUSED, State.PROMOTING]
     rollout = _locked(rollout_id, "abort", allowed)
@@ -192,11 +195,11 @@ def rollout_abort(*, rollout_id: int, actor: Actor, reason: str = "") -> Rollout
     return rollout
 
 
-@refusals_audited("rollout.retry", _rollout_target, (RolloutError, PlanError))
+@audited("rollout.retry", _rollout_target, (RolloutError, PlanError))
 def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
     """A new rollout with the same canary, plan and analysis (terminal states stay terminal)."""
     rollout = _locked(rollout_id, "retry", [State.FAILED, State.ROLLED_BACK])
-    return rollout_start(
+    again = rollout_start(
         model_name=rollout.model.name,
         pool_name=rollout.pool.name,
         canary_version=rollout.canary_version,
@@ -204,6 +207,13 @@ def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
         analysis=rollout.analysis,
         actor=actor,
     )
+    audit_record(
+        actor=actor,
+        action="rollout.retry",
+        target=f"rollout:{rollout.pk}:{rollout.model.name}",
+        after={"rollout": again.pk},
+    )
+    return again
 
 
 def last_good_version(model: Model, pool: NodePool) -> int | None:
@@ -215,8 +225,10 @@ def last_good_version(model: Model, pool: NodePool) -> int | None:
             model=model, pool=pool, state__in=[State.ROLLED_BACK, State.FAILED]
         ).values_list("canary_version", flat=True)
     )
-    changes = AuditEvent.objects.filter(
-        action="deployment.set", target=f"pool:{pool.name}:{model.name}", result="ok"
+    changes = AuditEvent.objects.filter(  # a one-click switch records the change itself
+        action__in=["deployment.set", "release.rollback", "release.fallback"],
+        target=f"pool:{pool.name}:{model.name}",
+        result="ok",
     )
     for change in changes.order_by("-created_at", "-id"):
         for version in (change.after.get("version"), change.before.get("version")):
@@ -225,7 +237,7 @@ def last_good_version(model: Model, pool: NodePool) -> int | None:
     return None
 
 
-@refusals_audited("release.rollback", _pool_target, (RolloutError, PlanError))
+@audited("release.rollback", _pool_target, (RolloutError, PlanError))
 def release_rollback(*, model_name: str, pool_name: str, actor: Actor) -> int:
     """On-call's one click: the pool back to its last good release, now. Returns the version."""
     model, pool = _model_and_pool(model_name, pool_name)
@@ -235,7 +247,7 @@ def release_rollback(*, model_name: str, pool_name: str, actor: Actor) -> int:
     return _switch(model, pool, version, "rollback", actor)
 
 
-@refusals_audited("release.fallback", _pool_target, (RolloutError, PlanError))
+@audited("release.fallback", _pool_target, (RolloutError, PlanError))
 def release_fallback(*, model_name: str, pool_name: str, actor: Actor) -> int:
     """The pool onto the model's pre-registered degraded version (a latency emergency)."""
     model, pool = _model_and_pool(model_name, pool_name)
@@ -255,6 +267,8 @@ def _model_and_pool(model_name: str, pool_name: str) -> tuple[Model, NodePool]:
 def _switch(model: Model, pool: NodePool, version: int, action: str, actor: Actor) -> int:
     """The whole pool onto `version` now: an active rollout is aborted and canary nodes drop
     their own deployments."""
+    current = Deployment.objects.filter(model=model, pool=pool).values_list("version", flat=True)
+    before = current.first()
     try:
         deployment_set(model_name=model.name, version=version, pool=pool, actor=actor)
     except FleetError as exc:
@@ -268,6 +282,7 @@ def _switch(model: Model, pool: NodePool, version: int, action: str, actor: Acto
         actor=actor,
         action=f"release.{action}",
         target=f"pool:{pool.name}:{model.name}",
+        before={"version": before},
         after={"version": version},
     )
     return version

@@ -11,6 +11,8 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
+from apps.audit.context import REQUEST_ID
+from apps.audit.models import AuditEvent
 from apps.fleet.devfleet import Devfleet, FleetState
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services import deployment_set
@@ -46,8 +48,17 @@ def load_requests(devfleet: Devfleet, node: str, since: int = 0) -> Counter[str]
 
 
 def test_deploy_then_switch_converges_every_node_and_keeps_a_record(pool: NodePool) -> None:
-    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
+    token = REQUEST_ID.set("ci-deploy-1")  # as the middleware does for a request
+    try:
+        deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
+    finally:
+        REQUEST_ID.reset(token)
     wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
+    # The worker's events for it carry the request's id, through the reconcile and run tasks.
+    followed = AuditEvent.objects.filter(request_id="ci-deploy-1")
+    assert followed.filter(action="deployment.set").count() == 1
+    assert followed.filter(action="node.drift", actor="system:reconciler").exists()
+    assert followed.filter(action="operation.load", result="ok").exists()
     for node in pool.nodes.all():
         assert ask(node) == "faq:account-password"
     deployment_set(model_name="rag_pipeline", version=2, pool=pool, actor="system:test")

@@ -6,6 +6,7 @@ import re
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
+from html import unescape
 
 import pytest
 from django.test import Client
@@ -304,9 +305,19 @@ def test_a_slow_release_is_rolled_back_by_itself_and_the_incident_reads_in_order
         match = found.search(page, position)
         assert match, f"{action} by {actor} is missing or out of order"
         position = match.end()
-    figure = json.loads(re.search(r'json" id="timeline-figure">(.*?)</script>', page, re.S)[1])  # type: ignore[index]
-    marked = {a["text"] for a in figure["layout"]["annotations"]}
-    assert {"aborting rag_pipeline v3", "rolled_back rag_pipeline v3"} <= marked
+    # A chart per model and node the window touched, the model asked for first.
+    charts = re.findall(r'hx-get="(/audit/timeline/chart/[^"]+)"', page)
+    subjects = [re.search(r"(model|node)=([\w-]+)", unescape(url)).groups() for url in charts]  # type: ignore[union-attr]
+    assert subjects[0] == ("model", "rag_pipeline")
+    assert {("model", "embedder"), ("node", "trio-2"), ("node", "trio-3")} <= set(subjects)
+    for url, subject, expected in [
+        (charts[0], "rag_pipeline", {"aborting rag_pipeline v3", "rolled_back rag_pipeline v3"}),
+        (charts[subjects.index(("node", "trio-3"))], "trio-3", {"down trio-3", "up trio-3"}),
+    ]:
+        chart = client.get(unescape(url), headers={"HX-Request": "true"}).content.decode()
+        assert f"P99 latency: {'model' if subject == 'rag_pipeline' else 'node'} {subject}" in chart
+        figure = json.loads(re.search(r'json" id="[\w-]+">(.*?)</script>', chart, re.S)[1])  # type: ignore[index]
+        assert expected <= {a["text"] for a in figure["layout"]["annotations"]}, subject
     report = client.get("/audit/timeline/report.md", window).content.decode()
     for action, actor in story:
         assert f"| {actor} | `{action}` |" in report

@@ -1,9 +1,12 @@
-import contextlib
 import csv
+import importlib
+import inspect
 import io
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
 import pytest
 from django.contrib.auth.models import User
@@ -11,9 +14,13 @@ from django.db import DatabaseError, connection, transaction
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver
 
+from apps.accounts import services as accounts
+from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
-from apps.fleet.models import Node, NodePool
+from apps.fleet import services as fleet
+from apps.fleet.models import Deployment, Node, NodePool
+from apps.registry import services as registry
 from apps.registry.models import Model, ModelVersion
 
 CONFIG = {"name": "rag", "backend": "python", "max_batch_size": 8}
@@ -142,12 +149,98 @@ def test_every_guarded_endpoint_refuses_and_records_exactly_one_event(
         )
 
 
-def _service_calls() -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
-    """Each mutating service with (action, a call it refuses, a call it accepts)."""
-    from apps.fleet import services as fleet
-    from apps.registry import services as registry
+@dataclass(frozen=True)
+class Case:
+    """A mutating service, a call it refuses and a call it accepts, and the event each records."""
+
+    service: Callable[..., object]
+    action: str  # the refusal's event; the accepted call's too unless `done` says otherwise
+    refused: Callable[[], object] | None  # None: nothing makes it refuse
+    accepted: Callable[[], object]
+    done: str = ""  # the accepted call's event when it is named after the state reached
+
+
+def assert_one_event_each(cases: list[Case]) -> None:
+    for case in cases:
+        calls = [
+            (case.refused, case.action, "failed"),
+            (case.accepted, case.done or case.action, "ok"),
+        ]
+        for call, action, result in calls:
+            if call is None:
+                continue
+            before = AuditEvent.objects.count()
+            if result == "ok":
+                call()
+            else:
+                with pytest.raises(Exception):  # noqa: B017 - each service has its own refusal
+                    call()
+            new = list(AuditEvent.objects.all()[: AuditEvent.objects.count() - before])
+            assert [(e.action, e.result) for e in new] == [(action, result)], case.service
+            if result == "failed":
+                assert new[0].message, f"{action}: a refusal says why"
+
+
+def _public_functions(module: ModuleType) -> dict[str, Callable[..., object]]:
+    return {
+        name: value
+        for name, value in vars(module).items()
+        if inspect.isfunction(value) and value.__module__ == module.__name__ and name[0] != "_"
+    }
+
+
+# Functions of the services modules that are no person's action, and why.
+NOT_ACTIONS = {
+    "roles_sync": "setup that `setup_roles` runs at deploy time, like a migration",
+    "node_poll": "the poller's observation; it records the node going down or up itself",
+    "user_role": "a read",
+    "validate_node_url": "a check",
+    "config_parse": "a check",
+    "config_check": "a check",
+    "config_problems": "a check",
+    "compatibility_breaks": "a check",
+    "rollout_propose": "a dry run: it changes nothing",
+    "last_good_version": "a read",
+    "actor_name": "the trail itself",
+    "audit_record": "the trail itself",
+    "audited": "the trail itself",
+}
+
+
+def test_every_service_is_an_audited_action_and_is_in_a_table() -> None:
+    """A new service fails here until it is audited and has a row in the tables below."""
+    from tests.unit.test_rollouts import ROLLOUT_SERVICES
+
+    actions = {}
+    for module in SERVICE_MODULES:
+        for name, function in _public_functions(importlib.import_module(module)).items():
+            assert hasattr(function, "audited") or name in NOT_ACTIONS, f"{module}.{name}"
+            if hasattr(function, "audited"):
+                actions[name] = function
+    assert len(actions) >= 15
+    assert set(actions.values()) == FLEET_REGISTRY_SERVICES | ROLLOUT_SERVICES
+
+
+SERVICE_MODULES = [
+    f"apps.{app}.services" for app in ("accounts", "audit", "fleet", "registry", "rollouts")
+]
+FLEET_REGISTRY_SERVICES = {
+    accounts.user_ensure,
+    fleet.node_register,
+    fleet.deployment_set,
+    fleet.deployment_remove,
+    fleet.operation_request,
+    registry.version_create,
+    registry.version_set_status,
+    registry.model_set_budget,
+    registry.model_set_fallback,
+}
+
+
+def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: None) -> None:
     from apps.registry.codec import from_dict
 
+    accounts.roles_sync()
     pool = NodePool.objects.create(name="gpu")
     node = Node.objects.create(name="gpu-1", pool=pool, http_url="http://gpu-1:8000")
     model = Model.objects.create(name="rag")
@@ -162,8 +255,16 @@ def _service_calls() -> list[tuple[str, Callable[[], object], Callable[[], objec
             "output": [{"name": "TEXT", **tensor}],
         }
     )
-    return [
-        (
+    deployed = lambda: Deployment.objects.get(pool=pool).pk  # noqa: E731
+    cases = [
+        Case(
+            accounts.user_ensure,
+            "user.role_set",
+            None,
+            lambda: accounts.user_ensure(username="ann", password="pw", role=Role.VIEWER),
+        ),
+        Case(
+            fleet.node_register,
             "node.register",
             lambda: fleet.node_register(
                 name="n", pool="gpu", http_url="ftp://x", grpc_url="", metrics_url="", actor="ops"
@@ -177,12 +278,14 @@ def _service_calls() -> list[tuple[str, Callable[[], object], Callable[[], objec
                 actor="ops",
             ),
         ),
-        (
+        Case(
+            fleet.deployment_set,
             "deployment.set",
             lambda: fleet.deployment_set(model_name="rag", version=1, pool=pool, actor="ops"),
             lambda: fleet.deployment_set(model_name="rag", version=2, pool=pool, actor="ops"),
         ),
-        (
+        Case(
+            fleet.operation_request,
             "operation.request_unload",
             lambda: fleet.operation_request(
                 node_id=node.pk, kind="unload", model_name="rag", actor="ops"
@@ -191,35 +294,86 @@ def _service_calls() -> list[tuple[str, Callable[[], object], Callable[[], objec
                 node_id=node.pk, kind="unload", model_name="other", actor="ops"
             ),
         ),
-        (
+        Case(
+            fleet.deployment_remove,
+            "deployment.remove",
+            lambda: fleet.deployment_remove(deployment_id=0, actor="ops"),
+            lambda: fleet.deployment_remove(deployment_id=deployed(), actor="ops"),
+        ),
+        Case(
+            registry.version_create,
             "registry.version_create",
             lambda: registry.version_create(
                 model_name="ocr", config=from_dict({**CONFIG, "name": "nope"}), actor="ops"
             ),
             lambda: registry.version_create(model_name="ocr", config=good, actor="ops"),
         ),
-        (
+        Case(
+            registry.version_set_status,
             "registry.version_status",
             lambda: registry.version_set_status(version_id=draft.pk, status="draft", actor="ops"),
             lambda: registry.version_set_status(
                 version_id=draft.pk, status="released", actor="ops"
             ),
         ),
-        (
+        Case(
+            registry.model_set_budget,
+            "registry.budget_set",
+            lambda: registry.model_set_budget(model_name="nope", latency_budget_ms=9, actor="ops"),
+            lambda: registry.model_set_budget(model_name="rag", latency_budget_ms=90, actor="ops"),
+        ),
+        Case(
+            registry.model_set_fallback,
             "registry.fallback_set",
             lambda: registry.model_set_fallback(model_name="rag", version=9, actor="ops"),
             lambda: registry.model_set_fallback(model_name="rag", version=2, actor="ops"),
         ),
     ]
+    assert {case.service for case in cases} == FLEET_REGISTRY_SERVICES
+    assert_one_event_each(cases)
 
 
-def test_every_mutating_service_records_one_event_refused_or_done(db: None) -> None:
-    for action, refused, accepted in _service_calls():
-        for call, result in ((refused, "failed"), (accepted, "ok")):
-            before = AuditEvent.objects.count()
-            with contextlib.suppress(Exception):
-                call()
-            new = list(AuditEvent.objects.all()[: AuditEvent.objects.count() - before])
-            assert [(e.action, e.result) for e in new] == [(action, result)], action
-            if result == "failed":
-                assert new[0].message, f"{action}: a refusal says why"
+def test_an_event_carries_the_id_of_the_request_it_was_written_for(
+    client: Client, viewer: User
+) -> None:
+    client.force_login(viewer)
+    url, _ = _guarded_urls()[0]
+    response = client.post(url, headers={"X-Request-ID": "ci-run-42.7"})
+    assert response["X-Request-ID"] == "ci-run-42.7"  # so a user can quote it
+    assert AuditEvent.objects.filter(request_id="ci-run-42.7").get().result == "denied"
+    page = client.get("/audit/", {"request": "ci-run-42.7"}).content.decode()
+    assert page.count('href="?request=ci-run-42.7"') == 1
+    assert "ci-run-42.7" in client.get("/audit/export.csv").getvalue().decode()
+    # What a proxy must not smuggle into the trail is replaced by an id of our own.
+    for hostile in ("a b", "<script>", "x" * 65):
+        response = client.post(url, headers={"X-Request-ID": hostile})
+        assert re.fullmatch(r"[0-9a-f]{32}", response["X-Request-ID"]), hostile
+        assert AuditEvent.objects.first().request_id == response["X-Request-ID"]  # type: ignore[union-attr]
+    assert not client.get("/audit/", {"request": "nobody"}).context["page"].object_list
+
+
+def test_the_timeline_charts_each_model_and_node_its_events_touched(
+    client: Client, viewer: User, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    for target in ["pool:gpu:rag", "node:gpu-2:ocr", "node:gpu-3", "model:asr:v4", "user:ops"]:
+        audit_record(actor="ops", action="some.change", target=target)
+    client.force_login(viewer)
+    page = client.get("/audit/timeline/?window=1h").content.decode()
+    urls = re.findall(r'hx-get="/audit/timeline/chart/\?([^"]+)"', page)
+    subjects = [re.sub(r"start=[^&]+&amp;end=[^&]+&amp;", "", url) for url in urls]
+    assert subjects == ["model=rag", "model=ocr", "model=asr", "node=gpu-2", "node=gpu-3"]
+    chart = client.get("/audit/timeline/chart/?" + urls[3].replace("&amp;", "&")).content.decode()
+    assert "P99 latency: node gpu-2" in chart and "did not answer" in chart
+    bad = client.get("/audit/timeline/chart/?start=2026-11-30T02:00&end=2026-11-30T01:00")
+    assert "needs a start before its end" in bad.content.decode()
+    # The window asked for by model puts that model first; an empty window charts the fleet.
+    window = {"start": "2026-01-01T00:00:00", "end": "2099-01-01T00:00:00"}
+    page = client.get("/audit/timeline/", {**window, "model": "asr"}).content.decode()
+    assert re.findall(r'hx-get="/audit/timeline/chart/\?[^"]+&amp;(\w+=[\w-]+)"', page)[:2] == [
+        "model=asr",
+        "model=rag",
+    ]
+    page = client.get("/audit/timeline/", {"start": "2026-01-01T00:00", "end": "2026-01-02T00:00"})
+    (url,) = re.findall(r'hx-get="/audit/timeline/chart/\?([^"]+)"', page.content.decode())
+    assert "model=" not in url and "node=" not in url

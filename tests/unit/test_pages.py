@@ -124,6 +124,8 @@ def test_markers_are_the_changes_to_the_chosen_model(db: None) -> None:
     )
     audit_record(actor="ops", action="operation.load", target="node:demo-1:embedder")
     audit_record(actor="ops", action="user.role_set", target="user:ops")
+    audit_record(actor="system:poller", action="node.down", target="node:demo-1", result="failed")
+    audit_record(actor="system:poller", action="node.up", target="node:demo-10")
     audit_record(
         actor="ops", action="deployment.set", target="pool:demo:rag_pipeline", result="denied"
     )
@@ -134,8 +136,9 @@ def test_markers_are_the_changes_to_the_chosen_model(db: None) -> None:
         "deployment.set pool:demo:rag_pipeline",
         "deploy rag_pipeline v2",
     )
-    assert [m.label for m in change_markers(**window, node="demo-1")] == ["load embedder"]
-    assert len(change_markers(**window)) == 2
+    labels = [m.label for m in change_markers(**window, node="demo-1")]
+    assert labels == ["load embedder", "down demo-1"]  # not demo-10's
+    assert len(change_markers(**window)) == 4
 
 
 def test_auto_refresh_makes_the_chart_fetch_itself_again(

@@ -39,6 +39,7 @@ from apps.rollouts.services import (
     rollout_start,
 )
 from tests.conftest import make_user
+from tests.unit.test_audit import Case, assert_one_event_each
 
 State = Rollout.State
 PLAN = "1 node, hold 0s\n100%"
@@ -322,6 +323,96 @@ def test_rollback_and_fallback_switch_the_pool_at_once(fleet: Fleet) -> None:
     Model.objects.filter(name="rag").update(fallback_version=3)
     assert release_fallback(model_name="rag", pool_name="gpu", actor="oncall") == 3
     assert AuditEvent.objects.filter(action="release.fallback", result="failed").count() == 1
+
+
+ROLLOUT_SERVICES = {
+    rollout_start,
+    rollout_pause,
+    rollout_resume,
+    rollout_promote,
+    rollout_abort,
+    rollout_retry,
+    release_rollback,
+    release_fallback,
+}
+
+
+def test_every_rollout_service_records_one_event_refused_or_done(fleet: Fleet) -> None:
+    """One event per action, a composite one included: a rollback's deployment changes and the
+    rollout it aborts are parts of its event."""
+    deployment_set(model_name="rag", version=2, pool=fleet.pool, actor="ops")
+    made: dict[str, Rollout] = {}
+    rollout = lambda: made["rollout"].pk  # noqa: E731
+
+    def fallback() -> int:
+        Model.objects.filter(name="rag").update(fallback_version=3)  # no event of its own
+        return release_fallback(model_name="rag", pool_name="gpu", actor="oncall")
+
+    def retried() -> Rollout:
+        Rollout.objects.filter(pk=rollout()).update(state=State.ROLLED_BACK)
+        return rollout_retry(rollout_id=rollout(), actor="ops")
+
+    cases = [
+        Case(
+            release_rollback,
+            "release.rollback",
+            lambda: release_rollback(model_name="rag", pool_name="nowhere", actor="oncall"),
+            lambda: release_rollback(model_name="rag", pool_name="gpu", actor="oncall"),
+        ),
+        Case(
+            release_fallback,
+            "release.fallback",
+            lambda: release_fallback(model_name="rag", pool_name="gpu", actor="oncall"),
+            fallback,
+        ),
+        Case(
+            rollout_start,
+            "rollout.start",
+            lambda: start(canary=99),
+            lambda: made.setdefault("rollout", start(canary=2)),
+        ),
+        Case(
+            rollout_pause,
+            "rollout.pause",
+            lambda: rollout_pause(rollout_id=0, actor="ops"),
+            lambda: rollout_pause(rollout_id=rollout(), actor="ops"),
+            done="rollout.paused",
+        ),
+        Case(
+            rollout_resume,
+            "rollout.resume",
+            lambda: rollout_resume(rollout_id=0, actor="ops"),
+            lambda: rollout_resume(rollout_id=rollout(), actor="ops"),
+            done="rollout.resumed",
+        ),
+        Case(
+            rollout_promote,
+            "rollout.promote",
+            lambda: rollout_promote(rollout_id=rollout(), reason=" ", actor="ops"),
+            lambda: rollout_promote(rollout_id=rollout(), reason="hotfix", actor="ops"),
+            done="rollout.promoting",
+        ),
+        Case(
+            rollout_abort,
+            "rollout.abort",
+            lambda: rollout_abort(rollout_id=0, actor="ops"),
+            lambda: rollout_abort(rollout_id=rollout(), actor="ops"),
+            done="rollout.aborting",
+        ),
+        Case(
+            rollout_retry,
+            "rollout.retry",
+            lambda: rollout_retry(rollout_id=rollout(), actor="ops"),  # still aborting
+            retried,
+        ),
+    ]
+    assert {case.service for case in cases} == ROLLOUT_SERVICES
+    assert_one_event_each(cases)
+    rollback = AuditEvent.objects.get(action="release.rollback", result="ok")
+    assert (rollback.before, rollback.outcome) == ({"version": 2}, {"version": 1})
+    assert [part["action"] for part in rollback.parts] == ["deployment.set"]
+    retry = AuditEvent.objects.get(action="rollout.retry", result="ok")
+    assert [part["action"] for part in retry.parts] == ["rollout.start"]
 
 
 # Any sequence of actions, verdicts and crashes -----------------------------------------------------
