@@ -42,6 +42,8 @@ INSTALLED_APPS = [
     "apps.fleet",
     "apps.observability",
     "apps.rollouts",
+    "apps.api",
+    "ninja",  # the API docs' own static files (Swagger UI): no CDN
 ]
 
 MIDDLEWARE = [

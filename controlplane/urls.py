@@ -1,6 +1,8 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from apps.api.api import urls as api_urls
+
 urlpatterns = [
     path("", include("apps.fleet.urls")),
     path("accounts/", include("apps.accounts.urls")),
@@ -8,5 +10,6 @@ urlpatterns = [
     path("rollouts/", include("apps.rollouts.urls")),
     path("metrics/", include("apps.observability.urls")),
     path("audit/", include("apps.audit.urls")),
+    path("api/", api_urls()),
     path("admin/", admin.site.urls),
 ]

@@ -1,8 +1,12 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
+from apps.accounts import views
+
 app_name = "accounts"
 urlpatterns = [
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("tokens/", views.tokens, name="tokens"),
+    path("tokens/<int:token_id>/revoke/", views.token_revoke_view, name="token_revoke"),
 ]

@@ -3,12 +3,14 @@
 import re
 import uuid
 from collections.abc import Callable
-from contextvars import ContextVar
+from contextvars import ContextVar, copy_context
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="")
+# How the actor acted when it was not through the pages: "API token ci (tcp_Ab12Cd…)".
+VIA: ContextVar[str] = ContextVar("via", default="")
 HEADER = "X-Request-ID"
 # What a proxy may hand us: anything longer or stranger is replaced, never stored.
 _SANE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -28,13 +30,14 @@ class RequestIdMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         request_id = request_id_for(request.headers.get(HEADER, ""))
-        token = REQUEST_ID.set(request_id)
-        try:
-            response = self.get_response(request)
-        finally:
-            REQUEST_ID.reset(token)
+        # A context of its own: what the request sets (its id, the token it used) ends with it.
+        response = copy_context().run(self._handle, request, request_id)
         response[HEADER] = request_id
         return response
+
+    def _handle(self, request: HttpRequest, request_id: str) -> HttpResponse:
+        REQUEST_ID.set(request_id)
+        return self.get_response(request)
 
 
 def carry_request_id(headers: dict[str, Any], **_: object) -> None:

@@ -27,6 +27,7 @@ class AuditEvent(models.Model):
     message = models.TextField(blank=True)
     # The web request (or the task it enqueued) the event was written for: X-Request-ID.
     request_id = models.CharField(max_length=64, blank=True, db_index=True)
+    via = models.CharField(max_length=120, blank=True, help_text="the API token used, if any")
 
     class Meta:
         ordering = ["-created_at", "-id"]

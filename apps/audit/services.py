@@ -6,7 +6,7 @@ from typing import Any, TypeVar, cast
 from django.contrib.auth.models import AnonymousUser, User
 from django.db import transaction
 
-from apps.audit.context import REQUEST_ID
+from apps.audit.context import REQUEST_ID, VIA
 from apps.audit.models import AuditEvent
 
 
@@ -43,6 +43,7 @@ def audit_record(
         result=result,
         message=message,
         request_id=REQUEST_ID.get(),
+        via=VIA.get(),
     )
     held = _ACTION.get()
     if held is not None:

@@ -19,6 +19,7 @@ from apps.audit.models import AuditEvent
 from apps.audit.selectors import affected, audit_event_list, what_changed
 from apps.observability.charts import Chart, metric_chart
 from apps.rollouts.models import Rollout
+from apps.rollouts.selectors import rollout_window
 
 MAX_CHARTS = 8
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
@@ -33,6 +34,7 @@ COLUMNS = [
     "after",
     "message",
     "request_id",
+    "via",
 ]
 
 
@@ -78,6 +80,7 @@ def _row(event: AuditEvent) -> dict[str, object]:
         "after": event.after,
         "message": event.message,
         "request_id": event.request_id,
+        "via": event.via,
     }
 
 
@@ -129,8 +132,7 @@ def _window(request: HttpRequest) -> tuple[datetime, datetime, str, str, str]:
     wanted = request.GET.get("rollout", "")
     rollout = Rollout.objects.filter(pk=int(wanted)).first() if wanted.isdigit() else None
     if rollout is not None:
-        margin = timedelta(minutes=5)
-        start, end = rollout.created_at - margin, min(end, (rollout.finished_at or end) + margin)
+        start, end = rollout_window(rollout)
         return start, end, rollout.model.name, f"rollout #{rollout.pk}: {rollout}", ""
     preset = request.GET.get("window", "1h")
     preset = preset if preset in WINDOWS else "1h"

@@ -16,6 +16,9 @@ class ArchiveError(ValueError):
     pass
 
 
+MAX_UPLOAD_BYTES = 20 * 1024 * 1024
+
+
 def extract_repository(data: bytes, target: Path) -> Path:
     """Unpack an uploaded zip into `target`, refusing anything that could escape it or blow up;
     returns the repository root (the archive's single top directory, if it has one)."""

@@ -8,7 +8,12 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from apps.accounts.permissions import current_user, require
-from apps.registry.archives import ArchiveError, extract_repository, release_archive
+from apps.registry.archives import (
+    MAX_UPLOAD_BYTES,
+    ArchiveError,
+    extract_repository,
+    release_archive,
+)
 from apps.registry.codec import ensemble_steps, from_dict, to_pbtxt, without_version_policy
 from apps.registry.dag import ensemble_graph
 from apps.registry.diff import side_by_side
@@ -29,8 +34,6 @@ from apps.registry.services import (
 )
 from apps.registry.validation import errors
 from controlplane.htmx import HtmxHttpRequest
-
-MAX_UPLOAD_BYTES = 20 * 1024 * 1024
 
 
 def model_list(request: HttpRequest) -> HttpResponse:

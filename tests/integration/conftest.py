@@ -21,6 +21,7 @@ from django.db import connection
 from apps.fleet.devfleet import Devfleet, FleetState
 from apps.fleet.models import Node, NodePool
 from apps.fleet.services import node_register
+from apps.fleet.traffic import send_traffic
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
 from controlplane.celery import app as celery_app
@@ -276,6 +277,19 @@ STEPS_V1 = {
     ("generator", 1),
     ("rag_pipeline", 1),
 }
+# Short, so that a whole rollout fits in a test: judged every 2 s over the last 10 s, once 5 s of
+# warm-up and a whole window have passed since the canary was READY. Everything (3 nodes, traffic, Prometheus, worker) shares 2 cores
+# here, so latencies are noisy: a release passes unless 100 ms and 2x worse than its baseline;
+# the slow v3 adds 250 ms to every request.
+ANALYSIS = {
+    "interval_s": 2,
+    "window_s": 10,
+    "warmup_s": 5,
+    "min_requests": 5,
+    "p99_tolerance": 1.0,
+    "p99_margin_ms": 100,
+}
+
 STEPS_V2 = {
     ("embedder", 2),
     ("retriever", 2),
@@ -340,3 +354,21 @@ def converged(pool: NodePool, expected: set[tuple[str, int]]) -> Callable[[], bo
         return all(ready_on(node) == expected for node in pool.nodes.all())
 
     return check
+
+
+@pytest.fixture
+def traffic(trio: tuple[Devfleet, FleetState]) -> Iterator[None]:
+    """Unversioned requests to every node, 8 per second, until the test ends."""
+    _, state = trio
+    clients = [TritonClient(state.node_urls(p)["http_url"], node=p.name) for p in state.nodes]
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            send_traffic(clients, model="rag_pipeline", rps=8, seconds=2)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    yield
+    stop.set()
+    thread.join(10)

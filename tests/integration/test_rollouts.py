@@ -3,8 +3,6 @@ real worker and beat: nothing here is stubbed."""
 
 import json
 import re
-import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from html import unescape
 
@@ -18,14 +16,13 @@ from apps.audit.models import AuditEvent
 from apps.fleet.devfleet import Devfleet, FleetState
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services import deployment_set
-from apps.fleet.traffic import send_traffic
-from apps.fleet.triton import TritonClient
 from apps.registry.services import model_set_budget, model_set_fallback
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import release_fallback, release_rollback, rollout_start
 from tests.conftest import make_user, screenshot
 from tests.e2e.test_login import sign_in
 from tests.integration.conftest import (
+    ANALYSIS,
     STEPS_V1,
     STEPS_V2,
     Celery,
@@ -38,18 +35,6 @@ from tests.integration.conftest import (
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 State = Rollout.State
-# Short, so that a whole rollout fits in a test: judged every 2 s over the last 10 s, once 5 s of
-# warm-up and a whole window have passed since the canary was READY. Everything (3 nodes, traffic, Prometheus, worker) shares 2 cores
-# here, so latencies are noisy: a release passes unless 100 ms and 2x worse than its baseline;
-# the slow v3 adds 250 ms to every request.
-ANALYSIS = {
-    "interval_s": 2,
-    "window_s": 10,
-    "warmup_s": 5,
-    "min_requests": 5,
-    "p99_tolerance": 1.0,
-    "p99_margin_ms": 100,
-}
 
 
 @pytest.fixture
@@ -63,24 +48,6 @@ def serving_v1(
     deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
     wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
     return pool
-
-
-@pytest.fixture
-def traffic(trio: tuple[Devfleet, FleetState]) -> Iterator[None]:
-    """Unversioned requests to every node, 8 per second, until the test ends."""
-    _, state = trio
-    clients = [TritonClient(state.node_urls(p)["http_url"], node=p.name) for p in state.nodes]
-    stop = threading.Event()
-
-    def run() -> None:
-        while not stop.is_set():
-            send_traffic(clients, model="rag_pipeline", rps=8, seconds=2)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    yield
-    stop.set()
-    thread.join(10)
 
 
 def until_state(rollout: Rollout, *states: str, timeout: float = 150) -> Rollout:

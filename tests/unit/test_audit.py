@@ -15,6 +15,7 @@ from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver
 
 from apps.accounts import services as accounts
+from apps.accounts.models import ApiToken
 from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
@@ -193,6 +194,8 @@ def _public_functions(module: ModuleType) -> dict[str, Callable[..., object]]:
 NOT_ACTIONS = {
     "roles_sync": "setup that `setup_roles` runs at deploy time, like a migration",
     "node_poll": "the poller's observation; it records the node going down or up itself",
+    "token_authenticate": "bookkeeping: when a token was last used",
+    "token_digest": "a hash",
     "user_role": "a read",
     "validate_node_url": "a check",
     "config_parse": "a check",
@@ -226,6 +229,8 @@ SERVICE_MODULES = [
 ]
 FLEET_REGISTRY_SERVICES = {
     accounts.user_ensure,
+    accounts.token_create,
+    accounts.token_revoke,
     fleet.node_register,
     fleet.deployment_set,
     fleet.deployment_remove,
@@ -256,12 +261,25 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
         }
     )
     deployed = lambda: Deployment.objects.get(pool=pool).pk  # noqa: E731
+    ann = lambda: User.objects.get(username="ann")  # noqa: E731
     cases = [
         Case(
             accounts.user_ensure,
             "user.role_set",
             None,
             lambda: accounts.user_ensure(username="ann", password="pw", role=Role.VIEWER),
+        ),
+        Case(
+            accounts.token_create,
+            "token.create",
+            lambda: accounts.token_create(user=ann(), name="", actor="ops"),
+            lambda: accounts.token_create(user=ann(), name="ci", actor="ops"),
+        ),
+        Case(
+            accounts.token_revoke,
+            "token.revoke",
+            lambda: accounts.token_revoke(token_id=0, actor="ops"),
+            lambda: accounts.token_revoke(token_id=ApiToken.objects.get().pk, actor="ops"),
         ),
         Case(
             fleet.node_register,

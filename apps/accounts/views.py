@@ -1,0 +1,34 @@
+from django.contrib import messages
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+
+from apps.accounts.models import ApiToken
+from apps.accounts.permissions import current_user
+from apps.accounts.services import TokenError, token_create, token_revoke
+
+
+def tokens(request: HttpRequest) -> HttpResponse:
+    """The signed-in user's API tokens; a new one is shown on this response only."""
+    user = current_user(request)
+    context: dict[str, object] = {}
+    if request.method == "POST":
+        try:
+            record, value = token_create(user=user, name=request.POST.get("name", ""), actor=user)
+            context |= {"created": record, "value": value}
+        except TokenError as exc:
+            context["error"] = str(exc)
+    context["tokens"] = ApiToken.objects.filter(user=user)
+    response = render(request, "accounts/tokens.html", context)
+    response["Cache-Control"] = "no-store"  # the new token must not linger in a cache
+    return response
+
+
+@require_POST
+def token_revoke_view(request: HttpRequest, token_id: int) -> HttpResponse:
+    try:
+        token = token_revoke(token_id=token_id, actor=current_user(request))
+        messages.success(request, f"Revoked {token}: calls with it are refused from now on.")
+    except TokenError as exc:
+        messages.error(request, str(exc))
+    return redirect("accounts:tokens")

@@ -1,0 +1,104 @@
+"""The audit trail and the incident timeline, read-only."""
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.http import HttpRequest
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+from ninja import Router, Schema
+
+from apps.api.auth import Token
+from apps.api.errors import ERRORS, ApiError
+from apps.audit.models import AuditEvent
+from apps.audit.selectors import audit_event_list, what_changed
+from apps.rollouts.models import Rollout
+from apps.rollouts.selectors import rollout_window
+
+router = Router(tags=["audit"], auth=Token())
+MAX_WINDOW = timedelta(days=31)
+
+
+class EventOut(Schema):
+    id: int
+    time: datetime
+    actor: str
+    action: str
+    target: str
+    result: str
+    before: dict[str, Any]
+    after: dict[str, Any]
+    message: str
+    request_id: str
+    via: str
+
+
+class ChangeOut(Schema):
+    target: str
+    before: int | None
+    after: int | None
+
+
+class TimelineOut(Schema):
+    start: datetime
+    end: datetime
+    changes: list[ChangeOut]
+    events: list[EventOut]
+
+
+def _event_out(event: AuditEvent) -> dict[str, Any]:
+    fields = ["id", "actor", "action", "target", "result", "before", "after", "message"]
+    return {"time": event.created_at, "request_id": event.request_id, "via": event.via} | {
+        f: getattr(event, f) for f in fields
+    }
+
+
+@router.get("/audit", response={200: list[EventOut], **ERRORS})
+def events(
+    request: HttpRequest,
+    actor: str = "",
+    action: str = "",
+    target: str = "",
+    request_id: str = "",
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int = 100,
+    offset: int = 0,
+) -> list[dict[str, Any]]:
+    """Newest first; `action` matches a prefix (`rollout.`), `target` a part."""
+    found = audit_event_list(
+        actor=actor, action=action, target=target, request_id=request_id, since=since, until=until
+    )
+    offset = max(0, offset)
+    return [_event_out(e) for e in found[offset : offset + max(1, min(limit, 1000))]]
+
+
+@router.get("/timeline", response={200: TimelineOut, **ERRORS})
+def timeline(
+    request: HttpRequest,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    rollout: int | None = None,
+) -> dict[str, Any]:
+    """What changed in a window, oldest first, with versions before and after per target: give
+    `start` and `end`, or a `rollout` for its span; the last hour otherwise."""
+    if rollout is not None:
+        start, end = rollout_window(get_object_or_404(Rollout, pk=rollout))
+    end = end or timezone.now()
+    start = start or end - timedelta(hours=1)
+    if timezone.is_naive(start) or timezone.is_naive(end):
+        raise ApiError(422, "invalid_request", "start, end: give a time zone (Z for UTC)")
+    if not start < end <= start + MAX_WINDOW:
+        raise ApiError(
+            422, "invalid_request", f"start must come before end, {MAX_WINDOW.days} days at most"
+        )
+    found = list(
+        AuditEvent.objects.filter(created_at__range=(start, end)).order_by("created_at", "id")
+    )
+    changes = [vars(change) for change in what_changed(found)]
+    return {
+        "start": start,
+        "end": end,
+        "changes": changes,
+        "events": [_event_out(e) for e in found],
+    }

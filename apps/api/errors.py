@@ -1,0 +1,70 @@
+"""Every API error is `{"error": {"code", "message", "details"}}` with the status that fits."""
+
+from typing import Any
+
+from django.http import Http404, HttpRequest, HttpResponse
+from ninja import NinjaAPI, Schema
+from ninja.errors import AuthenticationError, HttpError, ValidationError
+
+
+class ErrorBody(Schema):
+    code: str
+    message: str
+    details: Any = None
+
+
+class ErrorOut(Schema):
+    error: ErrorBody
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, details: Any = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.details = status, code, message, details
+
+
+# Declared on every operation, so that the schema says what a client can get back.
+ERRORS: dict[int, type[Schema]] = {code: ErrorOut for code in (400, 401, 403, 404, 409, 422)}
+
+
+def error_response(api: NinjaAPI, request: HttpRequest, exc: ApiError) -> HttpResponse:
+    body = {"error": {"code": exc.code, "message": exc.message, "details": exc.details}}
+    return api.create_response(request, body, status=exc.status)
+
+
+def _location(loc: list[Any]) -> list[Any]:
+    """`["body", "payload", "plan"]` reads `["body", "plan"]`: the second item is only the
+    name of the view's parameter, which a client never sees."""
+    return [loc[0], *loc[2:]] if len(loc) > 2 and loc[0] == "body" else list(loc)
+
+
+def install(api: NinjaAPI) -> None:
+    @api.exception_handler(ApiError)
+    def _own(request: HttpRequest, exc: ApiError) -> HttpResponse:
+        return error_response(api, request, exc)
+
+    @api.exception_handler(ValidationError)
+    def _invalid(request: HttpRequest, exc: ValidationError) -> HttpResponse:
+        details = [
+            {
+                "loc": _location(e.get("loc", [])),
+                "message": e.get("msg", ""),
+                "type": e.get("type", ""),
+            }
+            for e in exc.errors
+        ]
+        where = "; ".join(f"{'.'.join(map(str, d['loc']))}: {d['message']}" for d in details)
+        return error_response(api, request, ApiError(422, "invalid_request", where, details))
+
+    @api.exception_handler(AuthenticationError)
+    def _unauthenticated(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
+        message = "send a live API token: Authorization: Bearer <token>"
+        return error_response(api, request, ApiError(401, "unauthenticated", message))
+
+    @api.exception_handler(Http404)
+    def _missing(request: HttpRequest, exc: Http404) -> HttpResponse:
+        return error_response(api, request, ApiError(404, "not_found", str(exc) or "not found"))
+
+    @api.exception_handler(HttpError)
+    def _http(request: HttpRequest, exc: HttpError) -> HttpResponse:
+        return error_response(api, request, ApiError(exc.status_code, "http_error", str(exc)))

@@ -1,0 +1,230 @@
+"""Nodes and what they serve, deployments (desired state) and operations."""
+
+from datetime import datetime
+from typing import Any, Literal
+
+from django.http import HttpRequest
+from django.shortcuts import get_object_or_404
+from ninja import Router, Schema, Status
+
+from apps.accounts.permissions import current_user
+from apps.api.auth import Token, can
+from apps.api.errors import ERRORS, ApiError
+from apps.fleet.desired import DesiredStateError
+from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.selectors import node_drift, node_models, observed_versions
+from apps.fleet.services import FleetError, deployment_remove, deployment_set, operation_request
+
+router = Router(tags=["fleet"], auth=Token())
+
+
+class ModelState(Schema):
+    model: str
+    desired: list[int]
+    ready: list[int]
+    managed: bool
+    drift: bool
+
+
+class NodeOut(Schema):
+    name: str
+    pool: str
+    health: str
+    http_url: str
+    triton_version: str
+    last_seen: datetime | None
+    last_error: str
+    models: list[ModelState]
+    drift: list[str]
+
+
+class DeploymentIn(Schema):
+    """`model` at `version` on a `pool` (every node) or on one `node`: exactly one of the two."""
+
+    model: str
+    version: int
+    pool: str | None = None
+    node: str | None = None
+
+
+class NodeProgress(Schema):
+    node: str
+    health: str
+    ready: list[int]
+    converged: bool
+
+
+class DeploymentOut(Schema):
+    id: int
+    model: str
+    version: int
+    baseline_version: int | None
+    target: str
+    created_by: str
+    updated_at: datetime
+    nodes: list[NodeProgress]
+    converged: bool
+
+
+class OperationIn(Schema):
+    kind: Literal["reload", "unload"]
+    model: str
+
+
+class OperationOut(Schema):
+    id: int
+    node: str
+    kind: str
+    model: str
+    versions: list[int]
+    status: str
+    error: str
+    requested_by: str
+    created_at: datetime
+    finished_at: datetime | None
+
+
+def _node_out(node: Node) -> dict[str, Any]:
+    rows = node_models(node)
+    return {
+        **{f: getattr(node, f) for f in ("name", "health", "http_url", "triton_version")},
+        **{f: getattr(node, f) for f in ("last_seen", "last_error")},
+        "pool": node.pool.name,
+        "models": [
+            {
+                "model": r.model,
+                "desired": r.desired,
+                "ready": r.ready,
+                "managed": r.managed,
+                "drift": r.drift,
+            }
+            for r in rows
+        ],
+        "drift": node_drift(node),
+    }
+
+
+def _deployment_out(deployment: Deployment) -> dict[str, Any]:
+    """Desired state and, node by node, whether its index shows exactly that READY."""
+    nodes = [deployment.node] if deployment.node else list(deployment.pool.nodes.all())  # type: ignore[union-attr]
+    wanted = {deployment.version} | (
+        {deployment.baseline_version} if deployment.baseline_version else set()
+    )
+    progress = []
+    for node in nodes:
+        ready, _ = observed_versions(node, deployment.model.name)
+        progress.append(
+            {
+                "node": node.name,
+                "health": node.health,
+                "ready": sorted(ready),
+                "converged": ready == wanted,
+            }
+        )
+    return {
+        **{f: getattr(deployment, f) for f in ("id", "version", "baseline_version")},
+        **{f: getattr(deployment, f) for f in ("created_by", "updated_at")},
+        "model": deployment.model.name,
+        "target": deployment.target,
+        "nodes": progress,
+        "converged": all(p["converged"] for p in progress),
+    }
+
+
+def _operation_out(op: Operation) -> dict[str, Any]:
+    return {
+        **{f: getattr(op, f) for f in ("id", "kind", "versions", "status", "error")},
+        **{f: getattr(op, f) for f in ("requested_by", "created_at", "finished_at")},
+        "node": op.node.name,
+        "model": op.model_name,
+    }
+
+
+def _deployments() -> Any:
+    return Deployment.objects.select_related("model", "pool", "node").prefetch_related(
+        "pool__nodes"
+    )
+
+
+@router.get("/nodes", response={200: list[NodeOut], **ERRORS})
+def nodes(request: HttpRequest, pool: str = "") -> list[dict[str, Any]]:
+    found = Node.objects.select_related("pool")
+    return [_node_out(n) for n in (found.filter(pool__name=pool) if pool else found)]
+
+
+@router.get("/nodes/{name}", response={200: NodeOut, **ERRORS})
+def node(request: HttpRequest, name: str) -> dict[str, Any]:
+    return _node_out(get_object_or_404(Node.objects.select_related("pool"), name=name))
+
+
+@router.get("/deployments", response={200: list[DeploymentOut], **ERRORS})
+def deployments(request: HttpRequest) -> list[dict[str, Any]]:
+    return [_deployment_out(d) for d in _deployments()]
+
+
+@router.get("/deployments/{deployment_id}", response={200: DeploymentOut, **ERRORS})
+def deployment(request: HttpRequest, deployment_id: int) -> dict[str, Any]:
+    return _deployment_out(get_object_or_404(_deployments(), pk=deployment_id))
+
+
+@router.post(
+    "/deployments",
+    response={201: DeploymentOut, **ERRORS},
+    auth=can("fleet.operate_node", "deployment.set"),
+)
+def deployment_new(request: HttpRequest, body: DeploymentIn) -> Status[dict[str, Any]]:
+    """Desire a released version on a pool or a node; the reconciler loads it. Poll the
+    deployment until `converged`: nodes' indexes read back, never assumed."""
+    if (body.pool is None) == (body.node is None):
+        raise ApiError(422, "invalid_request", "name a pool or a node: exactly one of the two")
+    pool = get_object_or_404(NodePool, name=body.pool) if body.pool else None
+    node = get_object_or_404(Node, name=body.node) if body.node else None
+    try:
+        made = deployment_set(
+            model_name=body.model,
+            version=body.version,
+            pool=pool,
+            node=node,
+            actor=current_user(request),
+        )
+    except FleetError as exc:
+        raise ApiError(409, "refused", str(exc)) from None
+    return Status(201, _deployment_out(get_object_or_404(_deployments(), pk=made.pk)))
+
+
+@router.delete(
+    "/deployments/{deployment_id}",
+    response={204: None, **ERRORS},
+    auth=can("fleet.operate_node", "deployment.remove"),
+)
+def deployment_delete(request: HttpRequest, deployment_id: int) -> Status[None]:
+    found = get_object_or_404(Deployment, pk=deployment_id)
+    deployment_remove(deployment_id=found.pk, actor=current_user(request))
+    return Status(204, None)
+
+
+@router.get("/operations", response={200: list[OperationOut], **ERRORS})
+def operations(
+    request: HttpRequest, node: str = "", status: str = "", limit: int = 100
+) -> list[dict[str, Any]]:
+    found = Operation.objects.select_related("node").order_by("-created_at")
+    found = found.filter(node__name=node) if node else found
+    found = found.filter(status=status) if status else found
+    return [_operation_out(op) for op in found[: max(1, min(limit, 500))]]
+
+
+@router.post(
+    "/nodes/{name}/operations",
+    response={202: OperationOut, **ERRORS},
+    auth=can("fleet.operate_node", "node.operate"),
+)
+def operation_new(request: HttpRequest, name: str, body: OperationIn) -> Status[dict[str, Any]]:
+    """A reload or unload on one node, queued; poll /operations for its outcome."""
+    found = get_object_or_404(Node, name=name)
+    try:
+        op = operation_request(
+            node_id=found.pk, kind=body.kind, model_name=body.model, actor=current_user(request)
+        )
+    except (FleetError, DesiredStateError) as exc:
+        raise ApiError(409, "refused", str(exc)) from None
+    return Status(202, _operation_out(op))

@@ -1,0 +1,224 @@
+"""Gray rollouts: start with a plan and analysis, read them with their measurements, act on
+them; and on-call's switch of a pool back to its last good release."""
+
+from datetime import datetime
+from typing import Any
+
+from django.http import HttpRequest
+from django.shortcuts import get_object_or_404
+from ninja import Router, Schema, Status
+
+from apps.accounts.permissions import current_user
+from apps.api.auth import Token, can
+from apps.api.errors import ERRORS, ApiError
+from apps.rollouts.models import Rollout
+from apps.rollouts.plans import PlanError
+from apps.rollouts.services import (
+    RolloutError,
+    release_fallback,
+    release_rollback,
+    rollout_abort,
+    rollout_pause,
+    rollout_promote,
+    rollout_resume,
+    rollout_retry,
+    rollout_start,
+)
+
+router = Router(tags=["rollouts"], auth=Token())
+
+
+class RolloutIn(Schema):
+    """`plan`: one step per line (`1 node, hold 60s` / `50%, hold 2m` / `100%`) or the stored
+    list form; `analysis`: thresholds, defaults for what is left out."""
+
+    model: str
+    pool: str
+    canary_version: int
+    plan: str | list[dict[str, Any]]
+    analysis: dict[str, Any] = {}
+
+
+class ReasonIn(Schema):
+    reason: str = ""
+
+
+class MeasurementOut(Schema):
+    step: int
+    taken_at: datetime
+    metric: str
+    query: str
+    canary_value: float | None
+    baseline_value: float | None
+    threshold: float | None
+    verdict: str
+    detail: str
+
+
+class RolloutOut(Schema):
+    id: int
+    model: str
+    pool: str
+    baseline_version: int
+    canary_version: int
+    state: str
+    step: int
+    plan: list[dict[str, Any]]
+    analysis: dict[str, Any]
+    canary_nodes: list[str]
+    last_verdict: str
+    reason: str
+    started_by: str
+    created_at: datetime
+    finished_at: datetime | None
+    measurements: list[MeasurementOut]
+
+
+class ReleaseOut(Schema):
+    model: str
+    pool: str
+    version: int
+
+
+FIELDS = ["id", "baseline_version", "canary_version", "state", "step", "plan", "analysis"]
+FIELDS += ["canary_nodes", "last_verdict", "reason", "started_by", "created_at", "finished_at"]
+
+
+def _rollout_out(rollout: Rollout, measurements: int = 200) -> dict[str, Any]:
+    return {
+        **{f: getattr(rollout, f) for f in FIELDS},
+        "model": rollout.model.name,
+        "pool": rollout.pool.name,
+        "measurements": list(rollout.measurements.order_by("-taken_at").values()[:measurements]),
+    }
+
+
+def _found(rollout_id: int) -> Rollout:
+    return get_object_or_404(Rollout.objects.select_related("model", "pool"), pk=rollout_id)
+
+
+def _refused(exc: Exception) -> ApiError:
+    if isinstance(exc, PlanError):  # says where: the plan's line, or the analysis field
+        return ApiError(422, "invalid_plan", str(exc))
+    return ApiError(409, "refused", str(exc))
+
+
+@router.get("/rollouts", response={200: list[RolloutOut], **ERRORS})
+def rollouts(
+    request: HttpRequest, model: str = "", state: str = "", limit: int = 50
+) -> list[dict[str, Any]]:
+    found = Rollout.objects.select_related("model", "pool")
+    found = found.filter(model__name=model) if model else found
+    found = found.filter(state=state) if state else found
+    return [_rollout_out(r, measurements=0) for r in found[: max(1, min(limit, 200))]]
+
+
+@router.get("/rollouts/{rollout_id}", response={200: RolloutOut, **ERRORS})
+def rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
+    return _rollout_out(_found(rollout_id))
+
+
+@router.post(
+    "/rollouts",
+    response={201: RolloutOut, **ERRORS},
+    auth=can("rollouts.add_rollout", "rollout.start"),
+)
+def rollout_new(request: HttpRequest, body: RolloutIn) -> Status[dict[str, Any]]:
+    """Start a gray release of `canary_version` on `pool`; poll it until its state is terminal
+    (succeeded, rolled_back, failed)."""
+    try:
+        started = rollout_start(
+            model_name=body.model,
+            pool_name=body.pool,
+            canary_version=body.canary_version,
+            plan=body.plan,
+            analysis=body.analysis,
+            actor=current_user(request),
+        )
+    except (RolloutError, PlanError) as exc:
+        raise _refused(exc) from None
+    return Status(201, _rollout_out(_found(started.pk)))
+
+
+def _act(request: HttpRequest, rollout_id: int, action: str, reason: str = "") -> dict[str, Any]:
+    found = _found(rollout_id)
+    actor = current_user(request)
+    try:
+        if action == "promote":
+            rollout_promote(rollout_id=found.pk, reason=reason, actor=actor)
+        elif action == "abort":
+            rollout_abort(rollout_id=found.pk, reason=reason, actor=actor)
+        else:
+            service = {"pause": rollout_pause, "resume": rollout_resume, "retry": rollout_retry}
+            found = service[action](rollout_id=found.pk, actor=actor)
+    except (RolloutError, PlanError) as exc:
+        raise _refused(exc) from None
+    return _rollout_out(_found(found.pk))
+
+
+CHANGE = ("rollouts.change_rollout", "rollout.act")
+
+
+@router.post(
+    "/rollouts/{rollout_id}/pause", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
+)
+def pause(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
+    return _act(request, rollout_id, "pause")
+
+
+@router.post(
+    "/rollouts/{rollout_id}/resume", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
+)
+def resume(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
+    return _act(request, rollout_id, "resume")
+
+
+@router.post(
+    "/rollouts/{rollout_id}/promote", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
+)
+def promote(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict[str, Any]:
+    """Skip the remaining steps and analysis; `reason` is required and recorded."""
+    return _act(request, rollout_id, "promote", body.reason)
+
+
+@router.post(
+    "/rollouts/{rollout_id}/abort", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
+)
+def abort(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict[str, Any]:
+    return _act(request, rollout_id, "abort", body.reason)
+
+
+@router.post(
+    "/rollouts/{rollout_id}/retry", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
+)
+def retry(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
+    """A new rollout with the same canary, plan and analysis; the answer is the new one."""
+    return _act(request, rollout_id, "retry")
+
+
+@router.post(
+    "/pools/{pool}/models/{model}/rollback",
+    response={200: ReleaseOut, **ERRORS},
+    auth=can("rollouts.rollback_release", "release.rollback"),
+)
+def rollback(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
+    """The pool back to its last good release now, aborting a rollout under way."""
+    try:
+        version = release_rollback(model_name=model, pool_name=pool, actor=current_user(request))
+    except (RolloutError, PlanError) as exc:
+        raise _refused(exc) from None
+    return {"model": model, "pool": pool, "version": version}
+
+
+@router.post(
+    "/pools/{pool}/models/{model}/fallback",
+    response={200: ReleaseOut, **ERRORS},
+    auth=can("rollouts.rollback_release", "release.fallback"),
+)
+def fallback(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
+    """The pool onto the model's registered fallback version now."""
+    try:
+        version = release_fallback(model_name=model, pool_name=pool, actor=current_user(request))
+    except (RolloutError, PlanError) as exc:
+        raise _refused(exc) from None
+    return {"model": model, "pool": pool, "version": version}

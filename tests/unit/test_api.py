@@ -1,0 +1,197 @@
+"""The automation API on its own: tokens, permissions, errors and the schema it publishes.
+Schemathesis drives every operation from that schema in tests/unit/test_api_schema.py; a whole
+release through the API runs on the real fleet in tests/integration/test_api_release.py."""
+
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.db import connection
+from django.test import Client
+
+from apps.accounts.models import ApiToken
+from apps.accounts.roles import Role
+from apps.accounts.services import token_create
+from apps.audit.models import AuditEvent
+from apps.fleet.models import Node, NodePool
+from apps.registry.imports import repository_import
+from tests.conftest import make_user
+
+REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
+pytestmark = pytest.mark.django_db
+
+
+def bearer(user: User) -> dict[str, str]:
+    _, value = token_create(user=user, name="ci", actor="system:test")
+    return {"Authorization": f"Bearer {value}"}
+
+
+def post(client: Client, path: str, body: object, headers: dict[str, str]) -> object:
+    return client.post(path, json.dumps(body), content_type="application/json", headers=headers)
+
+
+def test_a_token_is_stored_as_a_digest_only_and_a_revoked_one_is_refused(
+    client: Client, viewer: User
+) -> None:
+    record, value = token_create(user=viewer, name="pipeline", actor="system:test")
+    with connection.cursor() as cursor:  # nowhere in the row, in any form the ORM might hide
+        cursor.execute("SELECT * FROM accounts_apitoken")
+        assert not any(value in str(cell) for row in cursor.fetchall() for cell in row)
+    headers = {"Authorization": f"Bearer {value}"}
+    assert client.get("/api/models", headers=headers).status_code == 200
+    assert ApiToken.objects.get().last_used_at is not None
+    call_command("api_token", "revoke", str(record.pk))
+    refused = client.get("/api/models", headers=headers)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == "unauthenticated"
+    assert client.get("/api/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert client.get("/api/models").status_code == 401
+    actions = AuditEvent.objects.filter(target="user:viewer-user").values_list("action", flat=True)
+    assert {"token.create", "token.revoke"} <= set(actions)
+
+
+def test_the_command_prints_a_new_token_once_and_lists_none(viewer: User) -> None:
+    out = io.StringIO()
+    call_command("api_token", "create", "viewer-user", "release pipeline", stdout=out)
+    value = out.getvalue().split(": ")[-1].strip()
+    assert value.startswith("tcp_") and len(value) > 40
+    listing = io.StringIO()
+    call_command("api_token", "list", "viewer-user", stdout=listing)
+    assert "release pipeline" in listing.getvalue() and value not in listing.getvalue()
+
+
+def test_a_user_makes_and_revokes_tokens_on_their_page(client: Client, viewer: User) -> None:
+    client.force_login(viewer)
+    page = client.post("/accounts/tokens/", {"name": "laptop"})
+    value = ApiToken.objects.get().prefix
+    shown = page.content.decode()
+    assert 'id="new-token"' in shown and value in shown and page["Cache-Control"] == "no-store"
+    assert 'id="new-token"' not in client.get("/accounts/tokens/").content.decode()  # once
+    assert "name the token" in client.post("/accounts/tokens/", {"name": " "}).content.decode()
+    other = make_user(Role.OPERATOR)
+    theirs, _ = token_create(user=other, name="theirs", actor="system:test")
+    client.post(f"/accounts/tokens/{theirs.pk}/revoke/")
+    assert ApiToken.objects.get(pk=theirs.pk).revoked_at is None  # not the viewer's to revoke
+    client.post(f"/accounts/tokens/{ApiToken.objects.get(user=viewer).pk}/revoke/")
+    assert ApiToken.objects.get(user=viewer).revoked_at is not None
+
+
+def _mutations(client: Client) -> list[tuple[str, str]]:
+    schema = client.get("/api/openapi.json").json()
+    return [
+        (method, path.replace("{", "").replace("}", ""))  # any value: refused before it is read
+        for path, operations in schema["paths"].items()
+        for method in operations
+        if method in ("post", "put", "patch", "delete") and not path.endswith("/validate")
+    ]
+
+
+def test_a_viewer_is_refused_every_mutation_and_each_refusal_is_audited(
+    client: Client, viewer: User
+) -> None:
+    headers = bearer(viewer)
+    mutations = _mutations(client)
+    assert len(mutations) >= 12
+    for method, path in mutations:
+        before = AuditEvent.objects.count()
+        response = getattr(client, method)(
+            path, "{}", content_type="application/json", headers=headers
+        )
+        assert response.status_code == 403, (method, path)
+        assert response.json()["error"]["code"] == "forbidden"
+        (event,) = AuditEvent.objects.all()[: AuditEvent.objects.count() - before]
+        assert (event.actor, event.result, event.target) == ("viewer-user", "denied", path)
+
+
+def test_errors_say_what_and_where_as_the_pages_do(client: Client, admin_user: User) -> None:
+    headers = bearer(admin_user)
+    text = 'name: "ocr"\nbackend: "python"\nmax_batch_size: eight\n'
+    bad = post(client, "/api/models/ocr/versions", {"pbtxt": text}, headers)
+    assert bad.status_code == 422
+    error = bad.json()["error"]
+    assert error["code"] == "invalid_config"
+    assert error["details"][0]["field"] == "line 3, column 17"  # as the version form shows it
+    missing = post(client, "/api/rollouts", {"model": "ocr"}, headers).json()["error"]
+    assert missing["code"] == "invalid_request"
+    assert ["body", "pool"] in [d["loc"] for d in missing["details"]]
+    unknown = client.get("/api/models/nope/versions/1", headers=headers)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
+    NodePool.objects.create(name="gpu")
+    plan = {"model": "rag_pipeline", "pool": "gpu", "canary_version": 2, "plan": "1 node\nhalf"}
+    refused = post(client, "/api/rollouts", plan, headers)
+    assert refused.status_code in (409, 422)
+    assert refused.json()["error"]["message"]
+
+
+def test_a_version_is_validated_created_released_and_diffed(
+    client: Client, admin_user: User
+) -> None:
+    headers = bearer(admin_user)
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
+    v1 = client.get("/api/models/embedder/versions/1", headers=headers).json()
+    config = {**v1["config"], "max_batch_size": 16}
+    config.pop("version_policy", None)
+    checked = post(client, "/api/models/embedder/validate", {"config": config}, headers).json()
+    assert checked["valid"], checked
+    smaller = {**config, "max_batch_size": 4}  # below what rag_pipeline sends it
+    checked = post(client, "/api/models/embedder/validate", {"config": smaller}, headers).json()
+    assert not checked["valid"] and "max_batch_size 4" in str(checked["breaks"]["rag_pipeline v1"])
+    created = post(client, "/api/models/embedder/versions", {"config": config}, headers)
+    assert created.status_code == 201
+    number = created.json()["version"]
+    released = post(
+        client, f"/api/models/embedder/versions/{number}/status", {"status": "released"}, headers
+    )
+    assert released.json()["status"] == "released"
+    diff = client.get(f"/api/models/embedder/diff?left=1&right={number}", headers=headers).json()
+    changed = [row for row in diff["rows"] if row["kind"] != "equal"]
+    assert any("max_batch_size: 16" in row["right"] for row in changed)
+    event = AuditEvent.objects.filter(action="registry.version_create").first()
+    assert event and (event.actor, event.user) == ("admin-user", admin_user)  # the token's owner
+    assert event.via == "API token ci (tcp_" + headers["Authorization"][11:17] + "…)"
+    assert set(AuditEvent.objects.filter(actor="admin-user").values_list("via", flat=True)) == {
+        event.via
+    }
+
+
+def test_a_repository_layout_imports_from_an_archive(client: Client, admin_user: User) -> None:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for path in (REPOSITORY / "embedder").rglob("*"):
+            archive.write(path, path.relative_to(REPOSITORY))
+    buffer.seek(0)
+    buffer.name = "repo.zip"
+    response = client.post("/api/import", {"archive": buffer}, headers=bearer(admin_user))
+    assert response.status_code == 200, response.content
+    (result,) = response.json()
+    assert result["model"] == "embedder" and result["ok"] and result["versions"]
+
+
+def test_nodes_deployments_and_the_timeline_read_back(client: Client, admin_user: User) -> None:
+    headers = bearer(admin_user)
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
+    pool = NodePool.objects.create(name="gpu")
+    Node.objects.create(name="gpu-1", pool=pool, http_url="http://127.0.0.1:1")
+    body = {"model": "embedder", "version": 1, "pool": "gpu"}
+    made = post(client, "/api/deployments", body, headers)
+    assert made.status_code == 201
+    assert made.json()["nodes"] == [
+        {"node": "gpu-1", "health": "unknown", "ready": [], "converged": False}
+    ]
+    (node,) = client.get("/api/nodes", headers=headers).json()
+    assert {
+        "model": "embedder",
+        "desired": [1],
+        "ready": [],
+        "managed": True,
+        "drift": True,
+    } in node["models"]
+    timeline = client.get("/api/timeline", headers=headers).json()
+    assert {"target": "pool:gpu:embedder", "before": None, "after": 1} in timeline["changes"]
+    trail = client.get("/api/audit?action=deployment.", headers=headers).json()
+    assert [e["action"] for e in trail] == ["deployment.set"]
