@@ -54,7 +54,7 @@ def _event_out(event: AuditEvent) -> dict[str, Any]:
 
 
 @router.get("/audit", response={200: list[EventOut], **ERRORS})
-def events(
+def list_audit_events(
     request: HttpRequest,
     actor: str = "",
     action: str = "",
@@ -74,7 +74,7 @@ def events(
 
 
 @router.get("/timeline", response={200: TimelineOut, **ERRORS})
-def timeline(
+def get_timeline(
     request: HttpRequest,
     start: datetime | None = None,
     end: datetime | None = None,

@@ -147,23 +147,23 @@ def _deployments() -> Any:
 
 
 @router.get("/nodes", response={200: list[NodeOut], **ERRORS})
-def nodes(request: HttpRequest, pool: str = "") -> list[dict[str, Any]]:
+def list_nodes(request: HttpRequest, pool: str = "") -> list[dict[str, Any]]:
     found = Node.objects.select_related("pool")
     return [_node_out(n) for n in (found.filter(pool__name=pool) if pool else found)]
 
 
 @router.get("/nodes/{name}", response={200: NodeOut, **ERRORS})
-def node(request: HttpRequest, name: str) -> dict[str, Any]:
+def get_node(request: HttpRequest, name: str) -> dict[str, Any]:
     return _node_out(get_object_or_404(Node.objects.select_related("pool"), name=name))
 
 
 @router.get("/deployments", response={200: list[DeploymentOut], **ERRORS})
-def deployments(request: HttpRequest) -> list[dict[str, Any]]:
+def list_deployments(request: HttpRequest) -> list[dict[str, Any]]:
     return [_deployment_out(d) for d in _deployments()]
 
 
 @router.get("/deployments/{deployment_id}", response={200: DeploymentOut, **ERRORS})
-def deployment(request: HttpRequest, deployment_id: int) -> dict[str, Any]:
+def get_deployment(request: HttpRequest, deployment_id: int) -> dict[str, Any]:
     return _deployment_out(get_object_or_404(_deployments(), pk=deployment_id))
 
 
@@ -172,7 +172,7 @@ def deployment(request: HttpRequest, deployment_id: int) -> dict[str, Any]:
     response={201: DeploymentOut, **ERRORS},
     auth=can("fleet.operate_node", "deployment.set"),
 )
-def deployment_new(request: HttpRequest, body: DeploymentIn) -> Status[dict[str, Any]]:
+def create_deployment(request: HttpRequest, body: DeploymentIn) -> Status[dict[str, Any]]:
     """Desire a released version on a pool or a node; the reconciler loads it. Poll the
     deployment until `converged`: nodes' indexes read back, never assumed."""
     if (body.pool is None) == (body.node is None):
@@ -197,14 +197,14 @@ def deployment_new(request: HttpRequest, body: DeploymentIn) -> Status[dict[str,
     response={204: None, **ERRORS},
     auth=can("fleet.operate_node", "deployment.remove"),
 )
-def deployment_delete(request: HttpRequest, deployment_id: int) -> Status[None]:
+def remove_deployment(request: HttpRequest, deployment_id: int) -> Status[None]:
     found = get_object_or_404(Deployment, pk=deployment_id)
     deployment_remove(deployment_id=found.pk, actor=current_user(request))
     return Status(204, None)
 
 
 @router.get("/operations", response={200: list[OperationOut], **ERRORS})
-def operations(
+def list_operations(
     request: HttpRequest, node: str = "", status: str = "", limit: int = 100
 ) -> list[dict[str, Any]]:
     found = Operation.objects.select_related("node").order_by("-created_at")
@@ -218,7 +218,7 @@ def operations(
     response={202: OperationOut, **ERRORS},
     auth=can("fleet.operate_node", "node.operate"),
 )
-def operation_new(request: HttpRequest, name: str, body: OperationIn) -> Status[dict[str, Any]]:
+def request_operation(request: HttpRequest, name: str, body: OperationIn) -> Status[dict[str, Any]]:
     """A reload or unload on one node, queued; poll /operations for its outcome."""
     found = get_object_or_404(Node, name=name)
     try:

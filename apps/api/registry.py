@@ -165,18 +165,18 @@ def _version(name: str, number: int) -> ModelVersion:
 
 
 @router.get("/models", response={200: list[ModelOut], **ERRORS})
-def models(request: HttpRequest, search: str = "") -> list[dict[str, Any]]:
+def list_models(request: HttpRequest, search: str = "") -> list[dict[str, Any]]:
     found = Model.objects.filter(name__icontains=search).prefetch_related("versions")
     return [_model_out(model) for model in found.order_by("name")]
 
 
 @router.get("/models/{name}", response={200: ModelOut, **ERRORS})
-def model(request: HttpRequest, name: str) -> dict[str, Any]:
+def get_model(request: HttpRequest, name: str) -> dict[str, Any]:
     return _model_out(get_object_or_404(Model, name=name))
 
 
 @router.get("/models/{name}/versions/{version}", response={200: VersionOut, **ERRORS})
-def version(request: HttpRequest, name: str, version: int) -> dict[str, Any]:
+def get_version(request: HttpRequest, name: str, version: int) -> dict[str, Any]:
     return _version_out(_version(name, version))
 
 
@@ -185,7 +185,7 @@ def version(request: HttpRequest, name: str, version: int) -> dict[str, Any]:
     response={201: VersionOut, **ERRORS},
     auth=can("registry.add_modelversion", "registry.version_create"),
 )
-def version_new(request: HttpRequest, name: str, body: VersionIn) -> Status[dict[str, Any]]:
+def register_version(request: HttpRequest, name: str, body: VersionIn) -> Status[dict[str, Any]]:
     """Register a version (a draft) of `name`, a new model if it is the first. Refused with every
     problem when Triton would refuse the config."""
     if body.version is not None and body.version < 1:
@@ -209,7 +209,7 @@ def version_new(request: HttpRequest, name: str, body: VersionIn) -> Status[dict
     "/models/{name}/validate",
     response={200: ValidationOut, **ERRORS},
 )
-def validate(request: HttpRequest, name: str, body: ConfigIn) -> dict[str, Any]:
+def validate_config(request: HttpRequest, name: str, body: ConfigIn) -> dict[str, Any]:
     """Validate a config for `name` as the registry would, storing nothing: its problems, and
     what it would break in the ensembles that use `name`."""
     try:
@@ -234,7 +234,9 @@ def validate(request: HttpRequest, name: str, body: ConfigIn) -> dict[str, Any]:
     response={200: VersionOut, **ERRORS},
     auth=can("registry.change_modelversion", "registry.version_status"),
 )
-def version_status(request: HttpRequest, name: str, version: int, body: StatusIn) -> dict[str, Any]:
+def set_version_status(
+    request: HttpRequest, name: str, version: int, body: StatusIn
+) -> dict[str, Any]:
     """Release (or deprecate) a version: only released versions deploy."""
     found = _version(name, version)
     try:
@@ -245,7 +247,7 @@ def version_status(request: HttpRequest, name: str, version: int, body: StatusIn
 
 
 @router.get("/models/{name}/diff", response={200: DiffOut, **ERRORS})
-def diff(request: HttpRequest, name: str, left: int, right: int) -> dict[str, Any]:
+def diff_versions(request: HttpRequest, name: str, left: int, right: int) -> dict[str, Any]:
     """Line by line, the canonical config.pbtxt of two versions."""
     a, b = _version(name, left), _version(name, right)
     rows = side_by_side(to_pbtxt(from_dict(a.config)), to_pbtxt(from_dict(b.config)))

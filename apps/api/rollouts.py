@@ -104,7 +104,7 @@ def _refused(exc: Exception) -> ApiError:
 
 
 @router.get("/rollouts", response={200: list[RolloutOut], **ERRORS})
-def rollouts(
+def list_rollouts(
     request: HttpRequest, model: str = "", state: str = "", limit: int = 50
 ) -> list[dict[str, Any]]:
     found = Rollout.objects.select_related("model", "pool")
@@ -114,7 +114,7 @@ def rollouts(
 
 
 @router.get("/rollouts/{rollout_id}", response={200: RolloutOut, **ERRORS})
-def rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
+def get_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
     return _rollout_out(_found(rollout_id))
 
 
@@ -123,7 +123,7 @@ def rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
     response={201: RolloutOut, **ERRORS},
     auth=can("rollouts.add_rollout", "rollout.start"),
 )
-def rollout_new(request: HttpRequest, body: RolloutIn) -> Status[dict[str, Any]]:
+def start_rollout(request: HttpRequest, body: RolloutIn) -> Status[dict[str, Any]]:
     """Start a gray release of `canary_version` on `pool`; poll it until its state is terminal
     (succeeded, rolled_back, failed)."""
     try:
@@ -162,21 +162,21 @@ CHANGE = ("rollouts.change_rollout", "rollout.act")
 @router.post(
     "/rollouts/{rollout_id}/pause", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
 )
-def pause(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
+def pause_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
     return _act(request, rollout_id, "pause")
 
 
 @router.post(
     "/rollouts/{rollout_id}/resume", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
 )
-def resume(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
+def resume_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
     return _act(request, rollout_id, "resume")
 
 
 @router.post(
     "/rollouts/{rollout_id}/promote", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
 )
-def promote(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict[str, Any]:
+def promote_rollout(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict[str, Any]:
     """Skip the remaining steps and analysis; `reason` is required and recorded."""
     return _act(request, rollout_id, "promote", body.reason)
 
@@ -184,14 +184,14 @@ def promote(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict[str, 
 @router.post(
     "/rollouts/{rollout_id}/abort", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
 )
-def abort(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict[str, Any]:
+def abort_rollout(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict[str, Any]:
     return _act(request, rollout_id, "abort", body.reason)
 
 
 @router.post(
     "/rollouts/{rollout_id}/retry", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
 )
-def retry(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
+def retry_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
     """A new rollout with the same canary, plan and analysis; the answer is the new one."""
     return _act(request, rollout_id, "retry")
 
@@ -201,7 +201,7 @@ def retry(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
     response={200: ReleaseOut, **ERRORS},
     auth=can("rollouts.rollback_release", "release.rollback"),
 )
-def rollback(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
+def rollback_to_last_good(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
     """The pool back to its last good release now, aborting a rollout under way."""
     try:
         version = release_rollback(model_name=model, pool_name=pool, actor=current_user(request))
@@ -215,7 +215,7 @@ def rollback(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
     response={200: ReleaseOut, **ERRORS},
     auth=can("rollouts.rollback_release", "release.fallback"),
 )
-def fallback(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
+def switch_to_fallback(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
     """The pool onto the model's registered fallback version now."""
     try:
         version = release_fallback(model_name=model, pool_name=pool, actor=current_user(request))

@@ -29,4 +29,4 @@ def node_import(*, node: Node, actor: Actor, dry_run: bool = False) -> list[Impo
                 artifacts={v: f"{node.name}:{model}/{v}" for v in numbers},
             )
         )
-    return candidates_import(candidates, actor=actor, dry_run=dry_run)
+    return candidates_import(candidates=candidates, actor=actor, dry_run=dry_run)

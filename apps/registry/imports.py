@@ -11,6 +11,7 @@ from typing import Any
 
 from django.db import transaction
 
+from apps.audit.services import audit_record, audited
 from apps.registry.codec import ConfigSyntaxError, to_dict
 from apps.registry.models import ModelVersion
 from apps.registry.repository import read_model
@@ -93,10 +94,12 @@ def _checksum(directory: Path) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
+@audited("registry.import", lambda **_: "registry")
 def candidates_import(
-    candidates: list[Candidate], *, actor: Actor, dry_run: bool = False
+    *, candidates: list[Candidate], actor: Actor, dry_run: bool = False
 ) -> list[ImportResult]:
-    """Validate all together, then store the valid ones (steps before their ensembles)."""
+    """Validate all together, then store the valid ones (steps before their ensembles): one
+    action, whose event lists every version it registered."""
     results = {c.name: ImportResult(c.name, versions=sorted(c.configs)) for c in candidates}
     valid: dict[str, dict[int, Any]] = {}
     # Standalone models first, so that ensembles only resolve steps that are themselves valid.
@@ -115,6 +118,9 @@ def candidates_import(
             for candidate in ordered:
                 if candidate.name in valid:
                     _store(candidate, results[candidate.name], actor=actor, resolve_with=valid)
+        imported = {name: result.imported for name, result in results.items() if result.imported}
+        if imported:
+            audit_record(actor=actor, action="registry.import", target="registry", after=imported)
     return [results[c.name] for c in candidates]
 
 
@@ -160,6 +166,6 @@ def repository_import(
     if not artifacts:
         candidates = [replace(c, artifacts={}) for c in candidates]
     return sorted(
-        candidates_import(candidates, actor=actor, dry_run=dry_run) + failures,
+        candidates_import(candidates=candidates, actor=actor, dry_run=dry_run) + failures,
         key=lambda r: r.model,
     )

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -356,10 +357,10 @@ def converged(pool: NodePool, expected: set[tuple[str, int]]) -> Callable[[], bo
     return check
 
 
-@pytest.fixture
-def traffic(trio: tuple[Devfleet, FleetState]) -> Iterator[None]:
-    """Unversioned requests to every node, 8 per second, until the test ends."""
-    _, state = trio
+@contextmanager
+def traffic_to(state: FleetState) -> Iterator[None]:
+    """Unversioned rag_pipeline requests to every node, 8 per second, while it lasts; it starts
+    once the pipeline is served."""
     clients = [TritonClient(state.node_urls(p)["http_url"], node=p.name) for p in state.nodes]
     stop = threading.Event()
 
@@ -369,6 +370,14 @@ def traffic(trio: tuple[Devfleet, FleetState]) -> Iterator[None]:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    yield
-    stop.set()
-    thread.join(10)
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+@pytest.fixture
+def traffic(trio: tuple[Devfleet, FleetState]) -> Iterator[None]:
+    with traffic_to(trio[1]):
+        yield

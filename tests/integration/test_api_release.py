@@ -18,7 +18,14 @@ from apps.fleet.devfleet import Devfleet, FleetState
 from apps.fleet.models import NodePool
 from apps.fleet.services import node_register
 from tests.conftest import make_user
-from tests.integration.conftest import ANALYSIS, STEPS_V2, Celery, converged, wait_for
+from tests.integration.conftest import (
+    ANALYSIS,
+    STEPS_V2,
+    Celery,
+    converged,
+    traffic_to,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -58,7 +65,6 @@ def test_a_pipeline_releases_v2_through_the_api_only(
     repository: Path,
     celery: Celery,
     live_server: Any,
-    traffic: None,
 ) -> None:
     _, state = trio
     celery.use_prometheus(state.prometheus_url)
@@ -85,12 +91,13 @@ def test_a_pipeline_releases_v2_through_the_api_only(
 
     plan = {"model": "rag_pipeline", "pool": "trio", "canary_version": 2}
     plan |= {"plan": "1 node, hold 6s\n100%", "analysis": ANALYSIS}
-    rollout = api("POST", "/rollouts", 201, json=plan)
-    final = api.poll(
-        f"/rollouts/{rollout['id']}",
-        lambda r: r["state"] in ("succeeded", "rolled_back", "failed", "paused"),
-        timeout=180,
-    )
+    with traffic_to(state):
+        rollout = api("POST", "/rollouts", 201, json=plan)
+        final = api.poll(
+            f"/rollouts/{rollout['id']}",
+            lambda r: r["state"] in ("succeeded", "rolled_back", "failed", "paused"),
+            timeout=180,
+        )
     assert final["state"] == "succeeded", final["reason"]
     assert {m["verdict"] for m in final["measurements"]} >= {"success"}
     wait_for("v2 is READY on every node", converged(NodePool.objects.get(name="trio"), STEPS_V2))

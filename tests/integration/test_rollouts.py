@@ -86,17 +86,6 @@ def test_a_better_release_rolls_out_by_itself(
     webhook.failures = 1  # the first delivery fails and is retried
     rollout = start(serving_v1, 2, "1 node, hold 6s\n100%")
     rollout = until_state(rollout, State.SUCCEEDED, State.PAUSED, State.ROLLED_BACK)
-    for m in rollout.measurements.order_by("taken_at"):  # DEBUG
-        print(
-            m.taken_at.time(),
-            m.step,
-            m.metric,
-            m.canary_value,
-            m.baseline_value,
-            m.verdict,
-            m.detail,
-        )
-    print(rollout.step_ready_at, rollout.step_started_at)
     assert rollout.state == State.SUCCEEDED, rollout.reason
     wait_for("v2 alone on every node", converged(serving_v1, STEPS_V2), timeout=60)
     judged = rollout.measurements.filter(metric="p99", verdict="success")
@@ -110,7 +99,8 @@ def test_a_better_release_rolls_out_by_itself(
 
     wanted = {"started", "step", "promoting", "succeeded"}
     wait_for(f"the webhook heard of {wanted}", lambda: wanted <= delivered(), timeout=60)
-    assert all(f"/rollouts/{rollout.pk}/" in m["text"] for m in webhook.received)
+    ours = [m for m in webhook.received if m["rollout"]["id"] == rollout.pk]  # the session's
+    assert all(f"/rollouts/{rollout.pk}/" in m["text"] for m in ours)
     notifications = rollout.notifications.all()
     assert all(n.status == "sent" for n in notifications)
     assert notifications.get(event="started").attempts == 2  # refused once, then delivered

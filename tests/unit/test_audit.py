@@ -6,6 +6,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -21,10 +22,12 @@ from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 from apps.fleet import services as fleet
 from apps.fleet.models import Deployment, Node, NodePool
+from apps.registry import imports
 from apps.registry import services as registry
 from apps.registry.models import Model, ModelVersion
 
 CONFIG = {"name": "rag", "backend": "python", "max_batch_size": 8}
+REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 
 
 @pytest.fixture
@@ -196,6 +199,9 @@ NOT_ACTIONS = {
     "node_poll": "the poller's observation; it records the node going down or up itself",
     "token_authenticate": "bookkeeping: when a token was last used",
     "token_digest": "a hash",
+    "read_candidates": "a read",
+    "repository_import": "reads a directory; candidates_import imports what it read",
+    "node_import": "reads a node; candidates_import imports what it read",
     "user_role": "a read",
     "validate_node_url": "a check",
     "config_parse": "a check",
@@ -225,7 +231,9 @@ def test_every_service_is_an_audited_action_and_is_in_a_table() -> None:
 
 
 SERVICE_MODULES = [
-    f"apps.{app}.services" for app in ("accounts", "audit", "fleet", "registry", "rollouts")
+    *(f"apps.{app}.services" for app in ("accounts", "audit", "fleet", "registry", "rollouts")),
+    "apps.registry.imports",
+    "apps.fleet.imports",
 ]
 FLEET_REGISTRY_SERVICES = {
     accounts.user_ensure,
@@ -239,6 +247,7 @@ FLEET_REGISTRY_SERVICES = {
     registry.version_set_status,
     registry.model_set_budget,
     registry.model_set_fallback,
+    imports.candidates_import,
 }
 
 
@@ -347,6 +356,14 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             lambda: registry.model_set_fallback(model_name="rag", version=2, actor="ops"),
         ),
     ]
+    cases.append(
+        Case(
+            imports.candidates_import,
+            "registry.import",
+            None,
+            lambda: imports.repository_import(path=REPOSITORY, actor="ops"),
+        )
+    )
     assert {case.service for case in cases} == FLEET_REGISTRY_SERVICES
     assert_one_event_each(cases)
 
