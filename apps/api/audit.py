@@ -11,9 +11,9 @@ from ninja import Router, Schema
 from apps.api.auth import Token
 from apps.api.errors import ERRORS, ApiError
 from apps.audit.models import AuditEvent
-from apps.audit.selectors import audit_event_list, what_changed
+from apps.audit.selectors import audit_event_list, span_window, what_changed
+from apps.fleet.models import Operation
 from apps.rollouts.models import Rollout
-from apps.rollouts.selectors import rollout_window
 
 router = Router(tags=["audit"], auth=Token())
 MAX_WINDOW = timedelta(days=31)
@@ -79,11 +79,16 @@ def get_timeline(
     start: datetime | None = None,
     end: datetime | None = None,
     rollout: int | None = None,
+    operation: int | None = None,
 ) -> dict[str, Any]:
     """What changed in a window, oldest first, with versions before and after per target: give
-    `start` and `end`, or a `rollout` for its span; the last hour otherwise."""
+    `start` and `end`, or a `rollout` or an `operation` for its span; the last hour otherwise."""
     if rollout is not None:
-        start, end = rollout_window(get_object_or_404(Rollout, pk=rollout))
+        ran = get_object_or_404(Rollout, pk=rollout)
+        start, end = span_window(ran.created_at, ran.finished_at)
+    elif operation is not None:
+        done = get_object_or_404(Operation, pk=operation)
+        start, end = span_window(done.created_at, done.finished_at)
     end = end or timezone.now()
     start = start or end - timedelta(hours=1)
     if timezone.is_naive(start) or timezone.is_naive(end):

@@ -1,7 +1,8 @@
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.db.models import QuerySet
+from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 
@@ -29,6 +30,16 @@ def audit_event_list(
     if until:
         events = events.filter(created_at__lte=until)
     return events
+
+
+MARGIN = timedelta(minutes=5)
+
+
+def span_window(begun: datetime, finished: datetime | None) -> tuple[datetime, datetime]:
+    """The incident review window of something that ran from `begun` to `finished` (or runs
+    still): its span with five minutes either side, never past now."""
+    now = timezone.now()
+    return begun - MARGIN, min(now, (finished or now) + MARGIN)
 
 
 @dataclass(frozen=True)

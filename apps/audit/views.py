@@ -16,10 +16,10 @@ from django.utils.http import urlencode
 from django.utils.text import slugify
 
 from apps.audit.models import AuditEvent
-from apps.audit.selectors import affected, audit_event_list, what_changed
+from apps.audit.selectors import affected, audit_event_list, span_window, what_changed
+from apps.fleet.models import Operation
 from apps.observability.charts import Chart, metric_chart
 from apps.rollouts.models import Rollout
-from apps.rollouts.selectors import rollout_window
 
 MAX_CHARTS = 8
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
@@ -123,20 +123,32 @@ def _json(rows: Iterator[dict[str, object]]) -> Iterator[str]:
 
 
 def _window(request: HttpRequest) -> tuple[datetime, datetime, str, str, str]:
-    """(start, end, model, title, preset): a preset before now, an absolute start and end (a
-    permalink), or a rollout's span with five minutes either side."""
-    end = timezone.now()
-    start_at, end_at = _moment(request.GET.get("start", "")), _moment(request.GET.get("end", ""))
+    """(start, end, model, title, preset): an absolute start and end (a permalink), a rollout's
+    or an operation's span with five minutes either side, a preset around a given time, or a
+    preset before now."""
+    get = request.GET.get
+    start_at, end_at = _moment(get("start", "")), _moment(get("end", ""))
     if start_at and end_at and start_at < end_at:
-        return start_at, end_at, request.GET.get("model", ""), "", ""
-    wanted = request.GET.get("rollout", "")
-    rollout = Rollout.objects.filter(pk=int(wanted)).first() if wanted.isdigit() else None
+        return start_at, end_at, get("model", ""), "", ""
+    rollout = Rollout.objects.filter(pk=_number(get("rollout", ""))).first()
     if rollout is not None:
-        start, end = rollout_window(rollout)
+        start, end = span_window(rollout.created_at, rollout.finished_at)
         return start, end, rollout.model.name, f"rollout #{rollout.pk}: {rollout}", ""
-    preset = request.GET.get("window", "1h")
-    preset = preset if preset in WINDOWS else "1h"
+    operation = Operation.objects.filter(pk=_number(get("operation", ""))).first()
+    if operation is not None:
+        start, end = span_window(operation.created_at, operation.finished_at)
+        return start, end, operation.model_name, f"operation #{operation.pk}: {operation}", ""
+    preset = get("window", "1h") if get("window", "1h") in WINDOWS else "1h"
+    at = _moment(get("at", ""))
+    if at is not None:
+        half = WINDOWS[preset] / 2
+        return at - half, at + half, "", f"{preset} around {at:%Y-%m-%d %H:%M} UTC", preset
+    end = timezone.now()
     return end - WINDOWS[preset], end, "", f"last {preset}", preset
+
+
+def _number(text: str) -> int:
+    return int(text) if text.isdigit() else 0  # no row has id 0
 
 
 def _timeline_context(request: HttpRequest) -> dict[str, object]:
@@ -158,6 +170,10 @@ def _timeline_context(request: HttpRequest) -> dict[str, object]:
         "model": model,
         "title": title or f"{start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S} UTC",
         "window": preset,
+        "at": request.GET.get("at", ""),
+        "error": "at: expected a date and time such as 2026-11-29T14:05 (UTC)"
+        if request.GET.get("at") and _moment(request.GET["at"]) is None
+        else "",
         "windows": WINDOWS,
         "permalink": permalink,
         "report": f"{reverse('audit:timeline_report')}?{urlencode(fixed)}",

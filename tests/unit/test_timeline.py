@@ -1,0 +1,58 @@
+"""The incident timeline's windows: around a given time, and an operation's span."""
+
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.utils import timezone
+
+from apps.audit.models import AuditEvent
+from apps.audit.services import audit_record
+from apps.fleet.models import Node, NodePool, Operation
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def earlier(db: None) -> AuditEvent:
+    """An event three hours ago: outside the last hour, inside a window around its time."""
+    event = audit_record(actor="ops", action="deployment.set", target="pool:gpu:rag")
+    AuditEvent.objects.filter(pk=event.pk).update(created_at=timezone.now() - timedelta(hours=3))
+    return AuditEvent.objects.get(pk=event.pk)
+
+
+def test_a_window_around_a_given_time_holds_what_happened_then(
+    client: Client, viewer: User, earlier: AuditEvent, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    client.force_login(viewer)
+    assert "pool:gpu:rag" not in client.get("/audit/timeline/").content.decode()
+    at = f"{earlier.created_at + timedelta(minutes=20):%Y-%m-%dT%H:%M}"
+    page = client.get("/audit/timeline/", {"at": at, "window": "1h"}).content.decode()
+    assert "1h around" in page and "<strong>deployment.set</strong> pool:gpu:rag" in page
+    narrow = client.get("/audit/timeline/", {"at": at, "window": "1h"})
+    assert narrow.context["end"] - narrow.context["start"] == timedelta(hours=1)
+    bad = client.get("/audit/timeline/", {"at": "yesterday"}).content.decode()
+    assert "at: expected a date and time" in bad and "last 1h" in bad
+
+
+def test_an_operation_opens_the_timeline_on_its_span(
+    client: Client, viewer: User, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    node = Node.objects.create(
+        name="gpu-1", pool=NodePool.objects.create(name="gpu"), http_url="http://127.0.0.1:1"
+    )
+    op = Operation.objects.create(
+        node=node, kind="load", model_name="rag", versions=[2], status="failed", requested_by="ops"
+    )
+    audit_record(actor="system:worker", action="operation.load", target="node:gpu-1:rag")
+    client.force_login(viewer)
+    assert (
+        f'href="/audit/timeline/?operation={op.pk}"' in client.get("/nodes/gpu-1/").content.decode()
+    )
+    page = client.get("/audit/timeline/", {"operation": op.pk})
+    assert f"operation #{op.pk}: load rag [2] on gpu-1" in page.content.decode()
+    assert page.context["start"] == op.created_at - timedelta(minutes=5)
+    assert page.context["model"] == "rag"  # its chart comes first
