@@ -196,6 +196,14 @@ def retry_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
     return _act(request, rollout_id, "retry")
 
 
+def _switch(request: HttpRequest, pool: str, model: str, service: Any) -> dict[str, Any]:
+    try:
+        version = service(model_name=model, pool_name=pool, actor=current_user(request))
+    except (RolloutError, PlanError) as exc:
+        raise _refused(exc) from None
+    return {"model": model, "pool": pool, "version": version}
+
+
 @router.post(
     "/pools/{pool}/models/{model}/rollback",
     response={200: ReleaseOut, **ERRORS},
@@ -203,11 +211,7 @@ def retry_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
 )
 def rollback_to_last_good(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
     """The pool back to its last good release now, aborting a rollout under way."""
-    try:
-        version = release_rollback(model_name=model, pool_name=pool, actor=current_user(request))
-    except (RolloutError, PlanError) as exc:
-        raise _refused(exc) from None
-    return {"model": model, "pool": pool, "version": version}
+    return _switch(request, pool, model, release_rollback)
 
 
 @router.post(
@@ -217,8 +221,4 @@ def rollback_to_last_good(request: HttpRequest, pool: str, model: str) -> dict[s
 )
 def switch_to_fallback(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
     """The pool onto the model's registered fallback version now."""
-    try:
-        version = release_fallback(model_name=model, pool_name=pool, actor=current_user(request))
-    except (RolloutError, PlanError) as exc:
-        raise _refused(exc) from None
-    return {"model": model, "pool": pool, "version": version}
+    return _switch(request, pool, model, release_fallback)

@@ -58,9 +58,7 @@ def node_models(node: Node) -> list[ModelRow]:
         ModelRow(
             model=name,
             versions=[e for e in entries.get(name, []) if e.get("version") or e.get("state")],
-            ready=sorted(
-                int(e["version"]) for e in entries.get(name, []) if e.get("state") == "READY"
-            ),
+            ready=ready_versions(node, name),
             desired=desired.get(name, []),
             managed=name in managed,
         )
@@ -68,14 +66,16 @@ def node_models(node: Node) -> list[ModelRow]:
     ]
 
 
+def ready_versions(node: Node, model: str) -> list[int]:
+    """The versions of `model` READY in the node's last polled repository index."""
+    entries = [e for e in node.index if e["model"] == model and e.get("version")]
+    return sorted(int(e["version"]) for e in entries if e.get("state") == "READY")
+
+
 def observed_versions(node: Node, model: str) -> tuple[set[int], datetime | None]:
     """The versions of `model` READY on `node` by the newest reading, the last poll's index or
     the last operation's read-back, and since when that reading is known."""
-    polled = {
-        int(e["version"])
-        for e in node.index
-        if e["model"] == model and e.get("state") == "READY" and e.get("version")
-    }
+    polled = set(ready_versions(node, model))
     op = (
         node.operations.filter(model_name=model, status=Operation.Status.SUCCEEDED)
         .order_by("-finished_at")

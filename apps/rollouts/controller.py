@@ -6,6 +6,7 @@ may be killed at any point and the next tick carries on without repeating a step
     (any active state) -> aborting -> rolled_back;  failed when the fleet cannot do what it must.
 """
 
+import logging
 from collections.abc import Callable
 from datetime import datetime
 
@@ -26,20 +27,50 @@ from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.notify import notify
 from apps.rollouts.plans import Analysis, canary_nodes, parse_plan
 
+log = logging.getLogger(__name__)
 ACTOR = "system:rollouts"
+TICK_ERROR_LIMIT = 3
 Actor = str | User
 State = Rollout.State
 Verdict = Measurement.Verdict
 
 
 def rollout_advance(*, rollout_id: int) -> None:
-    with transaction.atomic():
-        rollout = (
-            Rollout.objects.select_for_update().select_related("model", "pool").get(pk=rollout_id)
-        )
-        handler = HANDLERS.get(rollout.state)
-        if handler is not None:
-            handler(rollout)
+    try:
+        with transaction.atomic():
+            rollout = (
+                Rollout.objects.select_for_update()
+                .select_related("model", "pool")
+                .get(pk=rollout_id)
+            )
+            handler = HANDLERS.get(rollout.state)
+            if handler is not None:
+                handler(rollout)
+            if rollout.tick_errors:
+                Rollout.objects.filter(pk=rollout_id).update(tick_errors=0, tick_error="")
+    except Exception as exc:  # a bug, or the database away: a rollout must not stall unseen
+        _tick_failed(rollout_id, exc)
+        raise
+
+
+def _tick_failed(rollout_id: int, exc: Exception) -> None:
+    """Record the failure on the rollout, for its page; after TICK_ERROR_LIMIT in a row a rollout
+    still moving forward pauses, so that a person looks. One aborting or promoting keeps trying:
+    stopping half-way would be worse."""
+    log.exception("rollout #%s: tick failed", rollout_id)
+    try:
+        with transaction.atomic():
+            rollout = Rollout.objects.select_for_update().select_related("model").get(pk=rollout_id)
+            rollout.tick_errors += 1
+            rollout.tick_error = f"{type(exc).__name__}: {exc}"[:2000]
+            rollout.save(update_fields=["tick_errors", "tick_error", "updated_at"])
+            forward = rollout.state in (State.PENDING, State.PROGRESSING)
+            if forward and rollout.tick_errors >= TICK_ERROR_LIMIT:
+                why = f"the controller failed {rollout.tick_errors} ticks in a row"
+                why += f" ({rollout.tick_error})"
+                pause(rollout, f"{why}; resume once it is fixed")
+    except Exception:  # the database itself may be what failed: the log has it
+        log.exception("rollout #%s: could not record the failed tick", rollout_id)
 
 
 def _nodes(rollout: Rollout) -> list[Node]:

@@ -41,6 +41,8 @@ class Rollout(models.Model):
     failures = models.PositiveIntegerField(default=0, help_text="failed measurements so far")
     errors = models.PositiveIntegerField(default=0, help_text="Prometheus errors in a row")
     reason = models.TextField(blank=True, help_text="why it paused, was aborted or failed")
+    tick_errors = models.PositiveIntegerField(default=0, help_text="controller failures in a row")
+    tick_error = models.TextField(blank=True, help_text="the last one, until a tick succeeds")
     started_by = models.CharField(max_length=150)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

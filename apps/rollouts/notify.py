@@ -6,6 +6,7 @@ from django.conf import settings
 from django.db import transaction
 
 from apps.rollouts.models import Notification, Rollout
+from apps.rollouts.plans import parse_plan
 
 EVENTS = {
     "started": "started: v{baseline} → v{canary}, {share} first",
@@ -23,7 +24,6 @@ def notify(rollout: Rollout, event: str) -> Notification | None:
     template = EVENTS.get(event)
     if template is None or not settings.ROLLOUT_WEBHOOK_URL:
         return None
-    from apps.rollouts.plans import parse_plan  # plans has no models: no cycle, but keep it local
     from apps.rollouts.tasks import deliver_notification  # tasks import the controller
 
     link = f"{settings.SITE_URL}/rollouts/{rollout.pk}/"

@@ -217,8 +217,8 @@ def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
 
 
 def last_good_version(model: Model, pool: NodePool) -> int | None:
-    """The newest version the pool ran before its current one, never a canary that was rolled
-    back or failed."""
+    """The newest version the pool ran before its current one; never a canary that was rolled
+    back or failed, nor a release on-call rolled back from."""
     current = Deployment.objects.filter(model=model, pool=pool).values_list("version", flat=True)
     bad = set(
         Rollout.objects.filter(
@@ -230,6 +230,7 @@ def last_good_version(model: Model, pool: NodePool) -> int | None:
         target=f"pool:{pool.name}:{model.name}",
         result="ok",
     )
+    bad |= {e.before.get("version") for e in changes if e.action == "release.rollback"}
     for change in changes.order_by("-created_at", "-id"):
         for version in (change.after.get("version"), change.before.get("version")):
             if version and version not in bad and version not in current:

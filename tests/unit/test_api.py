@@ -18,6 +18,7 @@ from apps.accounts.roles import Role
 from apps.accounts.services import token_create
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
+from apps.fleet.services import deployment_set
 from apps.registry.imports import repository_import
 from tests.conftest import make_user
 
@@ -195,3 +196,17 @@ def test_nodes_deployments_and_the_timeline_read_back(client: Client, admin_user
     assert {"target": "pool:gpu:embedder", "before": None, "after": 1} in timeline["changes"]
     trail = client.get("/api/audit?action=deployment.", headers=headers).json()
     assert [e["action"] for e in trail] == ["deployment.set"]
+
+
+def test_on_call_rolls_a_pool_back_to_its_last_good_release(client: Client, operator: User) -> None:
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
+    pool = NodePool.objects.create(name="gpu")
+    for version in (1, 2):
+        deployment_set(model_name="rag_pipeline", version=version, pool=pool, actor="ops")
+    headers = bearer(operator)
+    back = post(client, "/api/pools/gpu/models/rag_pipeline/rollback", {}, headers)
+    assert back.json() == {"model": "rag_pipeline", "pool": "gpu", "version": 1}
+    assert client.get("/api/deployments", headers=headers).json()[0]["version"] == 1
+    nothing = post(client, "/api/pools/gpu/models/rag_pipeline/fallback", {}, headers)
+    assert nothing.status_code == 409
+    assert "no fallback version" in nothing.json()["error"]["message"]

@@ -315,6 +315,7 @@ def test_rollback_and_fallback_switch_the_pool_at_once(fleet: Fleet) -> None:
     assert last_good_version(fleet.pool.deployments.get().model, fleet.pool) == 1
     rollout = tick(start(canary=3))
     assert release_rollback(model_name="rag", pool_name="gpu", actor="oncall") == 1
+    assert last_good_version(Model.objects.get(name="rag"), fleet.pool) is None  # not v2 again
     assert Rollout.objects.get(pk=rollout.pk).state == State.ABORTING
     assert Deployment.objects.get(pool__name="gpu").version == 1
     assert not Deployment.objects.filter(node__isnull=False).exists()
@@ -415,6 +416,30 @@ def test_every_rollout_service_records_one_event_refused_or_done(fleet: Fleet) -
     assert [part["action"] for part in retry.parts] == ["rollout.start"]
 
 
+def test_a_tick_that_keeps_failing_is_shown_and_pauses_the_rollout(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch, client: Client, viewer: User
+) -> None:
+    rollout = start()
+
+    def bug(rollout: Rollout) -> None:
+        raise KeyError("plan")
+
+    with monkeypatch.context() as patched:
+        patched.setitem(controller.HANDLERS, State.PENDING, bug)
+        for _ in range(controller.TICK_ERROR_LIMIT):
+            with pytest.raises(KeyError):
+                controller.rollout_advance(rollout_id=rollout.pk)
+    rollout.refresh_from_db()
+    assert (rollout.state, rollout.tick_errors) == (State.PAUSED, 3)
+    assert "the controller failed 3 ticks in a row (KeyError: 'plan')" in rollout.reason
+    client.force_login(viewer)
+    page = client.get(f"/rollouts/{rollout.pk}/").content.decode()
+    assert 'id="tick-error"' in page and "failed 3 ticks in a row: KeyError" in page
+    rollout_resume(rollout_id=rollout.pk, actor="ops")
+    rollout = tick(rollout)
+    assert (rollout.tick_errors, rollout.tick_error) == (0, "")  # a good tick clears it
+
+
 # Any sequence of actions, verdicts and crashes -----------------------------------------------------
 
 # Ticks are most of what happens; before each step the fleet may or may not have converged.
@@ -430,8 +455,8 @@ HUMAN = {
 }
 
 
-class Crash(Exception):
-    pass
+class Crash(BaseException):
+    """A worker killed mid-tick: like SIGKILL, nothing in the process gets to handle it."""
 
 
 def _crash(*args: object) -> None:
