@@ -14,13 +14,14 @@ from apps.audit.models import AuditEvent
 from apps.audit.selectors import audit_event_list, span_window, what_changed
 from apps.fleet.models import Operation
 from apps.rollouts.models import Rollout
+from apps.rollouts.selectors import timeline_events
 
 router = Router(tags=["audit"], auth=Token())
 MAX_WINDOW = timedelta(days=31)
 
 
 class EventOut(Schema):
-    id: int
+    id: int | None  # None: a rollout's verdict change, read from its measurements, not stored
     time: datetime
     actor: str
     action: str
@@ -97,9 +98,7 @@ def get_timeline(
         raise ApiError(
             422, "invalid_request", f"start must come before end, {MAX_WINDOW.days} days at most"
         )
-    found = list(
-        AuditEvent.objects.filter(created_at__range=(start, end)).order_by("created_at", "id")
-    )
+    found = timeline_events(start, end)
     changes = [vars(change) for change in what_changed(found)]
     return {
         "start": start,

@@ -20,6 +20,7 @@ from apps.audit.selectors import affected, audit_event_list, span_window, what_c
 from apps.fleet.models import Operation
 from apps.observability.charts import Chart, metric_chart
 from apps.rollouts.models import Rollout
+from apps.rollouts.selectors import timeline_events
 
 MAX_CHARTS = 8
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
@@ -153,9 +154,7 @@ def _number(text: str) -> int:
 
 def _timeline_context(request: HttpRequest) -> dict[str, object]:
     start, end, model, title, preset = _window(request)
-    events = list(
-        AuditEvent.objects.filter(created_at__range=(start, end)).order_by("created_at", "id")
-    )
+    events = timeline_events(start, end)
     # Written to the second, the end rounded up: nothing of the window falls out of its link.
     last = end.replace(microsecond=0) + timedelta(seconds=1 if end.microsecond else 0)
     fixed = {"start": f"{start:%Y-%m-%dT%H:%M:%S}", "end": f"{last:%Y-%m-%dT%H:%M:%S}"}

@@ -1,5 +1,6 @@
 """The incident timeline's windows: around a given time, and an operation's span."""
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -10,6 +11,8 @@ from django.utils import timezone
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 from apps.fleet.models import Node, NodePool, Operation
+from apps.registry.models import Model
+from apps.rollouts.models import Measurement, Rollout
 
 pytestmark = pytest.mark.django_db
 
@@ -56,3 +59,39 @@ def test_an_operation_opens_the_timeline_on_its_span(
     assert f"operation #{op.pk}: load rag [2] on gpu-1" in page.content.decode()
     assert page.context["start"] == op.created_at - timedelta(minutes=5)
     assert page.context["model"] == "rag"  # its chart comes first
+
+
+def test_a_rollouts_verdicts_read_as_one_line_per_change(
+    client: Client, viewer: User, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    model = Model.objects.create(name="rag")
+    rollout = Rollout.objects.create(
+        model=model,
+        pool=NodePool.objects.create(name="gpu"),
+        baseline_version=1,
+        canary_version=3,
+        plan=[{"nodes": 1, "hold_s": 60}, {"percent": 100}],
+        started_by="ops",
+    )
+    began = timezone.now() - timedelta(minutes=3)
+    rounds = [["success", "success"], ["success", "success"], ["success", "failure"]]
+    for number, verdicts in enumerate(rounds):
+        for metric, verdict in zip(["error_ratio", "p99"], verdicts, strict=True):
+            row = Measurement.objects.create(
+                rollout=rollout,
+                step=0,
+                metric=metric,
+                query="q",
+                canary_value=312.0 if verdict == "failure" else 20.0,
+                threshold=250.0,
+                verdict=verdict,
+            )
+            at = began + timedelta(seconds=10 * number, microseconds=len(metric))
+            Measurement.objects.filter(pk=row.pk).update(taken_at=at)
+    client.force_login(viewer)
+    page = client.get("/audit/timeline/", {"rollout": rollout.pk}).content.decode()
+    lines = re.findall(
+        r"<strong>rollout.verdict</strong>.*?<div class=\"small muted\">([^<]*)<", page
+    )
+    assert lines == ["step 1: success", "step 1: failure; p99 312 (threshold 250)"]
