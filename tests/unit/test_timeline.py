@@ -18,11 +18,13 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def earlier(db: None) -> AuditEvent:
-    """An event three hours ago: outside the last hour, inside a window around its time."""
-    event = audit_record(actor="ops", action="deployment.set", target="pool:gpu:rag")
-    AuditEvent.objects.filter(pk=event.pk).update(created_at=timezone.now() - timedelta(hours=3))
-    return AuditEvent.objects.get(pk=event.pk)
+def earlier(db: None, monkeypatch: pytest.MonkeyPatch) -> AuditEvent:
+    """An event three hours ago: outside the last hour, inside a window around its time.
+    Written then, since the trail refuses to be changed afterwards (on PostgreSQL)."""
+    then = timezone.now() - timedelta(hours=3)
+    with monkeypatch.context() as patched:
+        patched.setattr(timezone, "now", lambda: then)
+        return audit_record(actor="ops", action="deployment.set", target="pool:gpu:rag")
 
 
 def test_a_window_around_a_given_time_holds_what_happened_then(
