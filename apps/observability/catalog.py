@@ -26,7 +26,7 @@ METRICS = {
         ),
         # Per node: how a rollout's canary nodes compare with the rest. (Triton 2.51 labels an
         # ensemble's own metrics version="1" whatever version served, so a version overlay
-        # cannot show an ensemble's canary.)
+        # cannot show an ensemble's canary: the Metrics page says so under such a chart.)
         Metric(
             "p99_nodes",
             "P99 latency per node",

@@ -16,6 +16,7 @@ class Chart:
     title: str
     figure_json: str = ""
     message: str = ""  # shown instead of the figure: no data, Prometheus down...
+    note: str = ""  # shown under the figure: how to read it
 
 
 def series_name(labels: dict[str, str]) -> str:

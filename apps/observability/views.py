@@ -1,3 +1,4 @@
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 from django.http import HttpRequest, HttpResponse
@@ -25,6 +26,11 @@ RANGES = {
 
 
 MAX_SPAN = timedelta(days=30)
+# Measured on Triton 2.51: an ensemble's own series say version="1" whatever version served.
+ENSEMBLE_VERSIONS = (
+    "Triton labels an ensemble's own series version 1 whatever version served the request: "
+    "compare a canary here by node (P99 latency per node), or by its steps' versions."
+)
 REFRESH_S = 15
 
 
@@ -78,9 +84,11 @@ def metrics(request: HtmxHttpRequest) -> HttpResponse:
         context["chart"] = Chart(title=METRICS[metric].title, message=window)
     else:
         start, end = window
-        context["chart"] = metric_chart(
-            metric, start=start, end=end, model=model, pool=pool, node=node
-        )
+        chart = metric_chart(metric, start=start, end=end, model=model, pool=pool, node=node)
+        by_version = "version" in METRICS[metric].template
+        if by_version and model and Model.objects.filter(name=model, kind="ensemble").exists():
+            chart = dataclasses.replace(chart, note=ENSEMBLE_VERSIONS)
+        context["chart"] = chart
     return render(request, "observability/metrics.html#chart", context)
 
 

@@ -2,11 +2,14 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.contrib.auth.models import User
+from django.test import Client
 
 from apps.observability import prometheus
 from apps.observability.catalog import METRICS, build_query, step_for
 from apps.observability.charts import metric_chart
 from apps.observability.prometheus import escape_label
+from apps.registry.models import Model
 
 
 def test_label_values_cannot_break_out_of_their_quotes() -> None:
@@ -54,3 +57,22 @@ def test_a_chart_draws_gaps_for_values_a_line_cannot_hold_and_escapes_labels(
     assert trace["name"] == "</script><b> v1"
     assert trace["x"] == [1700000000000, 1700000015000, 1700000030000]
     assert trace["y"] == [12.5, None, None]
+
+
+def test_an_ensembles_version_overlay_says_how_triton_labels_it(
+    monkeypatch: pytest.MonkeyPatch, client: Client, viewer: User
+) -> None:
+    rows = [{"metric": {"model": "rag", "version": "1"}, "values": [[1700000000, "12.5"]]}]
+    monkeypatch.setattr(prometheus, "_call", lambda *args, **kwargs: rows)
+    Model.objects.create(name="rag", kind=Model.Kind.ENSEMBLE)
+    Model.objects.create(name="embedder")
+    client.force_login(viewer)
+    htmx = {"HX-Request": "true"}
+
+    def page(metric: str, model: str) -> str:
+        query = {"metric": metric, "model": model, "range": "1h"}
+        return client.get("/metrics/", query, headers=htmx).content.decode()
+
+    assert "version 1 whatever version served" in page("p99", "rag")
+    assert "whatever version" not in page("p99_nodes", "rag")  # by node: nothing to warn of
+    assert "whatever version" not in page("p99", "embedder")  # a model is labelled right
