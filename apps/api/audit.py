@@ -1,6 +1,6 @@
 """The audit trail and the incident timeline, read-only."""
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.http import HttpRequest
@@ -47,6 +47,19 @@ class TimelineOut(Schema):
     events: list[EventOut]
 
 
+def _utc(name: str, value: datetime | None) -> datetime | None:
+    """A time as PostgreSQL takes it: with a zone, converted to UTC (it refuses offsets past
+    16 hours, which ISO 8601 allows up to 24)."""
+    if value is None:
+        return None
+    if timezone.is_naive(value):
+        raise ApiError(422, "invalid_request", f"{name}: give a time zone (Z for UTC)")
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ApiError(422, "invalid_request", f"{name}: out of range") from None
+
+
 def _event_out(event: AuditEvent) -> dict[str, Any]:
     fields = ["id", "actor", "action", "target", "result", "before", "after", "message"]
     return {"time": event.created_at, "request_id": event.request_id, "via": event.via} | {
@@ -68,7 +81,12 @@ def list_audit_events(
 ) -> list[dict[str, Any]]:
     """Newest first; `action` matches a prefix (`rollout.`), `target` a part."""
     found = audit_event_list(
-        actor=actor, action=action, target=target, request_id=request_id, since=since, until=until
+        actor=actor,
+        action=action,
+        target=target,
+        request_id=request_id,
+        since=_utc("since", since),
+        until=_utc("until", until),
     )
     offset = max(0, offset)
     return [_event_out(e) for e in found[offset : offset + max(1, min(limit, 1000))]]
@@ -84,20 +102,22 @@ def get_timeline(
 ) -> dict[str, Any]:
     """What changed in a window, oldest first, with versions before and after per target: give
     `start` and `end`, or a `rollout` or an `operation` for its span; the last hour otherwise."""
+    start, end = _utc("start", start), _utc("end", end)
     if rollout is not None:
         ran = get_object_or_404(Rollout, pk=rollout)
         start, end = span_window(ran.created_at, ran.finished_at)
     elif operation is not None:
         done = get_object_or_404(Operation, pk=operation)
         start, end = span_window(done.created_at, done.finished_at)
-    end = end or timezone.now()
-    start = start or end - timedelta(hours=1)
-    if timezone.is_naive(start) or timezone.is_naive(end):
-        raise ApiError(422, "invalid_request", "start, end: give a time zone (Z for UTC)")
-    if not start < end <= start + MAX_WINDOW:
-        raise ApiError(
-            422, "invalid_request", f"start must come before end, {MAX_WINDOW.days} days at most"
-        )
+    try:
+        end = end or timezone.now()
+        start = start or end - timedelta(hours=1)
+        valid = start < end <= start + MAX_WINDOW
+    except OverflowError:  # a window reaching past year 1 or 9999
+        valid = False
+    if not valid or start is None or end is None:
+        message = f"start must come before end, {MAX_WINDOW.days} days at most"
+        raise ApiError(422, "invalid_request", message)
     found = timeline_events(start, end)
     changes = [vars(change) for change in what_changed(found)]
     return {

@@ -9,6 +9,7 @@ from apps.api.errors import ApiError
 from apps.audit.context import VIA
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
+from controlplane.nul import MESSAGE, nul_in
 
 
 class Token(HttpBearer):
@@ -31,6 +32,9 @@ class Token(HttpBearer):
                 message=f"missing permission {self.permission}",
             )
             raise ApiError(403, "forbidden", f"your role lacks {self.permission}")
+        where = nul_in(request)
+        if where:
+            raise ApiError(400, "invalid_request", MESSAGE.format(where=where))
         return found.user
 
 

@@ -210,3 +210,22 @@ def test_on_call_rolls_a_pool_back_to_its_last_good_release(client: Client, oper
     nothing = post(client, "/api/pools/gpu/models/rag_pipeline/fallback", {}, headers)
     assert nothing.status_code == 409
     assert "no fallback version" in nothing.json()["error"]["message"]
+
+
+def test_nul_characters_are_refused_before_they_reach_postgresql(
+    client: Client, admin_user: User
+) -> None:
+    """PostgreSQL text cannot hold NUL; Schemathesis found the 500 it made."""
+    headers = bearer(admin_user)
+    refused = client.get("/api/audit", {"action": "deploy\x00"}, headers=headers)
+    assert refused.status_code == 400
+    assert (
+        refused.json()["error"]["message"]
+        == "NUL characters (0x00) are not allowed in the query string"
+    )
+    body = post(client, "/api/models/ocr/validate", {"pbtxt": 'name: "o\x00"'}, headers)
+    assert body.status_code == 400 and "the JSON body" in body.json()["error"]["message"]
+    client.force_login(admin_user)
+    page = client.get("/audit/", {"actor": "\x00"})
+    assert page.status_code == 400 and b"not allowed in the query string" in page.content
+    assert client.get("/api/audit", {"action": "deploy"}, headers=headers).status_code == 200
