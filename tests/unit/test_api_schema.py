@@ -72,8 +72,11 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
+# Derandomized: CI sends the same requests as the run that was checked; a new case is found by
+# changing the count, deliberately, not by chance on a release day.
 @settings(
     max_examples=15,
+    derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
