@@ -277,8 +277,14 @@ def _read_back(client: TritonClient, op: Operation) -> str:
     ready = sorted(e.version for e in entries if e.state == "READY" and e.version is not None)
     if ready == sorted(op.versions):
         return ""
+    listed = {e.version for e in entries}
     reasons = "; ".join(
-        f"v{e.version} {e.state} {e.reason}".strip() for e in entries if e.state != "READY"
+        [f"v{e.version} {e.state} {e.reason}".strip() for e in entries if e.state != "READY"]
+        + [  # Triton loads the versions it finds, silently: say where to look
+            f"Triton did not find v{v}: does the node's model repository hold {op.model_name}/{v}/?"
+            for v in sorted(op.versions)
+            if v not in listed
+        ]
     )
     return f"index shows READY {ready}, expected {sorted(op.versions)}" + (
         f" ({reasons})" if reasons else ""

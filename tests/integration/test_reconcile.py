@@ -102,6 +102,27 @@ def test_a_config_triton_refuses_fails_with_its_words_and_the_old_version_serves
         assert ("generator", 1) in ready_on(node) and ask(node) == "faq:account-password"
 
 
+def test_a_version_missing_from_the_nodes_repository_fails_saying_where_to_look(
+    pool: NodePool, repository: Path
+) -> None:
+    config = (repository / "embedder" / "config.pbtxt").read_text()
+    version_create(
+        model_name="embedder",
+        config=parse_pbtxt(config),
+        version=8,  # registered, but no embedder/8/ on the nodes
+        actor="system:test",
+        status="released",
+    )
+    node = pool.nodes.first()
+    assert node is not None
+    deployment_set(model_name="embedder", version=8, node=node, actor="system:test")
+    failed = Operation.objects.filter(node=node, model_name="embedder", status="failed")
+    wait_for("the load of embedder v8 failed", failed.exists)
+    assert "Triton did not find v8: does the node's model repository hold embedder/8/?" in (
+        failed.get().error
+    )
+
+
 def test_a_killed_node_turns_unreachable_and_rejoins_without_a_click(
     pool: NodePool, trio: tuple[Devfleet, FleetState]
 ) -> None:
