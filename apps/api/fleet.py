@@ -12,7 +12,7 @@ from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, ApiError
 from apps.fleet.desired import DesiredStateError
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.selectors import node_drift, node_models, observed_versions
+from apps.fleet.selectors import drift_of, node_models, observed_versions
 from apps.fleet.services import FleetError, deployment_remove, deployment_set, operation_request
 
 router = Router(tags=["fleet"], auth=Token())
@@ -100,7 +100,7 @@ def _node_out(node: Node) -> dict[str, Any]:
             }
             for r in rows
         ],
-        "drift": node_drift(node),
+        "drift": drift_of(rows),
     }
 
 

@@ -1,9 +1,7 @@
 """Models and versions: list, get, create (pbtxt or JSON), validate without storing, diff,
 release, and import of a repository layout."""
 
-import tempfile
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Literal
 
 from django.http import HttpRequest
@@ -15,10 +13,10 @@ from ninja.files import UploadedFile
 from apps.accounts.permissions import current_user
 from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, ApiError
-from apps.registry.archives import MAX_UPLOAD_BYTES, ArchiveError, extract_repository
+from apps.registry.archives import ArchiveError
 from apps.registry.codec import from_dict, to_pbtxt
-from apps.registry.diff import side_by_side
-from apps.registry.imports import repository_import
+from apps.registry.diff import config_diff
+from apps.registry.imports import archive_import
 from apps.registry.models import Model, ModelVersion
 from apps.registry.services import (
     RegistryError,
@@ -250,7 +248,7 @@ def set_version_status(
 def diff_versions(request: HttpRequest, name: str, left: int, right: int) -> dict[str, Any]:
     """Line by line, the canonical config.pbtxt of two versions."""
     a, b = _version(name, left), _version(name, right)
-    rows = side_by_side(to_pbtxt(from_dict(a.config)), to_pbtxt(from_dict(b.config)))
+    rows = config_diff(a.config, b.config)
     return {"model": name, "left": left, "right": right, "rows": [vars(row) for row in rows]}
 
 
@@ -264,14 +262,8 @@ def import_repository(
 ) -> list[dict[str, Any]]:
     """Import a Triton model repository layout (`<model>/config.pbtxt`, `<model>/<version>/`),
     sent as a zip archive: every version Triton would accept, and each model's problems."""
-    if archive.size is None or archive.size > MAX_UPLOAD_BYTES:
-        raise ApiError(422, "invalid_request", f"archive: at most {MAX_UPLOAD_BYTES >> 20} MiB")
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            root = extract_repository(archive.read(), Path(tmp))
-        except ArchiveError as exc:
-            raise ApiError(422, "invalid_archive", str(exc)) from None
-        results = repository_import(
-            path=root, actor=current_user(request), dry_run=dry_run, artifacts=False
-        )
+    try:
+        results = archive_import(archive=archive, actor=current_user(request), dry_run=dry_run)
+    except ArchiveError as exc:
+        raise ApiError(422, "invalid_archive", str(exc)) from None
     return [result.as_json() for result in results]

@@ -1,6 +1,7 @@
 """Gray rollouts: start with a plan and analysis, read them with their measurements, act on
 them; and on-call's switch of a pool back to its last good release."""
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -140,20 +141,15 @@ def start_rollout(request: HttpRequest, body: RolloutIn) -> Status[dict[str, Any
     return Status(201, _rollout_out(_found(started.pk)))
 
 
-def _act(request: HttpRequest, rollout_id: int, action: str, reason: str = "") -> dict[str, Any]:
+def _act(
+    request: HttpRequest, rollout_id: int, service: Callable[..., Rollout], **extra: str
+) -> dict[str, Any]:
     found = _found(rollout_id)
-    actor = current_user(request)
     try:
-        if action == "promote":
-            rollout_promote(rollout_id=found.pk, reason=reason, actor=actor)
-        elif action == "abort":
-            rollout_abort(rollout_id=found.pk, reason=reason, actor=actor)
-        else:
-            service = {"pause": rollout_pause, "resume": rollout_resume, "retry": rollout_retry}
-            found = service[action](rollout_id=found.pk, actor=actor)
+        acted = service(rollout_id=found.pk, actor=current_user(request), **extra)
     except (RolloutError, PlanError) as exc:
         raise _refused(exc) from None
-    return _rollout_out(_found(found.pk))
+    return _rollout_out(_found(acted.pk))
 
 
 CHANGE = ("rollouts.change_rollout", "rollout.act")
@@ -163,14 +159,14 @@ CHANGE = ("rollouts.change_rollout", "rollout.act")
     "/rollouts/{rollout_id}/pause", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
 )
 def pause_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
-    return _act(request, rollout_id, "pause")
+    return _act(request, rollout_id, rollout_pause)
 
 
 @router.post(
     "/rollouts/{rollout_id}/resume", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
 )
 def resume_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
-    return _act(request, rollout_id, "resume")
+    return _act(request, rollout_id, rollout_resume)
 
 
 @router.post(
@@ -178,14 +174,14 @@ def resume_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
 )
 def promote_rollout(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict[str, Any]:
     """Skip the remaining steps and analysis; `reason` is required and recorded."""
-    return _act(request, rollout_id, "promote", body.reason)
+    return _act(request, rollout_id, rollout_promote, reason=body.reason)
 
 
 @router.post(
     "/rollouts/{rollout_id}/abort", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
 )
 def abort_rollout(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict[str, Any]:
-    return _act(request, rollout_id, "abort", body.reason)
+    return _act(request, rollout_id, rollout_abort, reason=body.reason)
 
 
 @router.post(
@@ -193,7 +189,7 @@ def abort_rollout(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict
 )
 def retry_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
     """A new rollout with the same canary, plan and analysis; the answer is the new one."""
-    return _act(request, rollout_id, "retry")
+    return _act(request, rollout_id, rollout_retry)
 
 
 def _switch(request: HttpRequest, pool: str, model: str, service: Any) -> dict[str, Any]:

@@ -90,8 +90,12 @@ def observed_versions(node: Node, model: str) -> tuple[set[int], datetime | None
 
 def node_drift(node: Node) -> list[str]:
     """Human-readable differences between what the node serves and what it should."""
+    return drift_of(node_models(node))
+
+
+def drift_of(rows: list[ModelRow]) -> list[str]:
     out = []
-    for row in node_models(node):
+    for row in rows:
         if row.drift:
             out.append(f"{row.model}: READY {row.ready or 'none'}, desired {row.desired or 'none'}")
         elif not row.managed and row.ready:

@@ -2,6 +2,9 @@
 
 import difflib
 from dataclasses import dataclass
+from typing import Any
+
+from apps.registry.codec import from_dict, to_pbtxt
 
 
 @dataclass(frozen=True)
@@ -11,6 +14,11 @@ class Row:
     left: str
     right_no: int | None
     right: str
+
+
+def config_diff(left: dict[str, Any], right: dict[str, Any]) -> list[Row]:
+    """Two stored configs, each in its canonical pbtxt form, side by side."""
+    return side_by_side(to_pbtxt(from_dict(left)), to_pbtxt(from_dict(right)))
 
 
 def side_by_side(left: str, right: str) -> list[Row]:

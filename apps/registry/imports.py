@@ -5,13 +5,16 @@ registered. Valid models are stored as released versions; invalid ones are repor
 """
 
 import hashlib
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from django.core.files import File
 from django.db import transaction
 
 from apps.audit.services import audit_record, audited
+from apps.registry.archives import MAX_UPLOAD_BYTES, ArchiveError, extract_repository
 from apps.registry.codec import ConfigSyntaxError, to_dict
 from apps.registry.models import ModelVersion
 from apps.registry.repository import read_model
@@ -154,6 +157,16 @@ def _store(
             result.errors += [f"v{version}: {p}" for p in exc.problems]
             continue
         result.imported.append(version)
+
+
+def archive_import(*, archive: File, actor: Actor, dry_run: bool = False) -> list[ImportResult]:
+    """A repository uploaded as a zip: unpacked in a temporary directory, imported without its
+    files (they are gone after the request), removed. Raises ArchiveError."""
+    if archive.size is None or archive.size > MAX_UPLOAD_BYTES:
+        raise ArchiveError(f"the archive is larger than {MAX_UPLOAD_BYTES // 2**20} MiB")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = extract_repository(archive.read(), Path(tmp))
+        return repository_import(path=root, actor=actor, dry_run=dry_run, artifacts=False)
 
 
 def repository_import(

@@ -1,4 +1,3 @@
-import tempfile
 from pathlib import Path
 
 from django.conf import settings
@@ -8,18 +7,13 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from apps.accounts.permissions import current_user, require
-from apps.registry.archives import (
-    MAX_UPLOAD_BYTES,
-    ArchiveError,
-    extract_repository,
-    release_archive,
-)
+from apps.registry.archives import ArchiveError, release_archive
 from apps.registry.codec import ensemble_steps, from_dict, to_pbtxt, without_version_policy
 from apps.registry.dag import ensemble_graph
-from apps.registry.diff import side_by_side
+from apps.registry.diff import config_diff
 from apps.registry.forms import ImportForm, VersionForm
 from apps.registry.highlight import highlight_pbtxt
-from apps.registry.imports import repository_import
+from apps.registry.imports import archive_import
 from apps.registry.models import Model, ModelVersion
 from apps.registry.selectors import model_list as select_models
 from apps.registry.selectors import registry_resolver
@@ -120,7 +114,7 @@ def version_diff(request: HttpRequest, name: str) -> HttpResponse:
     except ValueError:
         a, b = min(numbers, default=0), max(numbers, default=0)
     left, right = _version(name, a), _version(name, b)
-    rows = side_by_side(to_pbtxt(from_dict(left.config)), to_pbtxt(from_dict(right.config)))
+    rows = config_diff(left.config, right.config)
     return render(
         request,
         "registry/version_diff.html",
@@ -203,21 +197,15 @@ def repository_upload(request: HttpRequest) -> HttpResponse:
     results, error = [], ""
     if not form.is_valid():
         error = "; ".join(f"{k}: {' '.join(map(str, v))}" for k, v in form.errors.items())
-    elif form.cleaned_data["archive"].size > MAX_UPLOAD_BYTES:
-        error = f"the archive is larger than {MAX_UPLOAD_BYTES // 2**20} MiB"
     else:
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                root = extract_repository(form.cleaned_data["archive"].read(), Path(tmp))
-            except ArchiveError as exc:
-                error = str(exc)
-            else:
-                results = repository_import(
-                    path=root,
-                    actor=current_user(request),
-                    dry_run=form.cleaned_data["dry_run"],
-                    artifacts=False,  # the upload's files are gone after this request
-                )
+        try:
+            results = archive_import(
+                archive=form.cleaned_data["archive"],
+                actor=current_user(request),
+                dry_run=form.cleaned_data["dry_run"],
+            )
+        except ArchiveError as exc:
+            error = str(exc)
     status = 422 if error or any(not r.ok for r in results) else 200
     return render(
         request, "registry/import_result.html", {"results": results, "error": error}, status=status

@@ -201,6 +201,7 @@ NOT_ACTIONS = {
     "token_digest": "a hash",
     "read_candidates": "a read",
     "repository_import": "reads a directory; candidates_import imports what it read",
+    "archive_import": "unpacks an upload; candidates_import imports what it read",
     "node_import": "reads a node; candidates_import imports what it read",
     "user_role": "a read",
     "validate_node_url": "a check",
