@@ -10,9 +10,10 @@ from ninja import Router, Schema, Status
 from apps.accounts.permissions import current_user
 from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, ApiError
-from apps.fleet.desired import DesiredStateError
+from apps.api.paging import Limit, Offset
+from apps.fleet.desired import DesiredStateError, FleetDesired, fleet_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.selectors import drift_of, node_models, observed_versions
+from apps.fleet.selectors import Reading, drift_of, node_models, observed_many
 from apps.fleet.services import FleetError, deployment_remove, deployment_set, operation_request
 
 router = Router(tags=["fleet"], auth=Token())
@@ -84,8 +85,8 @@ class OperationOut(Schema):
     finished_at: datetime | None
 
 
-def _node_out(node: Node) -> dict[str, Any]:
-    rows = node_models(node)
+def _node_out(node: Node, desired: FleetDesired) -> dict[str, Any]:
+    rows = node_models(node, desired)
     return {
         **{f: getattr(node, f) for f in ("name", "health", "http_url", "triton_version")},
         **{f: getattr(node, f) for f in ("last_seen", "last_error")},
@@ -104,15 +105,26 @@ def _node_out(node: Node) -> dict[str, Any]:
     }
 
 
-def _deployment_out(deployment: Deployment) -> dict[str, Any]:
+def _nodes_of(deployment: Deployment) -> list[Node]:
+    return [deployment.node] if deployment.node else list(deployment.pool.nodes.all())  # type: ignore[union-attr]
+
+
+def _deployments_out(deployments: list[Deployment]) -> list[dict[str, Any]]:
+    nodes = {node.pk: node for d in deployments for node in _nodes_of(d)}
+    readings = observed_many(list(nodes.values()), {d.model.name for d in deployments})
+    return [_deployment_out(d, readings) for d in deployments]
+
+
+def _deployment_out(
+    deployment: Deployment, readings: dict[tuple[int, str], Reading]
+) -> dict[str, Any]:
     """Desired state and, node by node, whether its index shows exactly that READY."""
-    nodes = [deployment.node] if deployment.node else list(deployment.pool.nodes.all())  # type: ignore[union-attr]
     wanted = {deployment.version} | (
         {deployment.baseline_version} if deployment.baseline_version else set()
     )
     progress = []
-    for node in nodes:
-        ready, _ = observed_versions(node, deployment.model.name)
+    for node in _nodes_of(deployment):
+        ready, _ = readings[(node.pk, deployment.model.name)]
         progress.append(
             {
                 "node": node.name,
@@ -147,24 +159,33 @@ def _deployments() -> Any:
 
 
 @router.get("/nodes", response={200: list[NodeOut], **ERRORS})
-def list_nodes(request: HttpRequest, pool: str = "") -> list[dict[str, Any]]:
-    found = Node.objects.select_related("pool")
-    return [_node_out(n) for n in (found.filter(pool__name=pool) if pool else found)]
+def list_nodes(
+    request: HttpRequest, pool: str = "", offset: int = Offset, limit: int = Limit
+) -> list[dict[str, Any]]:
+    """Nodes by name, `limit` from `offset`."""
+    found = Node.objects.select_related("pool").order_by("name")
+    nodes = list((found.filter(pool__name=pool) if pool else found)[offset : offset + limit])
+    desired = fleet_desired(pool_ids={n.pool_id for n in nodes})
+    return [_node_out(n, desired) for n in nodes]
 
 
 @router.get("/nodes/{name}", response={200: NodeOut, **ERRORS})
 def get_node(request: HttpRequest, name: str) -> dict[str, Any]:
-    return _node_out(get_object_or_404(Node.objects.select_related("pool"), name=name))
+    node = get_object_or_404(Node.objects.select_related("pool"), name=name)
+    return _node_out(node, fleet_desired(pool_ids=[node.pool_id]))
 
 
 @router.get("/deployments", response={200: list[DeploymentOut], **ERRORS})
-def list_deployments(request: HttpRequest) -> list[dict[str, Any]]:
-    return [_deployment_out(d) for d in _deployments()]
+def list_deployments(
+    request: HttpRequest, offset: int = Offset, limit: int = Limit
+) -> list[dict[str, Any]]:
+    """Deployments, `limit` from `offset`, each with its nodes' progress."""
+    return _deployments_out(list(_deployments().order_by("id")[offset : offset + limit]))
 
 
 @router.get("/deployments/{deployment_id}", response={200: DeploymentOut, **ERRORS})
 def get_deployment(request: HttpRequest, deployment_id: int) -> dict[str, Any]:
-    return _deployment_out(get_object_or_404(_deployments(), pk=deployment_id))
+    return _deployments_out([get_object_or_404(_deployments(), pk=deployment_id)])[0]
 
 
 @router.post(
@@ -189,7 +210,7 @@ def create_deployment(request: HttpRequest, body: DeploymentIn) -> Status[dict[s
         )
     except FleetError as exc:
         raise ApiError(409, "refused", str(exc)) from None
-    return Status(201, _deployment_out(get_object_or_404(_deployments(), pk=made.pk)))
+    return Status(201, _deployments_out([get_object_or_404(_deployments(), pk=made.pk)])[0])
 
 
 @router.delete(
@@ -205,12 +226,12 @@ def remove_deployment(request: HttpRequest, deployment_id: int) -> Status[None]:
 
 @router.get("/operations", response={200: list[OperationOut], **ERRORS})
 def list_operations(
-    request: HttpRequest, node: str = "", status: str = "", limit: int = 100
+    request: HttpRequest, node: str = "", status: str = "", limit: int = Limit
 ) -> list[dict[str, Any]]:
     found = Operation.objects.select_related("node").order_by("-created_at")
     found = found.filter(node__name=node) if node else found
     found = found.filter(status=status) if status else found
-    return [_operation_out(op) for op in found[: max(1, min(limit, 500))]]
+    return [_operation_out(op) for op in found[:limit]]
 
 
 @router.post(

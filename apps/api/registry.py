@@ -4,6 +4,7 @@ release, and import of a repository layout."""
 from datetime import datetime
 from typing import Any, Literal
 
+from django.db.models import Prefetch, QuerySet
 from django.http import HttpRequest
 from django.shortcuts import get_object_or_404
 from google.protobuf.json_format import ParseError
@@ -13,6 +14,7 @@ from ninja.files import UploadedFile
 from apps.accounts.permissions import current_user
 from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, ApiError
+from apps.api.paging import Limit, Offset
 from apps.registry.archives import ArchiveError
 from apps.registry.codec import from_dict, to_pbtxt
 from apps.registry.diff import config_diff
@@ -141,7 +143,10 @@ def _model_out(model: Model) -> dict[str, Any]:
         **{f: getattr(model, f) for f in ("name", "kind", "backend", "team")},
         "latency_budget_ms": model.latency_budget_ms,
         "fallback_version": model.fallback_version,
-        "versions": list(model.versions.values("version", "status", "created_at")),
+        "versions": [
+            {"version": v.version, "status": v.status, "created_at": v.created_at}
+            for v in model.versions.all()
+        ],
     }
 
 
@@ -163,14 +168,23 @@ def _version(name: str, number: int) -> ModelVersion:
 
 
 @router.get("/models", response={200: list[ModelOut], **ERRORS})
-def list_models(request: HttpRequest, search: str = "") -> list[dict[str, Any]]:
-    found = Model.objects.filter(name__icontains=search).prefetch_related("versions")
-    return [_model_out(model) for model in found.order_by("name")]
+def list_models(
+    request: HttpRequest, search: str = "", offset: int = Offset, limit: int = Limit
+) -> list[dict[str, Any]]:
+    """Models by name, `limit` from `offset`, each with its versions."""
+    found = _models().filter(name__icontains=search).order_by("name")
+    return [_model_out(model) for model in found[offset : offset + limit]]
 
 
 @router.get("/models/{name}", response={200: ModelOut, **ERRORS})
 def get_model(request: HttpRequest, name: str) -> dict[str, Any]:
-    return _model_out(get_object_or_404(Model, name=name))
+    return _model_out(get_object_or_404(_models(), name=name))
+
+
+def _models() -> QuerySet[Model]:
+    """With their versions' numbers and statuses (not their configs)."""
+    listed = ModelVersion.objects.only("model_id", "version", "status", "created_at")
+    return Model.objects.prefetch_related(Prefetch("versions", queryset=listed))
 
 
 @router.get("/models/{name}/versions/{version}", response={200: VersionOut, **ERRORS})

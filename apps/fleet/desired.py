@@ -1,16 +1,20 @@
-"""Desired state per node, from the deployments that target its pool or the node itself."""
+"""Desired state: what each node must serve. Computed once per pool, plus once per distinct set
+of node-level overrides, in a bounded number of queries whatever the number of nodes; the pages,
+the API and the reconciler all read it from here."""
 
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
-from django.db.models import Q
+from django.db.models import Max, Q
 
 from apps.fleet.models import Deployment, Node
 from apps.registry.codec import ensemble_steps, from_dict, pin_versions, to_dict
-from apps.registry.models import ModelVersion
-from apps.registry.selectors import registry_resolver
+from apps.registry.ensembles import LATEST
+from apps.registry.models import Model, ModelVersion
 from apps.registry.validation import is_ensemble
 
 
@@ -30,7 +34,7 @@ class DesiredModel:
     ensemble: bool
     depth: int = 0  # 0 for a model, 1 + its deepest step for an ensemble: load in this order
 
-    @property
+    @cached_property
     def digest(self) -> str:
         return digest(self.config)
 
@@ -39,46 +43,169 @@ class DesiredStateError(Exception):
     """A deployment that cannot be turned into loads (a version or a step is missing)."""
 
 
-def node_desired(node: Node) -> dict[str, DesiredModel]:
-    targeting = Deployment.objects.filter(Q(pool_id=node.pool_id) | Q(node=node))
-    # A node-level deployment wins over the pool's for the same model.
-    deployments = {
-        d.model.name: d
-        for d in sorted(targeting.select_related("model"), key=lambda d: d.node_id is not None)
-    }
-    wanted: dict[str, dict[int, Any]] = {}  # model -> version -> config
-    resolve = registry_resolver()
-    for name, deployment in deployments.items():
-        numbers = [v for v in (deployment.version, deployment.baseline_version) if v]
-        found = ModelVersion.objects.filter(model__name=name, version__in=numbers)
-        configs = {v.version: from_dict(v.config) for v in found}
-        missing = [v for v in numbers if v not in configs]
-        if missing:
-            raise DesiredStateError(f"{deployment}: {name} v{missing[0]} is not in the registry")
-        wanted.setdefault(name, {}).update(configs)
-        pending = [step for config in configs.values() for step in ensemble_steps(config)]
+Desired = dict[str, DesiredModel]
+# What a set of deployments asks for: model -> (version, baseline, the deployment in words).
+Wanted = dict[str, tuple[int, int | None, str]]
+
+
+@dataclass
+class _Registry:
+    """The registry versions a computation needs, each read and parsed once."""
+
+    configs: dict[tuple[str, int], Any] = field(default_factory=dict)  # parsed ModelConfig
+    latest: dict[str, int] = field(default_factory=dict)  # newest released version
+    known: set[str] = field(default_factory=set)  # model names that exist
+
+    def fetch(self, wanted: Iterable[tuple[str, int]]) -> None:
+        """Read the wanted versions and, in rounds (one per level of ensemble nesting), the
+        steps they pin, so that resolving never queries again."""
+        pending = set(wanted)
+        while pending:
+            names = {name for name, _ in pending} - self.known
+            self.known |= set(Model.objects.filter(name__in=names).values_list("name", flat=True))
+            self._read_latest({name for name, version in pending if version == LATEST})
+            exact = {(n, self.latest.get(n, LATEST) if v == LATEST else v) for n, v in pending}
+            pending = set()
+            for name, version, config in self._read(
+                {(n, v) for n, v in exact if v != LATEST and (n, v) not in self.configs}
+            ):
+                self.configs[(name, version)] = parsed = from_dict(config)
+                pending |= set(ensemble_steps(parsed))
+
+    def _read_latest(self, names: set[str]) -> None:
+        names = (names & self.known) - set(self.latest)
+        if names:
+            released = ModelVersion.objects.filter(
+                model__name__in=names, status=ModelVersion.Status.RELEASED
+            )
+            newest = released.values("model__name").annotate(newest=Max("version"))
+            self.latest |= dict(newest.values_list("model__name", "newest"))
+
+    def _read(self, pairs: set[tuple[str, int]]) -> list[tuple[str, int, dict[str, Any]]]:
+        by_name: dict[str, set[int]] = {}
+        for name, version in pairs:
+            if name in self.known:
+                by_name.setdefault(name, set()).add(version)
+        if not by_name:
+            return []
+        query = Q()
+        for name, versions in by_name.items():
+            query |= Q(model__name=name, version__in=versions)
+        found = ModelVersion.objects.filter(query)
+        return list(found.values_list("model__name", "version", "config"))
+
+    def resolve(self, name: str, version: int) -> tuple[int, Any]:
+        number = self.latest.get(name) if version == LATEST else version
+        if number is not None and (name, number) in self.configs:
+            return number, self.configs[(name, number)]
+        if name not in self.known:
+            raise DesiredStateError(f"model '{name}' is not in the registry")
+        wanted = "a released version" if version == LATEST else f"version v{version}"
+        raise DesiredStateError(f"model '{name}' has no {wanted}")
+
+
+def _compute(wanted: Wanted, registry: _Registry) -> Desired:
+    configs: dict[str, dict[int, Any]] = {}  # model -> version -> parsed config
+    for name, (version, baseline, label) in wanted.items():
+        for number in (version, baseline):
+            if not number:
+                continue
+            if (name, number) not in registry.configs:
+                raise DesiredStateError(f"{label}: {name} v{number} is not in the registry")
+            configs.setdefault(name, {})[number] = registry.configs[(name, number)]
+        pending = [step for config in configs[name].values() for step in ensemble_steps(config)]
         while pending:  # nested ensembles bring their own steps
             step, pinned = pending.pop()
-            resolved = resolve(step, pinned)
-            if resolved.config is None or resolved.version is None:
-                raise DesiredStateError(f"{deployment}: {resolved.reason}")
-            if resolved.version not in wanted.setdefault(step, {}):
-                wanted[step][resolved.version] = resolved.config
-                pending += ensemble_steps(resolved.config)
+            try:
+                number, config = registry.resolve(step, pinned)
+            except DesiredStateError as exc:
+                raise DesiredStateError(f"{label}: {exc}") from None
+            if number not in configs.setdefault(step, {}):
+                configs[step][number] = config
+                pending += ensemble_steps(config)
 
     def depth(name: str) -> int:
-        steps = [s for config in wanted[name].values() for s, _ in ensemble_steps(config)]
+        steps = [s for config in configs[name].values() for s, _ in ensemble_steps(config)]
         return 1 + max(map(depth, steps)) if steps else 0  # validation rules out cycles
 
     desired = {}
-    for name, configs in wanted.items():
+    for name, by_version in configs.items():
         # Triton keeps one config per model: the newest wanted version's config serves them all.
-        versions = sorted(configs)
-        config = to_dict(pin_versions(configs[versions[-1]], versions))
-        ensemble = is_ensemble(configs[versions[-1]])
-        desired[name] = DesiredModel(name, tuple(versions), config, ensemble, depth(name))
+        versions = sorted(by_version)
+        newest = by_version[versions[-1]]
+        config = to_dict(pin_versions(newest, versions))
+        desired[name] = DesiredModel(
+            name, tuple(versions), config, is_ensemble(newest), depth(name)
+        )
     return desired
 
 
-def plan_digest(desired: dict[str, DesiredModel]) -> str:
+class FleetDesired:
+    """The desired state of every node of some pools. Nodes that share their deployments (every
+    node of a pool without overrides) share one computed state."""
+
+    def __init__(self, pools: dict[int, Wanted], overrides: dict[int, Wanted]) -> None:
+        self._pools, self._overrides = pools, overrides
+        self._registry = _Registry()
+        wanted = {*_pairs(pools.values()), *_pairs(overrides.values())}
+        self._registry.fetch(wanted)
+        self._states: dict[tuple, Desired | DesiredStateError] = {}
+
+    def of(self, node: Node) -> Desired:
+        """Raises DesiredStateError when a deployment cannot be resolved (a version or a step
+        missing from the registry)."""
+        wanted = self._pools.get(node.pool_id, {}) | self._overrides.get(node.pk, {})
+        key = tuple(sorted(wanted.items()))
+        if key not in self._states:
+            try:
+                self._states[key] = _compute(wanted, self._registry)
+            except DesiredStateError as exc:
+                self._states[key] = exc
+        found = self._states[key]
+        if isinstance(found, DesiredStateError):
+            raise found
+        return found
+
+    def names(self, node: Node) -> set[str]:
+        """The models the node must serve; empty when its desired state cannot be resolved."""
+        try:
+            return set(self.of(node))
+        except DesiredStateError:
+            return set()
+
+
+def _pairs(groups: Iterable[Wanted]) -> set[tuple[str, int]]:
+    return {
+        (name, number)
+        for wanted in groups
+        for name, (version, baseline, _) in wanted.items()
+        for number in (version, baseline)
+        if number
+    }
+
+
+def fleet_desired(*, pool_ids: Iterable[int] | None = None) -> FleetDesired:
+    """Desired state for the nodes of `pool_ids` (every pool when None): a handful of queries,
+    however many nodes and deployments there are."""
+    deployments = Deployment.objects.select_related("model", "pool", "node")
+    if pool_ids is not None:
+        ids = list(pool_ids)
+        deployments = deployments.filter(Q(pool_id__in=ids) | Q(node__pool_id__in=ids))
+    pools: dict[int, Wanted] = {}
+    overrides: dict[int, Wanted] = {}
+    for d in deployments:
+        if d.node_id is not None:
+            group = overrides.setdefault(d.node_id, {})
+        else:
+            group = pools.setdefault(d.pool_id, {})  # type: ignore[arg-type]
+        group[d.model.name] = (d.version, d.baseline_version, str(d))
+    return FleetDesired(pools, overrides)
+
+
+def node_desired(node: Node) -> Desired:
+    """One node's desired state: the pool's deployments, with the node's own on top."""
+    return fleet_desired(pool_ids=[node.pool_id]).of(node)
+
+
+def plan_digest(desired: Desired) -> str:
     return digest({name: model.config for name, model in sorted(desired.items())})

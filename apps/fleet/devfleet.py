@@ -1,5 +1,6 @@
 """A local fleet of real tritonserver processes (from the nvidia-pytriton wheel) and a Prometheus
-that scrapes them, for the demo and the integration tests.
+that scrapes them, for the demo and the integration tests; or, for load tests, one process of
+simulated nodes (`apps.fleet.simulator`).
 
 Every process is started in its own session and recorded in a state file with its pid and its
 start time; `down` stops only a process whose /proc entry still shows that pid *and* start time, so
@@ -26,6 +27,7 @@ from apps.registry.codec import ensemble_steps, pin_versions, to_json
 from apps.registry.repository import read_model
 
 START_TIMEOUT_S = 60.0
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # The stub must match the Python it embeds; pytriton ships one per version.
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
@@ -54,6 +56,7 @@ class Proc:
 class FleetState:
     nodes: list[Proc] = field(default_factory=list)
     prometheus: Proc | None = None
+    simulator: Proc | None = None  # its ports: one per simulated node, by node name
 
     def node_urls(self, node: Proc) -> dict[str, str]:
         return {
@@ -62,10 +65,23 @@ class FleetState:
             "metrics_url": f"http://127.0.0.1:{node.ports['metrics']}/metrics",
         }
 
+    def simulated_urls(self) -> dict[str, dict[str, str]]:
+        """Each simulated node's addresses, by name; it serves /metrics on its HTTP port."""
+        assert self.simulator is not None
+        return {
+            name: {
+                "http_url": f"http://127.0.0.1:{port}",
+                "grpc_url": "",
+                "metrics_url": f"http://127.0.0.1:{port}/metrics",
+            }
+            for name, port in self.simulator.ports.items()
+        }
+
     @property
     def processes(self) -> list[Proc]:
-        """Everything this fleet started: the nodes, then Prometheus."""
-        return [*self.nodes, *([self.prometheus] if self.prometheus else [])]
+        """Everything this fleet started: the nodes, the simulator, then Prometheus."""
+        extra = [proc for proc in (self.simulator, self.prometheus) if proc is not None]
+        return [*self.nodes, *extra]
 
     @property
     def prometheus_url(self) -> str:
@@ -85,10 +101,11 @@ class Devfleet:
         if not self.state_file.exists():
             return FleetState()
         raw = json.loads(self.state_file.read_text())
-        prometheus = raw.get("prometheus")
+        prometheus, simulator = raw.get("prometheus"), raw.get("simulator")
         return FleetState(
             nodes=[Proc(**node) for node in raw["nodes"]],
             prometheus=Proc(**prometheus) if prometheus else None,
+            simulator=Proc(**simulator) if simulator else None,
         )
 
     def _save(self, state: FleetState) -> None:
@@ -96,6 +113,7 @@ class Devfleet:
         data = {
             "nodes": [asdict(n) for n in state.nodes],
             "prometheus": asdict(state.prometheus) if state.prometheus else None,
+            "simulator": asdict(state.simulator) if state.simulator else None,
         }
         self.state_file.write_text(json.dumps(data, indent=2))
 
@@ -104,11 +122,7 @@ class Devfleet:
     def up(
         self, *, nodes: int, pool: str, base_port: int | None, prometheus_port: int | None
     ) -> FleetState:
-        state = self.state()
-        if any(proc.running for proc in state.processes):
-            raise DevfleetError(
-                f"a fleet is already running (see {self.state_file}); run `devfleet down` first"
-            )
+        self._require_stopped()
         tritonserver, backends = self._triton_install()
         self._precompile()
         prometheus = _require_binary("prometheus", "apt-get install -y prometheus")
@@ -152,6 +166,45 @@ class Devfleet:
             raise
         return state
 
+    def up_simulated(
+        self,
+        *,
+        nodes: int,
+        pool: str,
+        base_port: int | None,
+        load_ms: float,
+        failure_rate: float,
+    ) -> FleetState:
+        """One simulator process serving `nodes` simulated nodes, for load tests; no Prometheus."""
+        self._require_stopped()
+        ports = _ports(nodes, base_port)
+        argv = [
+            sys.executable,
+            "-m",
+            "apps.fleet.simulator",
+            f"--ports={','.join(map(str, ports))}",
+            f"--load-ms={load_ms}",
+            f"--failure-rate={failure_rate}",
+        ]
+        names = [f"{pool}-{i + 1:03d}" for i in range(nodes)]
+        proc = self._spawn(
+            "simulator", argv, dict(zip(names, ports, strict=True)), _simulator_env()
+        )
+        state = FleetState(simulator=proc)
+        self._save(state)
+        try:
+            _wait_simulator(proc)
+        except BaseException:
+            self.down()
+            raise
+        return state
+
+    def _require_stopped(self) -> None:
+        if any(proc.running for proc in self.state().processes):
+            raise DevfleetError(
+                f"a fleet is already running (see {self.state_file}); run `devfleet down` first"
+            )
+
     def down(self) -> list[str]:
         """Stop what `up` started; returns one line per process saying what happened."""
         state = self.state()
@@ -187,6 +240,11 @@ class Devfleet:
             state.prometheus = proc = self._spawn(name, old.argv, old.ports)
             self._save(state)
             _wait_http(f"{state.prometheus_url}/-/ready", proc)
+            return proc
+        if state.simulator is not None and name == state.simulator.name:
+            state.simulator = proc = self._spawn(name, old.argv, old.ports, _simulator_env())
+            self._save(state)
+            _wait_simulator(proc)
             return proc
         proc = self._spawn(name, old.argv, old.ports, _triton_env())
         state.nodes = [proc if n.name == name else n for n in state.nodes]
@@ -327,6 +385,11 @@ def _triton_env() -> dict[str, str]:
     return {**os.environ, "LD_LIBRARY_PATH": str(libs)}
 
 
+def _simulator_env() -> dict[str, str]:
+    """`python -m apps.fleet.simulator` finds the project wherever the command was started."""
+    return {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+
+
 def _proc_stat(pid: int) -> list[str] | None:
     """Fields of /proc/<pid>/stat after the command name (state first), or None if gone."""
     try:
@@ -385,6 +448,13 @@ def _wait_http(url: str, proc: Proc) -> None:
     raise DevfleetError(
         f"{proc.name} did not answer {url} within {START_TIMEOUT_S:.0f} s; see {proc.log}"
     )
+
+
+def _wait_simulator(proc: Proc) -> None:
+    """The simulator binds its ports in order and serves each at once: the last one answering
+    means every node does."""
+    last = list(proc.ports.values())[-1]
+    _wait_http(f"http://127.0.0.1:{last}/v2/health/live", proc)
 
 
 def _wait_gone(proc: Proc, timeout: float) -> bool:

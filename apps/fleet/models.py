@@ -41,6 +41,9 @@ class Node(models.Model):
     gpus = models.JSONField(
         default=list, blank=True, help_text="GPU inventory from nv_gpu_* metrics"
     )
+    # The models this product loaded here and has not yet unloaded (a release being drained) or
+    # that a person adopted: the only ones the reconciler may unload when no deployment names them.
+    owned = models.JSONField(default=list, blank=True)
     # One worker at a time acts on a node: it holds this lease and renews it while it works, so a
     # killed worker's lease lapses within seconds and the next one can take over.
     lease_owner = models.CharField(max_length=64, blank=True)
@@ -99,6 +102,35 @@ class Deployment(models.Model):
     @property
     def target(self) -> str:
         return f"pool:{self.pool.name}" if self.pool else f"node:{self.node.name}"  # type: ignore[union-attr]
+
+
+class Release(models.Model):
+    """What a pool ran of a model, from when to when: written by the service that changes a pool's
+    deployment, read by "last good release" and the rollouts list."""
+
+    pool = models.ForeignKey(NodePool, on_delete=models.CASCADE, related_name="releases")
+    model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="releases")
+    version = models.PositiveIntegerField()
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+    started_by = models.CharField(max_length=150)
+    rolled_back = models.BooleanField(
+        default=False, help_text="on-call rolled the pool back from it: never a last good release"
+    )
+
+    class Meta:
+        ordering = ["-started_at", "-id"]
+        indexes = [models.Index(fields=["pool", "model", "-started_at"])]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["pool", "model"],
+                condition=models.Q(ended_at__isnull=True),
+                name="one_current_release_per_pool_and_model",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model.name} v{self.version} on {self.pool}"
 
 
 class Operation(models.Model):

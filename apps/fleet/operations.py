@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
-from apps.fleet.desired import DesiredStateError, node_desired, plan_digest
+from apps.fleet.desired import Desired, DesiredStateError, node_desired, plan_digest
 from apps.fleet.models import Node, Operation
 from apps.fleet.planner import Observed, plan
 from apps.fleet.services import node_poll
@@ -83,14 +83,6 @@ def node_reconcile(*, node_id: int) -> list[Operation]:
     except DesiredStateError as exc:
         log.warning("node %s: %s", node.name, exc)
         return []
-    # The reconciler unloads only what it loaded on this node: models a person or another tool
-    # put there stay, even when the registry knows them, until a deployment covers them.
-    loads = node.operations.filter(kind=Operation.Kind.LOAD, status=Operation.Status.SUCCEEDED)
-    ours = set(loads.values_list("model_name", flat=True))
-    managed = {
-        name: kind == Model.Kind.ENSEMBLE
-        for name, kind in Model.objects.filter(name__in=ours).values_list("name", "kind")
-    }
     with transaction.atomic():
         locked = Node.objects.select_for_update().get(pk=node_id)
         if locked.operations.filter(status__in=OPEN).exists():
@@ -99,7 +91,14 @@ def node_reconcile(*, node_id: int) -> list[Operation]:
             if locked.lease_until is None or locked.lease_until < timezone.now():
                 transaction.on_commit(lambda: enqueue_run(node_id))
             return []
-        actions = plan(desired, observed_state(node), managed)
+        observed = observed_state(node)
+        owned = _drained(locked, desired, observed)
+        # Only what this product owns may be unloaded: a model someone else loaded (even one we
+        # loaded long ago and have since let go) stays until a person adopts it.
+        ensembles = Model.objects.filter(name__in=owned, kind=Model.Kind.ENSEMBLE)
+        kinds = set(ensembles.values_list("name", flat=True))
+        managed = {name: name in kinds for name in owned}
+        actions = plan(desired, observed, managed)
         digest = plan_digest(desired)
         ops = [
             Operation.objects.create(
@@ -119,6 +118,21 @@ def node_reconcile(*, node_id: int) -> list[Operation]:
             _record_drift(node, [str(op) for op in ops])
             transaction.on_commit(lambda: enqueue_run(node_id))
     return ops
+
+
+def _drained(node: Node, desired: Desired, observed: dict[str, Observed]) -> set[str]:
+    """The node's owned models, less those no deployment names and that are gone from it: they
+    are drained, and if someone loads one of them again it is theirs. Call under the row lock."""
+    owned = {
+        name for name in node.owned if name in desired or observed.get(name, _GONE).ready
+    } | set(desired)
+    if owned != set(node.owned):
+        node.owned = sorted(owned)
+        node.save(update_fields=["owned"])
+    return owned
+
+
+_GONE = Observed(frozenset())
 
 
 def _record_drift(node: Node, operations: list[str]) -> None:
@@ -249,7 +263,9 @@ def _execute(node: Node, op: Operation) -> str:
     client = TritonClient(node.http_url, node=node.name)
     try:
         if op.kind == Operation.Kind.UNLOAD:
-            client.unload(op.model_name, unload_dependents=not _is_ensemble(op.model_name))
+            # Never unload_dependents: that would take down ensembles we may not manage. The
+            # planner unloads our own ensembles by name, before their steps.
+            client.unload(op.model_name)
         else:
             client.load(op.model_name, config_json=_json(op.config))
     except TritonTimeout as exc:
@@ -298,6 +314,8 @@ def _finish(op: Operation, error: str, status: str = "") -> str:
         Operation.objects.filter(pk=op.pk, status=Operation.Status.RUNNING).update(
             status=status, error=error, finished_at=timezone.now()
         )
+        if status == Operation.Status.SUCCEEDED:
+            _own(op.node_id, op.model_name, op.kind != Operation.Kind.UNLOAD)
         audit_record(
             actor=op.requested_by,
             action=f"operation.{op.kind}",
@@ -309,8 +327,13 @@ def _finish(op: Operation, error: str, status: str = "") -> str:
     return status
 
 
-def _is_ensemble(name: str) -> bool:
-    return Model.objects.filter(name=name, kind=Model.Kind.ENSEMBLE).exists()
+def _own(node_id: int, model_name: str, owned: bool) -> None:
+    """What we loaded is ours to unload; what we unloaded is no longer ours."""
+    node = Node.objects.select_for_update().get(pk=node_id)
+    names = set(node.owned) | {model_name} if owned else set(node.owned) - {model_name}
+    if names != set(node.owned):
+        node.owned = sorted(names)
+        node.save(update_fields=["owned"])
 
 
 def _json(config: object) -> str | None:

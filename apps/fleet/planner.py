@@ -33,7 +33,7 @@ class Action:
 def plan(
     desired: dict[str, DesiredModel], observed: dict[str, Observed], managed: dict[str, bool]
 ) -> list[Action]:
-    """`managed` maps the models the reconciler may unload (those it loaded on this node) to
+    """`managed` maps the models the reconciler may unload (those the node owns) to
     whether each is an ensemble; any other model on the node is left alone."""
     first: list[Action] = []
     narrow: list[Action] = []

@@ -1,11 +1,11 @@
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db.models import QuerySet
+from django.db.models import Max, Q, QuerySet
 
-from apps.fleet.desired import DesiredStateError, node_desired
+from apps.fleet.desired import DesiredStateError, FleetDesired, fleet_desired, node_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.registry.models import Model
 
 
 def node_list() -> QuerySet[Node]:
@@ -13,19 +13,69 @@ def node_list() -> QuerySet[Node]:
 
 
 @dataclass(frozen=True)
+class NodeFilters:
+    pool: str = ""
+    health: str = ""
+    model: str = ""  # READY on the node
+    drift: bool = False
+    search: str = ""  # in the name or address
+
+    @property
+    def active(self) -> bool:
+        return any((self.pool, self.health, self.model, self.drift, self.search))
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    node: Node
+    drift: list[str]
+
+
+def node_rows(filters: NodeFilters = NodeFilters()) -> list[NodeRow]:
+    """Every node that passes `filters`, with its drift: two queries for the nodes and a handful
+    for the desired state of their pools, however many nodes."""
+    nodes = node_list()
+    if filters.pool:
+        nodes = nodes.filter(pool__name=filters.pool)
+    if filters.health:
+        nodes = nodes.filter(health=filters.health)
+    if filters.search:
+        found = Q(name__icontains=filters.search) | Q(http_url__icontains=filters.search)
+        nodes = nodes.filter(found)
+    rows = node_rows_of(nodes)
+    if filters.model:
+        rows = [r for r in rows if any(e["model"] == filters.model for e in r.node.ready_models)]
+    if filters.drift:
+        rows = [r for r in rows if r.drift]
+    return rows
+
+
+def node_rows_of(nodes: QuerySet[Node]) -> list[NodeRow]:
+    found = list(nodes)
+    desired = fleet_desired(pool_ids={node.pool_id for node in found})
+    return [NodeRow(node, drift_of(node_models(node, desired))) for node in found]
+
+
+@dataclass(frozen=True)
 class FleetSummary:
     nodes: int
     ready: int
     unreachable: int
+    drifted: int
     models_ready: int
 
+    @property
+    def converged(self) -> int:
+        return self.nodes - self.drifted
 
-def fleet_summary(nodes: list[Node]) -> FleetSummary:
+
+def fleet_summary(rows: list[NodeRow]) -> FleetSummary:
     return FleetSummary(
-        nodes=len(nodes),
-        ready=sum(node.health == Node.Health.READY for node in nodes),
-        unreachable=sum(node.health == Node.Health.UNREACHABLE for node in nodes),
-        models_ready=sum(len(node.ready_models) for node in nodes),
+        nodes=len(rows),
+        ready=sum(r.node.health == Node.Health.READY for r in rows),
+        unreachable=sum(r.node.health == Node.Health.UNREACHABLE for r in rows),
+        drifted=sum(bool(r.drift) for r in rows),
+        models_ready=sum(len(r.node.ready_models) for r in rows),
     )
 
 
@@ -44,25 +94,33 @@ class ModelRow:
         return self.managed and self.ready != self.desired
 
 
-def node_models(node: Node) -> list[ModelRow]:
+def node_models(node: Node, desired: FleetDesired | None = None) -> list[ModelRow]:
+    """What the node serves against what it should. Managed: what its desired state names, and
+    what this product loaded there and has not unloaded yet (or a person adopted)."""
     try:
-        desired = {name: list(d.versions) for name, d in node_desired(node).items()}
+        wanted = {
+            name: list(d.versions)
+            for name, d in (desired.of(node) if desired else node_desired(node)).items()
+        }
     except DesiredStateError:
-        desired = {}
-    managed = set(Model.objects.values_list("name", flat=True))
+        wanted = {}
     entries: dict[str, list[dict]] = {}
     for entry in node.index:
         entries.setdefault(entry["model"], []).append(entry)
-    names = sorted(set(entries) | set(desired))
+    ready: dict[str, list[int]] = {}
+    for entry in node.ready_models:
+        if entry.get("version"):
+            ready.setdefault(entry["model"], []).append(int(entry["version"]))
+    managed = set(wanted) | set(node.owned)
     return [
         ModelRow(
             model=name,
             versions=[e for e in entries.get(name, []) if e.get("version") or e.get("state")],
-            ready=ready_versions(node, name),
-            desired=desired.get(name, []),
+            ready=sorted(ready.get(name, [])),
+            desired=wanted.get(name, []),
             managed=name in managed,
         )
-        for name in names
+        for name in sorted(set(entries) | set(wanted))
     ]
 
 
@@ -72,25 +130,36 @@ def ready_versions(node: Node, model: str) -> list[int]:
     return sorted(int(e["version"]) for e in entries if e.get("state") == "READY")
 
 
-def observed_versions(node: Node, model: str) -> tuple[set[int], datetime | None]:
-    """The versions of `model` READY on `node` by the newest reading, the last poll's index or
-    the last operation's read-back, and since when that reading is known."""
-    polled = set(ready_versions(node, model))
-    op = (
-        node.operations.filter(model_name=model, status=Operation.Status.SUCCEEDED)
-        .order_by("-finished_at")
-        .first()
+Reading = tuple[set[int], datetime | None]
+
+
+def observed_many(nodes: list[Node], models: Iterable[str]) -> dict[tuple[int, str], Reading]:
+    """For each node and model: the versions READY by the newest reading, the last poll's index
+    or the last operation's read-back, and since when that reading is known. Two queries,
+    however many nodes and models."""
+    names = set(models)
+    succeeded = Operation.objects.filter(
+        node__in=nodes, model_name__in=names, status=Operation.Status.SUCCEEDED
     )
-    if op is None or op.finished_at is None:
-        return polled, node.last_seen
-    if node.last_seen is None or op.finished_at >= node.last_seen or set(op.versions) == polled:
-        return set(op.versions), op.finished_at
-    return polled, node.last_seen
-
-
-def node_drift(node: Node) -> list[str]:
-    """Human-readable differences between what the node serves and what it should."""
-    return drift_of(node_models(node))
+    newest = succeeded.values("node_id", "model_name").annotate(at=Max("finished_at"))
+    moments = {(row["node_id"], row["model_name"]): row["at"] for row in newest}
+    last: dict[tuple[int, str], tuple[list[int], datetime]] = {}
+    for op in succeeded.filter(finished_at__in={at for at in moments.values() if at}):
+        key = (op.node_id, op.model_name)
+        if moments.get(key) == op.finished_at:
+            last[key] = (op.versions, op.finished_at)  # type: ignore[assignment]
+    readings: dict[tuple[int, str], Reading] = {}
+    for node in nodes:
+        for name in names:
+            polled = set(ready_versions(node, name))
+            versions, at = last.get((node.pk, name), (None, None))
+            if versions is None or at is None:
+                readings[(node.pk, name)] = (polled, node.last_seen)
+            elif node.last_seen is None or at >= node.last_seen or set(versions) == polled:
+                readings[(node.pk, name)] = (set(versions), at)
+            else:
+                readings[(node.pk, name)] = (polled, node.last_seen)
+    return readings
 
 
 def drift_of(rows: list[ModelRow]) -> list[str]:
@@ -99,7 +168,7 @@ def drift_of(rows: list[ModelRow]) -> list[str]:
         if row.drift:
             out.append(f"{row.model}: READY {row.ready or 'none'}, desired {row.desired or 'none'}")
         elif not row.managed and row.ready:
-            out.append(f"{row.model}: unmanaged (not in the registry), READY {row.ready}")
+            out.append(f"{row.model}: unmanaged (loaded by someone else), READY {row.ready}")
     return out
 
 
@@ -121,16 +190,25 @@ def failing_operations(limit: int = 10) -> list[Operation]:
 class PoolView:
     pool: NodePool
     deployments: list[Deployment]
-    nodes: list[tuple[Node, list[str]]]  # each node with its drift
+    rows: list[NodeRow]
 
     @property
-    def converged(self) -> int:
-        return sum(not drift for _, drift in self.nodes)
+    def summary(self) -> FleetSummary:
+        return fleet_summary(self.rows)
+
+    @property
+    def drifting(self) -> list[NodeRow]:
+        """The first few nodes that drift, for a glance; the nodes page lists them all."""
+        return [row for row in self.rows if row.drift][:5]
 
 
-def pool_views() -> list[PoolView]:
-    views = []
-    for pool in NodePool.objects.prefetch_related("nodes", "deployments__model"):
-        nodes = [(node, node_drift(node)) for node in pool.nodes.all()]
-        views.append(PoolView(pool, list(pool.deployments.all()), nodes))
-    return views
+def pool_views(pools: Iterable[NodePool]) -> list[PoolView]:
+    """Each pool with its deployments and its nodes' drift, in a bounded number of queries."""
+    pools = list(pools)
+    rows: dict[int, list[NodeRow]] = {pool.pk: [] for pool in pools}
+    for row in node_rows_of(node_list().filter(pool__in=pools)):
+        rows[row.node.pool_id].append(row)
+    deployments: dict[int, list[Deployment]] = {pool.pk: [] for pool in pools}
+    for deployment in Deployment.objects.filter(pool__in=pools).select_related("model"):
+        deployments[deployment.pool_id].append(deployment)  # type: ignore[index]
+    return [PoolView(pool, deployments[pool.pk], rows[pool.pk]) for pool in pools]

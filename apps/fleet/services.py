@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 from apps.audit.services import actor_name, audit_record, audited
-from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
 from apps.fleet.triton import (
     IndexEntry,
     ServerMetadata,
@@ -17,7 +17,7 @@ from apps.fleet.triton import (
     parse_gpu_memory,
     read_metrics,
 )
-from apps.registry.models import ModelVersion
+from apps.registry.models import Model, ModelVersion
 from apps.registry.services import Actor
 
 POLLER = "system:poller"
@@ -259,6 +259,8 @@ def deployment_set(
     if existing is not None and same:
         return existing  # a double click changes nothing
     before = _versions(existing) if existing else {}
+    if pool is not None and (existing is None or existing.version != version):
+        _release_switch(pool=pool, model=found.model, version=version, actor=actor)
     deployment, _ = Deployment.objects.update_or_create(
         model=found.model,
         pool=pool,
@@ -302,6 +304,8 @@ def deployment_remove(*, deployment_id: int, actor: Actor) -> None:
         target=f"{deployment.target}:{deployment.model.name}",
         before=_versions(deployment),
     )
+    if deployment.pool is not None:
+        _release_switch(pool=deployment.pool, model=deployment.model, version=None, actor=actor)
     deployment.delete()
     _reconcile_later(nodes)
 
@@ -331,6 +335,11 @@ def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor)
             f"{model_name} is deployed to {node.name} (pool {node.pool.name}); change or remove "
             "the deployment instead, or the reconciler would load it again"
         )
+    if kind == Operation.Kind.UNLOAD and model_name not in node.owned:
+        raise FleetError(
+            f"{model_name} on {node.name} was loaded by someone else, so the control plane does "
+            "not manage it; adopt it first to unload it from here"
+        )
     if kind == Operation.Kind.RELOAD and desired is None:
         raise FleetError(f"{model_name} is not deployed to {node.name}; deploy it to load it")
     op = Operation.objects.create(
@@ -347,6 +356,37 @@ def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor)
     )
     transaction.on_commit(lambda: enqueue_run(node_id))
     return op
+
+
+def _release_switch(*, pool: NodePool, model: Model, version: int | None, actor: Actor) -> None:
+    """End the pool's current release of `model` and, unless it is being removed, start one."""
+    now = timezone.now()
+    Release.objects.filter(pool=pool, model=model, ended_at__isnull=True).update(ended_at=now)
+    if version is not None:
+        Release.objects.create(
+            pool=pool, model=model, version=version, started_at=now, started_by=actor_name(actor)
+        )
+
+
+@audited("node.adopt", _node_target, (FleetError,))
+def node_adopt(*, node_id: int, model_name: str, actor: Actor) -> Node:
+    """Take over a model someone else loaded on the node: from now on the reconciler manages it,
+    so it is unloaded unless a deployment names it."""
+    node = Node.objects.select_for_update().get(pk=node_id)
+    if model_name in node.owned:
+        raise FleetError(f"{model_name} on {node.name} is managed already")
+    if not any(entry["model"] == model_name for entry in node.index):
+        raise FleetError(f"{model_name} is not on {node.name} (by its last repository index)")
+    node.owned = sorted({*node.owned, model_name})
+    node.save(update_fields=["owned"])
+    audit_record(
+        actor=actor,
+        action="node.adopt",
+        target=f"node:{node.name}:{model_name}",
+        after={"managed": True},
+        message="the reconciler unloads it unless a deployment names it",
+    )
+    return node
 
 
 def _versions(deployment: Deployment) -> dict[str, int]:

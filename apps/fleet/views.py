@@ -1,6 +1,10 @@
+from urllib.parse import urlencode
+
 from django.contrib import messages
+from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
+from django.template.loader import render_to_string
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
@@ -9,25 +13,33 @@ from apps.audit.models import AuditEvent
 from apps.fleet.desired import DesiredStateError
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.selectors import (
+    NodeFilters,
     failing_operations,
     fleet_summary,
-    node_drift,
     node_list,
     node_models,
+    node_rows,
     pool_views,
 )
-from apps.fleet.services import FleetError, deployment_remove, deployment_set, operation_request
-from apps.registry.models import Model
+from apps.fleet.services import (
+    FleetError,
+    deployment_remove,
+    deployment_set,
+    node_adopt,
+    operation_request,
+)
+from apps.registry.models import ModelVersion
 from controlplane.htmx import HtmxHttpRequest, back
 
 OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
 
 
 def overview(request: HttpRequest) -> HttpResponse:
-    nodes = list(node_list())
+    """The fleet summarised per pool, each with a drill-down to its nodes."""
+    views = pool_views(NodePool.objects.all())
     context = {
-        "summary": fleet_summary(nodes),
-        "nodes": [(node, node_drift(node)) for node in nodes],
+        "summary": fleet_summary([row for view in views for row in view.rows]),
+        "pools": views,
         "failing": failing_operations(),
         "events": AuditEvent.objects.all()[:8],
     }
@@ -39,16 +51,38 @@ def serving(request: HttpRequest) -> HttpResponse:
     model, version = request.GET.get("model", ""), request.GET.get("version", "")
     found = [
         node
-        for node in node_list()
+        for node in node_list().only("name", "index")
         if any(e["model"] == model and str(e["version"]) == version for e in node.ready_models)
     ]
     return render(request, "fleet/partials/serving.html", {"nodes": found})
 
 
+NODES_PER_PAGE = 50
+
+
 def nodes(request: HtmxHttpRequest) -> HttpResponse:
-    """The full page, or for htmx polling just the table (`#node-table`)."""
+    """Nodes, filtered and searched on the server, a page at a time; htmx polling gets just the
+    summary and the page shown (`#node-table`), never the whole fleet."""
+    filters = NodeFilters(
+        pool=request.GET.get("pool", ""),
+        health=request.GET.get("health", ""),
+        model=request.GET.get("model", ""),
+        drift=request.GET.get("drift", "") in ("1", "on", "true"),
+        search=request.GET.get("q", "").strip(),
+    )
+    rows = node_rows(filters)
+    page = Paginator(rows, NODES_PER_PAGE).get_page(request.GET.get("page"))
+    query = urlencode({k: v for k, v in request.GET.items() if k != "page" and v})
+    context = {
+        "page": page,
+        "summary": fleet_summary(rows),
+        "filters": filters,
+        "query": query,
+        "pools": NodePool.objects.values_list("name", flat=True),
+        "healths": Node.Health.choices,
+    }
     template = "fleet/nodes.html#node-table" if request.htmx else "fleet/nodes.html"
-    return render(request, template, {"nodes": node_list()})
+    return render(request, template, context)
 
 
 def node_detail(request: HtmxHttpRequest, name: str) -> HttpResponse:
@@ -61,7 +95,7 @@ def node_detail(request: HtmxHttpRequest, name: str) -> HttpResponse:
         "rows": node_models(node),
         "operations": operations,
         "busy": any(op.status in OPEN for op in operations),
-        "models": Model.objects.prefetch_related("versions"),
+        "release_options": _release_options(),
     }
     if request.htmx and request.htmx.target == "node-live":
         response = render(request, "fleet/node_detail.html#node-live", context)
@@ -103,20 +137,38 @@ def node_load(request: HttpRequest, name: str) -> HttpResponse:
 def node_operate(request: HttpRequest, name: str) -> HttpResponse:
     node = get_object_or_404(Node, name=name)
     kind, model = request.POST.get("kind", ""), request.POST.get("model", "")
-    if kind not in (Operation.Kind.RELOAD, Operation.Kind.UNLOAD):
-        messages.error(request, f"unknown action {kind!r}")
-        return back(request, reverse("fleet:node_detail", args=[name]))
+    actor = current_user(request)
     try:
-        operation_request(node_id=node.pk, kind=kind, model_name=model, actor=current_user(request))
+        if kind == "adopt":
+            node_adopt(node_id=node.pk, model_name=model, actor=actor)
+            done = f"{model} on {name} is managed now: it unloads unless a deployment names it."
+        elif kind in (Operation.Kind.RELOAD, Operation.Kind.UNLOAD):
+            operation_request(node_id=node.pk, kind=kind, model_name=model, actor=actor)
+            done = f"{kind.capitalize()} of {model} on {name} queued."
+        else:
+            raise FleetError(f"unknown action {kind!r}")
     except (FleetError, DesiredStateError) as exc:
         messages.error(request, str(exc))
     else:
-        messages.success(request, f"{kind.capitalize()} of {model} on {name} queued.")
+        messages.success(request, done)
     return back(request, reverse("fleet:node_detail", args=[name]))
 
 
+POOLS_PER_PAGE = 10
+
+
+def _release_options() -> str:
+    """The <option>s of a deploy form: every released version."""
+    released = ModelVersion.objects.filter(status=ModelVersion.Status.RELEASED)
+    releases = released.select_related("model").order_by("model__name", "version")
+    return render_to_string("fleet/partials/release_options.html", {"releases": releases})
+
+
 def deployments(request: HttpRequest) -> HttpResponse:
-    context = {"pools": pool_views(), "models": Model.objects.prefetch_related("versions")}
+    """What every pool should run, a page of pools at a time, each with its nodes summarised."""
+    page = Paginator(NodePool.objects.all(), POOLS_PER_PAGE).get_page(request.GET.get("page"))
+    # The options are rendered once, not once per pool: hundreds of versions, ten pools.
+    context = {"page": page, "pools": pool_views(page), "release_options": _release_options()}
     return render(request, "fleet/deployments.html", context)
 
 

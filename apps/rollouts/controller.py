@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from apps.audit.services import audit_record
 from apps.fleet.models import Deployment, Node, NodePool
-from apps.fleet.selectors import observed_versions
+from apps.fleet.selectors import observed_many
 from apps.fleet.services import FleetError, deployment_remove, deployment_set
 from apps.observability.prometheus import PrometheusUnavailable
 from apps.registry.codec import ensemble_steps, from_dict
@@ -204,7 +204,8 @@ def _apply_share(rollout: Rollout, canary: list[Node]) -> None:
 
 def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: datetime) -> None:
     wanted = set(canary_versions(rollout))
-    waiting = [n for n in canary if observed_versions(n, rollout.model.name)[0] != wanted]
+    readings = observed_many(canary, [rollout.model.name])
+    waiting = [n for n in canary if readings[(n.pk, rollout.model.name)][0] != wanted]
     if not waiting:
         rollout.step_ready_at = now
         rollout.save()
@@ -339,7 +340,9 @@ def _aborting(rollout: Rollout) -> None:
 def _all_serve(rollout: Rollout, version: int, timed: list[str] | None = None) -> datetime | None:
     """None while a node of the pool is not read back serving `version` of the model alone;
     then since when all of them (or all `timed` nodes) do."""
-    readings = {n.name: observed_versions(n, rollout.model.name) for n in _nodes(rollout)}
+    nodes = _nodes(rollout)
+    found = observed_many(nodes, [rollout.model.name])
+    readings = {n.name: found[(n.pk, rollout.model.name)] for n in nodes}
     if not readings or any(versions != {version} for versions, _ in readings.values()):
         return None
     since = [readings[n][1] for n in timed or readings if n in readings]

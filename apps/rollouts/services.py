@@ -7,9 +7,8 @@ from typing import Any
 from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 
-from apps.audit.models import AuditEvent
 from apps.audit.services import actor_name, audit_record, audited
-from apps.fleet.models import Deployment, NodePool
+from apps.fleet.models import Deployment, NodePool, Release
 from apps.fleet.services import FleetError, deployment_set
 from apps.registry.codec import ensemble_steps, from_dict
 from apps.registry.models import Model, ModelVersion
@@ -219,23 +218,37 @@ def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
 def last_good_version(model: Model, pool: NodePool) -> int | None:
     """The newest version the pool ran before its current one; never a canary that was rolled
     back or failed, nor a release on-call rolled back from."""
-    current = Deployment.objects.filter(model=model, pool=pool).values_list("version", flat=True)
-    bad = set(
-        Rollout.objects.filter(
-            model=model, pool=pool, state__in=[State.ROLLED_BACK, State.FAILED]
-        ).values_list("canary_version", flat=True)
+    return last_good_versions([(model.pk, pool.pk)]).get((model.pk, pool.pk))
+
+
+def last_good_versions(pairs: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """`last_good_version` of each (model id, pool id) pair, in three queries however many."""
+    models, pools = {m for m, _ in pairs}, {p for _, p in pairs}
+    current = dict(
+        ((d.model_id, d.pool_id), d.version)
+        for d in Deployment.objects.filter(model_id__in=models, pool_id__in=pools)
     )
-    changes = AuditEvent.objects.filter(  # a one-click switch records the change itself
-        action__in=["deployment.set", "release.rollback", "release.fallback"],
-        target=f"pool:{pool.name}:{model.name}",
-        result="ok",
+    bad: dict[tuple[int, int], set[int]] = {}
+    failed = Rollout.objects.filter(
+        model_id__in=models, pool_id__in=pools, state__in=[State.ROLLED_BACK, State.FAILED]
     )
-    bad |= {e.before.get("version") for e in changes if e.action == "release.rollback"}
-    for change in changes.order_by("-created_at", "-id"):
-        for version in (change.after.get("version"), change.before.get("version")):
-            if version and version not in bad and version not in current:
-                return int(version)
-    return None
+    for model_id, pool_id, version in failed.values_list("model_id", "pool_id", "canary_version"):
+        bad.setdefault((model_id, pool_id), set()).add(version)
+    releases = list(
+        Release.objects.filter(model_id__in=models, pool_id__in=pools)
+        .order_by("-started_at", "-id")
+        .values_list("model_id", "pool_id", "version", "rolled_back")
+    )
+    for model_id, pool_id, version, rolled_back in releases:
+        if rolled_back:
+            bad.setdefault((model_id, pool_id), set()).add(version)
+    found: dict[tuple[int, int], int] = {}
+    for model_id, pool_id, version, _ in releases:
+        pair = (model_id, pool_id)
+        if pair in found or version in bad.get(pair, ()) or version == current.get(pair):
+            continue
+        found[pair] = version
+    return {pair: found[pair] for pair in pairs if pair in found}
 
 
 @audited("release.rollback", _pool_target, (RolloutError, PlanError))
@@ -270,6 +283,10 @@ def _switch(model: Model, pool: NodePool, version: int, action: str, actor: Acto
     their own deployments."""
     current = Deployment.objects.filter(model=model, pool=pool).values_list("version", flat=True)
     before = current.first()
+    if action == "rollback":
+        Release.objects.filter(pool=pool, model=model, ended_at__isnull=True).update(
+            rolled_back=True
+        )
     try:
         deployment_set(model_name=model.name, version=version, pool=pool, actor=actor)
     except FleetError as exc:

@@ -1,6 +1,7 @@
 from collections.abc import Callable
 
 from django.contrib import messages
+from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
@@ -15,7 +16,7 @@ from apps.rollouts.models import Rollout
 from apps.rollouts.plans import PlanError, parse_plan
 from apps.rollouts.services import (
     RolloutError,
-    last_good_version,
+    last_good_versions,
     release_fallback,
     release_rollback,
     rollout_abort,
@@ -31,15 +32,18 @@ from controlplane.htmx import HtmxHttpRequest, back
 
 def rollout_list(request: HttpRequest) -> HttpResponse:
     """Rollouts, and what each pool runs with the releases on-call can switch it to."""
-    rollouts = Rollout.objects.select_related("model", "pool")[:100]
-    releases = [
-        (deployment, last_good_version(deployment.model, deployment.pool))
-        for deployment in Deployment.objects.select_related("model", "pool")
-        if deployment.pool is not None
-    ]
-    return render(
-        request, "rollouts/rollout_list.html", {"rollouts": rollouts, "releases": releases}
-    )
+    rollouts = Paginator(Rollout.objects.select_related("model", "pool"), 25)
+    pool_deployments = Deployment.objects.filter(pool__isnull=False).select_related("model", "pool")
+    deployments = Paginator(pool_deployments.order_by("pool__name", "model__name"), 25)
+    shown = deployments.get_page(request.GET.get("releases"))
+    pairs = [(d, (d.model_id, d.pool_id or 0)) for d in shown]
+    last_good = last_good_versions([pair for _, pair in pairs])
+    context = {
+        "rollouts": rollouts.get_page(request.GET.get("page")),
+        "deployments": shown,
+        "releases": [(d, last_good.get(pair)) for d, pair in pairs],
+    }
+    return render(request, "rollouts/rollout_list.html", context)
 
 
 @require("rollouts.add_rollout", "rollout.start")

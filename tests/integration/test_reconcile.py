@@ -15,7 +15,14 @@ from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.fleet.devfleet import Devfleet, FleetState
 from apps.fleet.models import Node, NodePool, Operation
-from apps.fleet.services import deployment_set
+from apps.fleet.operations import node_reconcile
+from apps.fleet.services import (
+    FleetError,
+    deployment_remove,
+    deployment_set,
+    node_adopt,
+    operation_request,
+)
 from apps.fleet.triton import TritonClient
 from apps.registry.codec import parse_pbtxt
 from apps.registry.services import version_create
@@ -187,6 +194,74 @@ def test_a_worker_killed_mid_deployment_loads_nothing_twice(
         assert set(received) == set(sent)
     unknown = Operation.objects.filter(node__pool=pool, status="unknown")
     assert set(unknown.values_list("node__name", "model_name")) == set(killed_mid)
+
+
+STEPS_V4 = {("embedder", 2), ("retriever", 2), ("generator", 2), ("rag_pipeline", 4)}
+
+
+def unload_everything(nodes: list[Node]) -> None:
+    """Ensembles first, by name, as someone at Triton's API would."""
+    for node in nodes:
+        client = TritonClient(node.http_url, node=node.name)
+        names = {model for model, _ in ready_on(node)}
+        for name in sorted(names, key=lambda n: n != "rag_pipeline"):
+            client.unload(name)
+    wait_for("every node is empty", lambda: all(not ready_on(n) for n in nodes))
+
+
+def reconciled_twice(nodes: list[Node]) -> None:
+    """Two whole reconciles of each node, each one's operations run to their end."""
+    for _ in range(2):
+        for node in nodes:
+            node_reconcile(node_id=node.pk)
+        wait_for(
+            "no operation is open",
+            lambda: not Operation.objects.filter(status__in=["queued", "running"]).exists(),
+        )
+
+
+def test_what_someone_else_loaded_survives_every_reconcile_until_adopted(
+    pool: NodePool, trio: tuple[Devfleet, FleetState]
+) -> None:
+    devfleet, _ = trio
+    nodes = list(pool.nodes.order_by("name"))
+    unload_everything(nodes)
+    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
+    wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
+    deployment_set(model_name="rag_pipeline", version=4, pool=pool, actor="system:test")
+    wait_for("v4 (no reranker) is READY on every node", converged(pool, STEPS_V4))
+    # The reranker we loaded, then let go, is loaded again by hand on one node.
+    first, second = nodes[0], nodes[1]
+    TritonClient(first.http_url, node=first.name).load("reranker")
+    hand_loaded = ready_on(first) - STEPS_V4
+    assert {model for model, _ in hand_loaded} == {"reranker"}
+    since = Operation.objects.order_by("-id").values_list("id", flat=True).first()
+    reconciled_twice(nodes)
+    time.sleep(4)  # and the beat's own reconciles, every 2 s
+    assert ready_on(first) == STEPS_V4 | hand_loaded
+    # The pool lets go of everything; a person loads the whole v1 pipeline by hand on another
+    # node, ensemble included: it is theirs, and nothing of it is unloaded.
+    deployment_remove(deployment_id=pool.deployments.get().pk, actor="system:test")
+    wait_for("the product unloaded what it loaded", lambda: ready_on(second) == set())
+    devfleet.load_release(TritonClient(second.http_url, node=second.name), "rag_pipeline", 1)
+    hand_loaded_at = Operation.objects.order_by("-id").values_list("id", flat=True).first()
+    reconciled_twice(nodes)
+    time.sleep(4)
+    assert ready_on(second) == STEPS_V1
+    assert ready_on(first) == hand_loaded
+    assert ask(second) == "faq:account-password"
+    unloads = Operation.objects.filter(kind="unload")
+    assert not unloads.filter(id__gt=since, node=first, model_name="reranker").exists()
+    assert not unloads.filter(id__gt=hand_loaded_at, node=second).exists()
+    # Unloading from here needs an adoption first, and the adoption is audited.
+    with pytest.raises(FleetError, match="adopt it first"):
+        operation_request(node_id=first.pk, kind="unload", model_name="reranker", actor="ops")
+    node_adopt(node_id=first.pk, model_name="reranker", actor="ops")
+    adopted = AuditEvent.objects.get(action="node.adopt")
+    assert (adopted.actor, adopted.target) == ("ops", f"node:{first.name}:reranker")
+    wait_for("the adopted reranker is unloaded", lambda: ready_on(first) == set())
+    assert ready_on(second) == STEPS_V1
+    unload_everything(nodes)
 
 
 @pytest.mark.e2e

@@ -211,6 +211,7 @@ NOT_ACTIONS = {
     "compatibility_breaks": "a check",
     "rollout_propose": "a dry run: it changes nothing",
     "last_good_version": "a read",
+    "last_good_versions": "a read",
     "actor_name": "the trail itself",
     "audit_record": "the trail itself",
     "audited": "the trail itself",
@@ -244,6 +245,7 @@ FLEET_REGISTRY_SERVICES = {
     fleet.deployment_set,
     fleet.deployment_remove,
     fleet.operation_request,
+    fleet.node_adopt,
     registry.version_create,
     registry.version_set_status,
     registry.model_set_budget,
@@ -257,7 +259,12 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
 
     accounts.roles_sync()
     pool = NodePool.objects.create(name="gpu")
-    node = Node.objects.create(name="gpu-1", pool=pool, http_url="http://gpu-1:8000")
+    node = Node.objects.create(
+        name="gpu-1",
+        pool=pool,
+        http_url="http://gpu-1:8000",
+        index=[{"model": "other", "version": 1, "state": "READY", "reason": ""}],
+    )
     model = Model.objects.create(name="rag")
     draft = ModelVersion.objects.create(model=model, version=1, config=CONFIG)
     ModelVersion.objects.create(model=model, version=2, config=CONFIG, status="released")
@@ -311,6 +318,12 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             "deployment.set",
             lambda: fleet.deployment_set(model_name="rag", version=1, pool=pool, actor="ops"),
             lambda: fleet.deployment_set(model_name="rag", version=2, pool=pool, actor="ops"),
+        ),
+        Case(
+            fleet.node_adopt,
+            "node.adopt",
+            lambda: fleet.node_adopt(node_id=node.pk, model_name="absent", actor="ops"),
+            lambda: fleet.node_adopt(node_id=node.pk, model_name="other", actor="ops"),
         ),
         Case(
             fleet.operation_request,

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,58 @@ def test_a_refused_step_cancels_the_rest_of_its_plan_but_not_a_persons_operation
     assert first.status == "failed" and "load failed for model 'embedder'" in first.error
     assert second.status == "cancelled" and "step 0 (load embedder) failed" in second.error
     assert Operation.objects.get(pk=person.pk).status == "succeeded"
+
+
+def _ready(*models: str) -> list[dict]:
+    return [{"model": m, "version": "1", "state": "READY", "reason": ""} for m in models]
+
+
+def test_the_nodes_page_filters_searches_and_pages_on_the_server(
+    client: Client, viewer: User
+) -> None:
+    gpu, cpu = NodePool.objects.create(name="gpu"), NodePool.objects.create(name="cpu")
+    for i in range(60):
+        Node.objects.create(
+            name=f"gpu-{i:02d}",
+            pool=gpu,
+            http_url=f"http://10.0.0.{i}:8000",
+            health="unreachable" if i % 25 == 4 else "ready",
+            index=_ready("embedder") if i % 2 else [],
+        )
+    Node.objects.create(name="cpu-01", pool=cpu, http_url="http://10.9.0.1:8000", index=[])
+    client.force_login(viewer)
+
+    def names(query: str) -> list[str]:
+        body = client.get(f"/nodes/?{query}").content.decode()
+        return re.findall(r'<tr id="node-([\w-]+)"', body)
+
+    first = names("")
+    assert len(first) == 50 and first[0] == "cpu-01"
+    assert names("page=2") == [f"gpu-{i:02d}" for i in range(49, 60)]
+    assert names("pool=cpu") == ["cpu-01"]
+    assert names("health=unreachable") == ["gpu-04", "gpu-29", "gpu-54"]
+    assert names("q=10.0.0.7:") == ["gpu-07"]
+    assert names("model=embedder&pool=gpu&health=unreachable") == ["gpu-29"]
+    # The embedder is on odd nodes but no deployment names it: unmanaged, so they show drift.
+    assert names("drift=1&health=unreachable") == ["gpu-29"]
+    body = client.get("/nodes/?pool=gpu&page=2", headers={"HX-Request": "true"}).content.decode()
+    assert "60 nodes match: 57 ready, 3 unreachable, 30 drifting." in body
+    assert 'hx-get="/nodes/?pool=gpu&amp;page=2"' in body
+    assert body.count('<tr id="node-') == 10
+
+
+def test_an_unmanaged_model_can_be_adopted_and_only_then_unloaded(
+    client: Client, operator: User, node: Node
+) -> None:
+    Node.objects.filter(pk=node.pk).update(index=_ready("mystery"))
+    client.force_login(operator)
+    operate = lambda kind: client.post(  # noqa: E731
+        f"/nodes/{node.name}/operate/", {"kind": kind, "model": "mystery"}, follow=True
+    ).content.decode()
+    assert "adopt it first" in operate("unload")
+    assert not Operation.objects.exists()
+    assert "mystery on n1 is managed now" in operate("adopt")
+    assert Node.objects.get(pk=node.pk).owned == ["mystery"]
+    assert "Unload of mystery on n1 queued." in operate("unload")
+    event = AuditEvent.objects.get(action="node.adopt")
+    assert (event.actor, event.target) == (operator.username, "node:n1:mystery")

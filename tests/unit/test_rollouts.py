@@ -1,5 +1,5 @@
 """Rollout plans, checks and the state machine, with the fleet and Prometheus stubbed at their
-boundaries: what nodes report (`observed_versions`) and what analysis measures (`measure`). The
+boundaries: what nodes report (`observed_many`) and what analysis measures (`measure`). The
 same paths run against real nodes and a real Prometheus in tests/integration/test_rollouts.py."""
 
 from collections.abc import Iterator
@@ -9,16 +9,17 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
-from apps.fleet.models import Deployment, Node, NodePool
+from apps.fleet.models import Deployment, Node, NodePool, Release
 from apps.fleet.services import deployment_set
 from apps.observability.prometheus import PrometheusUnavailable
 from apps.registry.models import Model, ModelVersion
@@ -114,8 +115,14 @@ class Fleet:
                 {wanted.baseline_version} if wanted.baseline_version else set()
             )
 
-    def observed(self, node: Node, model: str) -> tuple[set[int], datetime]:
-        return self.served.get(node.name, set()), timezone.now()
+    def observed(
+        self, nodes: list[Node], models: list[str]
+    ) -> dict[tuple[int, str], tuple[set[int], datetime]]:
+        return {
+            (node.pk, model): (self.served.get(node.name, set()), timezone.now())
+            for node in nodes
+            for model in models
+        }
 
     def measure(self, **kwargs: Any) -> list[Result]:
         if self.verdict == "error":
@@ -143,7 +150,7 @@ def fleet(db: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
     deployment_set(model_name="rag", version=1, pool=pool, actor="ops")
     simulated = Fleet(pool)
     simulated.converge()
-    monkeypatch.setattr(controller, "observed_versions", simulated.observed)
+    monkeypatch.setattr(controller, "observed_many", simulated.observed)
     monkeypatch.setattr(controller, "measure", simulated.measure)
     yield simulated
 
@@ -324,6 +331,25 @@ def test_rollback_and_fallback_switch_the_pool_at_once(fleet: Fleet) -> None:
     Model.objects.filter(name="rag").update(fallback_version=3)
     assert release_fallback(model_name="rag", pool_name="gpu", actor="oncall") == 3
     assert AuditEvent.objects.filter(action="release.fallback", result="failed").count() == 1
+
+
+def test_release_history_is_its_own_table_and_last_good_reads_only_it(fleet: Fleet) -> None:
+    deployment_set(model_name="rag", version=2, pool=fleet.pool, actor="ops")
+    deployment_set(model_name="rag", version=3, pool=fleet.pool, actor="ann")
+    history = list(Release.objects.filter(pool=fleet.pool).order_by("started_at", "id"))
+    assert [(r.version, r.started_by, r.ended_at is None) for r in history] == [
+        (1, "ops", False),
+        (2, "ops", False),
+        (3, "ann", True),
+    ]
+    assert history[0].ended_at == history[1].started_at
+    rag = Model.objects.get(name="rag")
+    with CaptureQueriesContext(connection) as captured:
+        assert last_good_version(rag, fleet.pool) == 2
+    assert not [q for q in captured.captured_queries if "audit" in q["sql"]]
+    assert release_rollback(model_name="rag", pool_name="gpu", actor="oncall") == 2
+    assert Release.objects.get(version=3).rolled_back
+    assert last_good_version(Model.objects.get(name="rag"), fleet.pool) == 1  # never v3 again
 
 
 ROLLOUT_SERVICES = {

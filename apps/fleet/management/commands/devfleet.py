@@ -3,16 +3,21 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from apps.fleet.devfleet import Devfleet, DevfleetError
+from apps.fleet.devfleet import Devfleet, DevfleetError, Proc
 from apps.fleet.models import Node
 from apps.fleet.selectors import node_list
 from apps.fleet.services import node_register
 from apps.fleet.traffic import send_traffic
 from apps.fleet.triton import TritonClient, TritonError
 
+SIMULATED_MAX = 1000
+
 
 class Command(BaseCommand):
-    help = "Run a local fleet of real tritonserver nodes and a Prometheus that scrapes them."
+    help = (
+        "Run a local fleet of real tritonserver nodes and a Prometheus that scrapes them, "
+        "or simulated nodes for load tests."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--home", type=Path, default=settings.VAR_DIR / "devfleet")
@@ -25,6 +30,15 @@ class Command(BaseCommand):
         up.add_argument("--pool", default="demo")
         up.add_argument("--base-port", type=int, default=8100, help="0 picks free ports")
         up.add_argument("--prometheus-port", type=int, default=9090)
+        up.add_argument(
+            "--simulated",
+            type=int,
+            default=0,
+            metavar="N",
+            help="N simulated nodes in one process instead of real ones (load tests only)",
+        )
+        up.add_argument("--load-ms", type=float, default=50.0, help="simulated load latency")
+        up.add_argument("--failure-rate", type=float, default=0.0, help="simulated load failures")
         up.add_argument(
             "--load",
             action="append",
@@ -58,6 +72,9 @@ class Command(BaseCommand):
     def _up(
         self, fleet: Devfleet, *, nodes: int, pool: str, base_port: int, **options: object
     ) -> None:
+        if options["simulated"]:
+            self._up_simulated(fleet, pool=pool, base_port=base_port, **options)  # type: ignore[arg-type]
+            return
         if not 1 <= nodes <= 16:
             raise CommandError("--nodes must be between 1 and 16")
         state = fleet.up(
@@ -83,6 +100,41 @@ class Command(BaseCommand):
                 fleet.load_release(client, model, int(version))
             self.stdout.write(f"loaded {model} v{version} on {len(state.nodes)} nodes")
 
+    def _up_simulated(
+        self,
+        fleet: Devfleet,
+        *,
+        simulated: int,
+        pool: str,
+        base_port: int,
+        load_ms: float,
+        failure_rate: float,
+        load: list[str],
+        **options: object,
+    ) -> None:
+        if not 1 <= simulated <= SIMULATED_MAX:
+            raise CommandError(f"--simulated must be between 1 and {SIMULATED_MAX}")
+        if not (0 <= failure_rate <= 1 and load_ms >= 0):
+            raise CommandError("--failure-rate must be in [0, 1] and --load-ms at least 0")
+        if load:
+            raise CommandError("--load needs real nodes; simulated nodes hold no repository")
+        state = fleet.up_simulated(
+            nodes=simulated,
+            pool=pool,
+            base_port=base_port or None,
+            load_ms=load_ms,
+            failure_rate=failure_rate,
+        )
+        for name, urls in state.simulated_urls().items():
+            node_register(name=name, pool=pool, actor="system:devfleet", **urls)
+        proc = state.simulator
+        assert proc is not None
+        names = list(proc.ports)
+        self.stdout.write(
+            f"{len(names)} simulated nodes {names[0]}..{names[-1]} in pool {pool} on ports "
+            f"{_port_span(proc)} (pid {proc.pid}, log {proc.log})"
+        )
+
     def _down(self, fleet: Devfleet, **options: object) -> None:
         for line in fleet.down() or ["nothing to stop"]:
             self.stdout.write(line)
@@ -100,6 +152,8 @@ class Command(BaseCommand):
         for proc in state.processes:
             status = "running" if proc.running else "stopped"
             ports = " ".join(f"{k}={v}" for k, v in proc.ports.items())
+            if proc is state.simulator:
+                ports = f"{len(proc.ports)} nodes on ports {_port_span(proc)}"
             self.stdout.write(f"{proc.name:<12} pid {proc.pid:<8} {status:<8} {ports}")
         for node in node_list():
             models = ", ".join(f"{e['model']} v{e['version']}" for e in node.ready_models) or "-"
@@ -133,3 +187,8 @@ class Command(BaseCommand):
         )
         for key, count in sorted(results.items()):
             self.stdout.write(f"{key}: {count}")
+
+
+def _port_span(proc: Proc) -> str:
+    """The simulator's ports, one per node: consecutive unless --base-port 0 picked free ones."""
+    return f"{min(proc.ports.values())}..{max(proc.ports.values())}"

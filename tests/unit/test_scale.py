@@ -1,0 +1,79 @@
+"""Costs flat in fleet size: each page and API list sends as many queries for a big fleet as for
+a small one, and the desired state of a whole pool costs as much as one node's."""
+
+from django.contrib.auth.models import User
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+
+from apps.accounts.services import token_create
+from apps.fleet.desired import fleet_desired
+from apps.fleet.models import Node, NodePool
+from apps.rollouts.models import Rollout
+from apps.rollouts.seed import Size, seed_fleet
+
+SMALL = Size(nodes=4, pools=2, models=10, versions=3, operations=20, rollouts=2, events=30)
+BIGGER = Size(nodes=60, pools=3, models=15, versions=4, operations=300, rollouts=9, events=900)
+
+
+def pages() -> list[str]:
+    node = Node.objects.order_by("name").first()
+    rollout = Rollout.objects.order_by("id").first()
+    assert node and rollout
+    return [
+        "/",
+        "/nodes/",
+        "/nodes/?drift=1",
+        f"/nodes/{node.name}/",
+        "/deployments/",
+        "/models/",
+        "/models/a-model-000/",
+        "/rollouts/",
+        f"/rollouts/{rollout.pk}/",
+        "/audit/",
+        "/audit/timeline/",
+        "/api/nodes",
+        "/api/deployments",
+        "/api/rollouts",
+        "/api/audit",
+        "/api/operations",
+        "/api/models",
+    ]
+
+
+def count(client: Client, url: str, token: str) -> int:
+    headers = {"Authorization": f"Bearer {token}"} if url.startswith("/api/") else {}
+    with CaptureQueriesContext(connection) as captured:
+        response = client.get(url, headers=headers)
+    assert response.status_code == 200, (url, response.status_code)
+    return len(captured)
+
+
+def test_every_page_and_api_list_costs_the_same_queries_at_any_fleet_size(
+    client: Client, admin_user: User, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    client.force_login(admin_user)
+    _, token = token_create(user=admin_user, name="ci", actor="system:test")
+    seed_fleet(size=SMALL, prefix="a-")
+    small = {url: count(client, url, token) for url in pages()}
+    seed_fleet(size=BIGGER, prefix="b-")
+    big = {url: count(client, url, token) for url in pages()}
+    assert big == small
+
+
+def test_a_pools_desired_state_costs_the_same_for_any_number_of_nodes(db: None) -> None:
+    seed_fleet(size=SMALL, prefix="a-")
+
+    def queries(pool: NodePool) -> tuple[int, int]:
+        with CaptureQueriesContext(connection) as captured:
+            desired = fleet_desired(pool_ids=[pool.pk])
+            states = [desired.of(node) for node in pool.nodes.all()]
+        assert all(states)
+        return len(captured), len(states)
+
+    few, few_nodes = queries(NodePool.objects.get(name="a-pool-00"))
+    seed_fleet(size=BIGGER, prefix="b-")
+    many, many_nodes = queries(NodePool.objects.get(name="b-pool-00"))
+    assert many_nodes > 5 * few_nodes
+    assert many == few
