@@ -7,6 +7,12 @@ class NodePool(models.Model):
     name = models.SlugField(max_length=60, unique=True)
     labels = models.JSONField(default=dict, blank=True)
     traffic_strategy = models.CharField(max_length=30, default="nodes")
+    queue = models.CharField(
+        max_length=60,
+        blank=True,
+        help_text="the Celery queue whose workers drive this pool's nodes (say, workers in the "
+        "same region); empty: the default queue",
+    )
 
     class Meta:
         ordering = ["name"]

@@ -11,13 +11,13 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import Count, Max, Q
 from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 from apps.fleet.desired import Desired, DesiredStateError, node_desired, plan_digest
-from apps.fleet.models import Node, Operation
+from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Observed, plan
 from apps.fleet.services import node_poll
 from apps.fleet.triton import (
@@ -27,7 +27,7 @@ from apps.fleet.triton import (
     TritonTimeout,
     TritonUnreachable,
 )
-from apps.registry.models import Model
+from apps.registry.models import Model, ModelVersion
 
 log = logging.getLogger(__name__)
 OPEN = (Operation.Status.QUEUED, Operation.Status.RUNNING)
@@ -72,9 +72,10 @@ def observed_state(node: Node) -> dict[str, Observed]:
     }
 
 
-def node_reconcile(*, node_id: int) -> list[Operation]:
-    """Read the node, plan what is missing, queue it. Harmless to repeat: a node with queued or
-    running operations is left to them, and a converged node gets no operation at all."""
+def node_reconcile(*, node_id: int, enqueue: bool = True) -> list[Operation]:
+    """Read the node, plan what is missing, queue it (and a run of it, unless the caller runs it
+    itself). Harmless to repeat: a node with queued or running operations is left to them, and a
+    converged node gets no operation at all."""
     node = node_poll(node_id=node_id)
     if node.health == Node.Health.UNREACHABLE or node.last_error:
         return []
@@ -116,7 +117,8 @@ def node_reconcile(*, node_id: int) -> list[Operation]:
         ]
         if ops:
             _record_drift(node, [str(op) for op in ops])
-            transaction.on_commit(lambda: enqueue_run(node_id))
+            if enqueue:
+                transaction.on_commit(lambda: enqueue_run(node_id))
     return ops
 
 
@@ -152,9 +154,9 @@ def _record_drift(node: Node, operations: list[str]) -> None:
 
 
 def enqueue_run(node_id: int) -> None:
-    from apps.fleet.tasks import run_node  # tasks import this module
+    from apps.fleet.tasks import run_node, send_per_node  # tasks import this module
 
-    run_node.delay(node_id)
+    send_per_node(run_node, [node_id])
 
 
 class Lease:
@@ -223,9 +225,10 @@ def node_run(*, node_id: int) -> None:
             error="the worker was lost mid-operation; the reconciler reads the node's state",
         )
         node = Node.objects.get(pk=node_id)
-        queued = node.operations.filter(status=Operation.Status.QUEUED).order_by("seq", "id")
-        while op := queued.first():
-            if op.requested_by == RECONCILER and not _still_wanted(node, op):
+        queued = node.operations.filter(status=Operation.Status.QUEUED).select_related("node")
+        wanted = _Wanted(node)
+        while op := queued.order_by("seq", "id").first():
+            if op.requested_by == RECONCILER and wanted.digest() != op.plan_digest:
                 _cancel_plan(op, "superseded: the desired state changed after this was planned")
                 continue
             if not lease.held:
@@ -246,11 +249,30 @@ def _cancel_plan(op: Operation, why: str) -> None:
     ).update(status=Operation.Status.CANCELLED, finished_at=timezone.now(), error=why)
 
 
-def _still_wanted(node: Node, op: Operation) -> bool:
-    try:
-        return plan_digest(node_desired(node)) == op.plan_digest
-    except DesiredStateError:
-        return False
+class _Wanted:
+    """The digest of the node's desired state now, recomputed (every deployment and config read
+    and parsed) only when what it is computed from changed since the last look: the deployments
+    that target the node, and the registry's released versions (a step pinned to the latest)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.inputs: tuple | None = None
+        self.value: str | None = None
+
+    def digest(self) -> str | None:
+        targeting = Deployment.objects.filter(Q(pool_id=self.node.pool_id) | Q(node=self.node))
+        released = ModelVersion.objects.filter(status=ModelVersion.Status.RELEASED)
+        inputs = (
+            tuple(targeting.order_by("id").values_list("id", "version", "baseline_version")),
+            tuple(released.aggregate(count=Count("id"), last=Max("id")).values()),
+        )
+        if inputs != self.inputs:
+            self.inputs = inputs
+            try:
+                self.value = plan_digest(node_desired(self.node))
+            except DesiredStateError:
+                self.value = None
+        return self.value
 
 
 def _execute(node: Node, op: Operation) -> str:

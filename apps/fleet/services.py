@@ -1,4 +1,5 @@
 import dataclasses
+import re
 from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
@@ -207,13 +208,9 @@ def _note_health(
 
 
 def _reconcile_later(node_ids: list[int]) -> None:
-    from apps.fleet.tasks import reconcile_node  # tasks import services
+    from apps.fleet.tasks import reconcile_node, send_per_node  # tasks import services
 
-    def enqueue() -> None:
-        for node_id in node_ids:
-            reconcile_node.delay(node_id)
-
-    transaction.on_commit(enqueue)
+    transaction.on_commit(lambda: send_per_node(reconcile_node, node_ids))
 
 
 def _deployment_target(
@@ -387,6 +384,30 @@ def node_adopt(*, node_id: int, model_name: str, actor: Actor) -> Node:
         message="the reconciler unloads it unless a deployment names it",
     )
     return node
+
+
+QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,59}")
+
+
+@audited("pool.set_queue", lambda pool_name, **_: f"pool:{pool_name}", (FleetError,))
+def pool_set_queue(*, pool_name: str, queue: str, actor: Actor) -> NodePool:
+    """Route the pool's node work (polls, reconciles, loads) to `queue`; empty: the default."""
+    if queue and not QUEUE_NAME.fullmatch(queue):
+        raise FleetError(f"queue {queue!r}: letters, digits, '_', '.' and '-', at most 60")
+    pool = NodePool.objects.select_for_update().filter(name=pool_name).first()
+    if pool is None:
+        raise FleetError(f"no pool {pool_name!r}")
+    if pool.queue != queue:
+        audit_record(
+            actor=actor,
+            action="pool.set_queue",
+            target=f"pool:{pool_name}",
+            before={"queue": pool.queue},
+            after={"queue": queue},
+        )
+        pool.queue = queue
+        pool.save(update_fields=["queue"])
+    return pool
 
 
 def _versions(deployment: Deployment) -> dict[str, int]:

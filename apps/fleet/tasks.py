@@ -1,18 +1,32 @@
-"""Thin Celery wrappers: ids in, services do the work. Each task states its delivery policy."""
+"""Thin Celery wrappers: ids in, services do the work. Each task states its delivery policy.
 
-from celery import shared_task
+Work on a node goes to its pool's queue, so a pool can be driven by workers next to its nodes
+(`celery worker -Q <queue>` in that region); a pool without a queue uses the default one."""
+
+from collections.abc import Iterable
+
+from celery import Task, shared_task
 
 from apps.fleet.models import Node
-from apps.fleet.operations import NodeBusy, node_reconcile, node_run
+from apps.fleet.operations import NodeBusy, enqueue_run, node_reconcile, node_run
 from apps.fleet.services import node_poll
 from apps.fleet.triton import TritonUnreachable
+
+
+def send_per_node(task: Task, node_ids: Iterable[int] | None = None) -> None:
+    """One `task` per node (every node when None), each on its pool's queue."""
+    nodes = Node.objects.all() if node_ids is None else Node.objects.filter(pk__in=node_ids)
+    for node_id, queue in nodes.values_list("id", "pool__queue"):
+        if queue:
+            task.apply_async((node_id,), queue=queue)
+        else:
+            task.apply_async((node_id,))
 
 
 @shared_task(name="fleet.poll_nodes", acks_late=True, expires=10)
 def poll_nodes() -> None:
     """Fan out one poll per node, so one slow node never delays the others."""
-    for node_id in Node.objects.values_list("id", flat=True):
-        poll_node.delay(node_id)
+    send_per_node(poll_node)
 
 
 # Polling is read-only and periodic: a lost or failed poll is simply replaced by the next one,
@@ -25,16 +39,21 @@ def poll_node(node_id: int) -> None:
 @shared_task(name="fleet.reconcile_all", acks_late=True, expires=30)
 def reconcile_all() -> None:
     """Level-triggered: every node, every period; a lost message is healed by the next one."""
-    for node_id in Node.objects.values_list("id", flat=True):
-        reconcile_node.delay(node_id)
+    send_per_node(reconcile_node)
 
 
 # Planning is idempotent (a node with open operations is skipped), so a redelivery is harmless.
+# The plan runs in the same task: a release reaches each node without a second trip through a
+# queue that holds every other node's reconcile. Limits as for run_node, which it does.
 @shared_task(
-    name="fleet.reconcile_node", acks_late=True, expires=60, soft_time_limit=30, time_limit=45
+    name="fleet.reconcile_node", acks_late=True, expires=60, soft_time_limit=300, time_limit=330
 )
 def reconcile_node(node_id: int) -> None:
-    node_reconcile(node_id=node_id)
+    if node_reconcile(node_id=node_id, enqueue=False):
+        try:
+            node_run(node_id=node_id)
+        except (NodeBusy, TritonUnreachable):
+            enqueue_run(node_id)  # that task retries with backoff
 
 
 # Retries only when the node did not answer or another worker holds it; a config Triton refuses

@@ -186,6 +186,26 @@ class Celery:
             if self.worker.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"celery worker did not start; see {self.root / 'worker.log'}")
 
+    def start_worker_for(self, queue: str) -> subprocess.Popen[bytes]:
+        """A second worker that takes tasks from `queue` only, as one in a pool's own region
+        would; the caller stops it. Its log is `worker-<queue>.log`."""
+        worker = self._spawn(
+            "worker",
+            "--pool=prefork",
+            "--concurrency=2",
+            "--without-mingle",
+            "--without-gossip",
+            f"--queues={queue}",
+            f"--hostname={queue}@%h",
+            log=f"worker-{queue}.log",
+        )
+        deadline = time.monotonic() + 60
+        hostname = f"{queue}@{socket.gethostname()}"
+        while not celery_app.control.ping(timeout=0.5, destination=[hostname]):
+            if worker.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"celery worker for {queue} did not start; see {self.root}")
+        return worker
+
     @property
     def hostname(self) -> str:
         return f"test{self.starts}@{socket.gethostname()}"

@@ -1,7 +1,9 @@
 """Desired state converged by the real worker and beat on 3 real Triton nodes."""
 
+import os
 import re
 import shutil
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,6 +24,7 @@ from apps.fleet.services import (
     deployment_set,
     node_adopt,
     operation_request,
+    pool_set_queue,
 )
 from apps.fleet.triton import TritonClient
 from apps.registry.codec import parse_pbtxt
@@ -261,6 +264,32 @@ def test_what_someone_else_loaded_survives_every_reconcile_until_adopted(
     assert (adopted.actor, adopted.target) == ("ops", f"node:{first.name}:reranker")
     wait_for("the adopted reranker is unloaded", lambda: ready_on(first) == set())
     assert ready_on(second) == STEPS_V1
+    unload_everything(nodes)
+
+
+def test_a_pool_on_its_own_queue_is_driven_by_that_queues_worker_alone(
+    pool: NodePool, celery: Celery
+) -> None:
+    nodes = list(pool.nodes.all())
+    unload_everything(nodes)
+    pool_set_queue(pool_name=pool.name, queue="region-b", actor="ops")
+    regional = celery.start_worker_for("region-b")
+    logs = {name: celery.root / f"{name}.log" for name in ("worker", "worker-region-b")}
+    since = {name: log.stat().st_size for name, log in logs.items()}
+    try:
+        deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
+        wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
+    finally:
+        os.killpg(regional.pid, signal.SIGTERM)
+        regional.wait(30)
+    took = {
+        name: Counter(re.findall(r"Task (fleet\.\w+)\[", log.read_bytes()[since[name] :].decode()))
+        for name, log in logs.items()
+    }
+    node_tasks = {"fleet.poll_node", "fleet.reconcile_node", "fleet.run_node"}
+    assert node_tasks <= set(took["worker-region-b"]), took
+    assert not node_tasks & set(took["worker"]), took  # the default worker fans out, no more
+    assert took["worker"]["fleet.reconcile_all"] >= 1
     unload_everything(nodes)
 
 

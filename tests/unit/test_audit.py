@@ -246,6 +246,7 @@ FLEET_REGISTRY_SERVICES = {
     fleet.deployment_remove,
     fleet.operation_request,
     fleet.node_adopt,
+    fleet.pool_set_queue,
     registry.version_create,
     registry.version_set_status,
     registry.model_set_budget,
@@ -324,6 +325,12 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             "node.adopt",
             lambda: fleet.node_adopt(node_id=node.pk, model_name="absent", actor="ops"),
             lambda: fleet.node_adopt(node_id=node.pk, model_name="other", actor="ops"),
+        ),
+        Case(
+            fleet.pool_set_queue,
+            "pool.set_queue",
+            lambda: fleet.pool_set_queue(pool_name="gpu", queue="eu west", actor="ops"),
+            lambda: fleet.pool_set_queue(pool_name="gpu", queue="eu-west", actor="ops"),
         ),
         Case(
             fleet.operation_request,

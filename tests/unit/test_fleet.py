@@ -6,8 +6,10 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from apps.audit.models import AuditEvent
+from apps.fleet import tasks
 from apps.fleet.desired import node_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.operations import enqueue_run
 from apps.fleet.services import FleetError, deployment_set, node_register, operation_request
 from apps.fleet.triton import parse_gpu_memory
 from apps.registry.imports import repository_import
@@ -289,3 +291,31 @@ def test_an_unmanaged_model_can_be_adopted_and_only_then_unloaded(
     assert "Unload of mystery on n1 queued." in operate("unload")
     event = AuditEvent.objects.get(action="node.adopt")
     assert (event.actor, event.target) == (operator.username, "node:n1:mystery")
+
+
+def test_node_work_goes_to_each_pools_own_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    NodePool.objects.create(name="eu", queue="eu-west")
+    NodePool.objects.create(name="us")
+    for name, pool in (("eu-1", "eu"), ("eu-2", "eu"), ("us-1", "us")):
+        Node.objects.create(name=name, pool=NodePool.objects.get(name=pool), http_url="http://x:1")
+    sent: list[tuple[str, str | None]] = []
+    for task in (tasks.poll_node, tasks.reconcile_node, tasks.run_node):
+        monkeypatch.setattr(
+            task,
+            "apply_async",
+            lambda args, queue=None, task=task: sent.append(
+                (task.name, Node.objects.get(pk=args[0]).name, queue)
+            ),
+        )
+    tasks.poll_nodes()
+    tasks.reconcile_all()
+    enqueue_run(Node.objects.get(name="us-1").pk)
+    assert sorted(sent) == [
+        ("fleet.poll_node", "eu-1", "eu-west"),
+        ("fleet.poll_node", "eu-2", "eu-west"),
+        ("fleet.poll_node", "us-1", None),
+        ("fleet.reconcile_node", "eu-1", "eu-west"),
+        ("fleet.reconcile_node", "eu-2", "eu-west"),
+        ("fleet.reconcile_node", "us-1", None),
+        ("fleet.run_node", "us-1", None),
+    ]
