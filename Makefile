@@ -35,8 +35,10 @@ e2e: $(STAMP) os-deps
 test: $(STAMP) os-deps lint
 	$(BIN)/pytest tests/unit tests/integration tests/e2e
 
+# Figures that count are taken on PostgreSQL, as production runs; BENCH_DATABASE_URL overrides.
+BENCH_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
 bench: $(STAMP) os-deps
-	$(BIN)/pytest tests/bench -p no:cacheprovider -s
+	DATABASE_URL=$(BENCH_DATABASE_URL) $(BIN)/pytest tests/bench -p no:cacheprovider -s
 
 clean:
 	rm -rf var/devfleet var/test-* var/screenshots
