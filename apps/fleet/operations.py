@@ -19,7 +19,7 @@ from apps.audit.services import audit_record
 from apps.fleet.desired import Desired, DesiredStateError, node_desired, plan_digest
 from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Observed, plan
-from apps.fleet.services import node_poll
+from apps.fleet.services import node_read_index
 from apps.fleet.triton import (
     TritonClient,
     TritonError,
@@ -76,7 +76,7 @@ def node_reconcile(*, node_id: int, enqueue: bool = True) -> list[Operation]:
     """Read the node, plan what is missing, queue it (and a run of it, unless the caller runs it
     itself). Harmless to repeat: a node with queued or running operations is left to them, and a
     converged node gets no operation at all."""
-    node = node_poll(node_id=node_id)
+    node = node_read_index(node_id=node_id)
     if node.health == Node.Health.UNREACHABLE or node.last_error:
         return []
     try:
@@ -87,9 +87,14 @@ def node_reconcile(*, node_id: int, enqueue: bool = True) -> list[Operation]:
     with transaction.atomic():
         locked = Node.objects.select_for_update().get(pk=node_id)
         if locked.operations.filter(status__in=OPEN).exists():
-            # Work is pending. If no worker holds the node, its run message was lost (a killed
-            # worker's unacknowledged task comes back only after the visibility timeout): kick it.
-            if locked.lease_until is None or locked.lease_until < timezone.now():
+            # Work is pending. If no worker has held the node for longer than a lease since it was
+            # queued, its run was lost (a killed worker's unacknowledged task comes back only
+            # after the visibility timeout): kick it. Younger work is about to be taken; kicking
+            # it too would only queue runs that find the node busy.
+            now = timezone.now()
+            stale = now - timedelta(seconds=settings.FLEET_LEASE_S)
+            free = locked.lease_until is None or locked.lease_until < now
+            if free and locked.operations.filter(status__in=OPEN, created_at__lt=stale).exists():
                 transaction.on_commit(lambda: enqueue_run(node_id))
             return []
         observed = observed_state(node)

@@ -32,7 +32,7 @@ class NodeRow:
 
 
 def node_rows(filters: NodeFilters = NodeFilters()) -> list[NodeRow]:
-    """Every node that passes `filters`, with its drift: two queries for the nodes and a handful
+    """Every node that passes `filters`, with its drift: one query for the nodes and a handful
     for the desired state of their pools, however many nodes."""
     nodes = node_list()
     if filters.pool:

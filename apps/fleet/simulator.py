@@ -404,19 +404,21 @@ class Simulator:
                 server.close()
 
 
-def floor_load(urls: list[str], model: str, config_json: str, concurrency: int) -> float:
-    """Seconds to load `model` on every node of `urls` and read that node's index back, as the
-    product does, `concurrency` nodes at a time, with nothing of the product in between: the floor
-    a benchmark compares the product to. Raises the first failed call."""
+def floor_load(urls: list[str], loads: list[tuple[str, str]], concurrency: int) -> float:
+    """Seconds to run `loads` ((model, config JSON) in order) on every node of `urls`, each load
+    followed by a read of that node's index, as the product does, `concurrency` nodes at a time,
+    with nothing of the product in between: the floor a benchmark compares the product to.
+    Raises the first failed call."""
 
-    def load_and_read(url: str) -> None:
+    def release(url: str) -> None:
         client = TritonClient(url, timeout=FLOOR_TIMEOUT_S)
-        client.load(model, config_json=config_json)
-        client.repository_index()
+        for model, config_json in loads:
+            client.load(model, config_json=config_json)
+            client.repository_index()
 
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        list(pool.map(load_and_read, urls))
+        list(pool.map(release, urls))
     return time.perf_counter() - started
 
 

@@ -4,6 +4,7 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
+from apps.fleet.models import Node
 from apps.rollouts.seed import Size, seed_fleet
 from tests.conftest import make_user, screenshot
 from tests.e2e.test_login import sign_in
@@ -43,3 +44,24 @@ def test_the_nodes_page_stays_usable_at_500_nodes(page: Page, live_server: objec
     expect(page.locator("#node-table tbody tr")).to_have_count(10)
     screenshot(page, "nodes-500-search")
     assert not page.console_errors  # type: ignore[attr-defined]
+
+
+def test_an_operator_adopts_a_model_someone_else_loaded(page: Page, live_server: object) -> None:
+    seed_fleet(size=Size(nodes=3, pools=1, models=5, versions=2, operations=3, events=3))
+    node = Node.objects.get(name="node-0001")
+    hand = {"model": "hand-loaded", "version": "1", "state": "READY", "reason": ""}
+    Node.objects.filter(pk=node.pk).update(index=[*node.index, hand])
+    sign_in(page, str(live_server), make_user(Role.OPERATOR).username)
+    page.goto(f"{live_server}/nodes/node-0001/")
+    row = page.locator("#model-hand-loaded")
+    expect(row).to_contain_text("unmanaged")
+    expect(row.get_by_role("button", name="Unload")).to_have_count(0)
+    screenshot(page, "node-unmanaged")
+    asked: list[str] = []
+    page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.accept()))
+    row.get_by_role("button", name="Adopt").click()
+    expect(page.locator(".flash")).to_contain_text("hand-loaded on node-0001 is managed now")
+    assert asked and "the reconciler unloads it unless a deployment names it" in asked[0]
+    expect(page.locator("#model-hand-loaded")).not_to_contain_text("unmanaged")
+    expect(page.locator("#model-hand-loaded").get_by_role("button", name="Unload")).to_be_visible()
+    assert "hand-loaded" in Node.objects.get(pk=node.pk).owned

@@ -159,7 +159,7 @@ def test_metrics_parse_and_list_each_ready_version(simulator: Simulator) -> None
 
 def test_fifty_nodes_answer_concurrently() -> None:
     with Simulator([0] * 50, load_ms=20) as sim:
-        seconds = floor_load(sim.urls, "embedder", versions(1), concurrency=25)
+        seconds = floor_load(sim.urls, [("embedder", versions(1))], concurrency=25)
         for url in sim.urls:
             assert states(TritonClient(url)) == {("embedder", 1): ("READY", "")}
     # Serial loads would take 50 x 20 ms; 25 at a time need about two rounds.

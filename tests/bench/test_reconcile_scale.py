@@ -1,0 +1,237 @@
+"""A release to 500 simulated Triton nodes, end to end, with 2 and with 4 Celery worker processes,
+against a floor measured side by side in the same run.
+
+Product: `deployment_set` on a pool of 500 nodes served by `apps.fleet.simulator` (a separate
+process, 20 ms per load) until every node's 5 loads (4 steps and the ensemble) have succeeded, read
+back from the node by real `celery worker --concurrency=N` processes on the test database and a
+private Redis. Floor: the same 5 loads per node, with the configs the product sent, each followed
+by an index read, N nodes at a time, through the same client code, on a fresh simulator. Target:
+the product costs under 1.5x the floor. Asserted: only that the release finished and that every
+node serves what it was asked to; the ratio is reported, not asserted.
+
+Run with `make bench` (not part of CI), or alone:
+`DATABASE_URL=postgres://postgres@127.0.0.1:5432/test .venv/bin/pytest tests/bench/test_reconcile_scale.py -s -p no:cacheprovider`
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from apps.fleet.models import NodePool, Operation
+from apps.fleet.operations import node_reconcile, node_run
+from apps.fleet.services import deployment_set, node_register
+from apps.fleet.simulator import FLOOR_TIMEOUT_S, floor_load
+from apps.fleet.triton import TritonClient
+from apps.registry.imports import repository_import
+from controlplane.celery import app as celery_app
+from tests.bench.conftest import Report
+from tests.integration.conftest import REPOSITORY, ROOT, _database_url
+
+NODES = 500
+LOAD_MS = 20.0
+LOADS_PER_NODE = 5  # embedder, retriever, reranker, generator, then the rag_pipeline ensemble
+TARGET_RATIO = 1.5
+RELEASE_TIMEOUT_S = 900.0
+ACTOR = "system:bench"
+BENCH = f"release to {NODES} nodes (sim load {LOAD_MS:g} ms)"
+
+# workers -> (product seconds, floor seconds); the 4-worker run compares itself with the 2-worker one
+RESULTS: dict[int, tuple[float, float]] = {}
+# Like a node registered with its HTTP address only: polls read no /metrics.
+NO_URLS = {"grpc_url": "", "metrics_url": "", "actor": ACTOR}
+OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
+
+
+@contextmanager
+def simulated(nodes: int) -> Iterator[list[str]]:
+    """A fresh simulator process (its own GIL, not the benchmark's), on free ports."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "apps.fleet.simulator", f"--nodes={nodes}", f"--load-ms={LOAD_MS}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        urls = []
+        for line in proc.stdout:
+            if match := re.match(r"node \d+: (\S+)", line):
+                urls.append(match[1])
+            elif line.startswith("ready:"):
+                break
+        assert len(urls) == nodes, f"the simulator did not start: exit {proc.poll()}"
+        yield urls
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+
+
+@contextmanager
+def celery_worker(workers: int, redis: str, log: Path) -> Iterator[Path]:
+    """A prefork worker with `workers` processes (the integration `Celery` hard-codes 3); no beat:
+    the benchmark triggers the reconcile itself."""
+    hostname = f"bench{workers}@{socket.gethostname()}"
+    env = {**os.environ, "DATABASE_URL": _database_url(), "CELERY_BROKER_URL": redis}
+    command = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--pool=prefork"]
+    command += [f"--concurrency={workers}", "--without-mingle", "--without-gossip"]
+    command += [f"--hostname={hostname}", "--loglevel=INFO"]
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not celery_app.control.ping(timeout=0.5, destination=[hostname]):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"celery worker did not start; see {log}")
+        yield log
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def wait_for_release(pool: NodePool, started: float) -> float:
+    """Seconds from `started` until every node's loads have succeeded; fails on a failed one."""
+    ops = Operation.objects.filter(node__pool=pool)
+    deadline = started + RELEASE_TIMEOUT_S
+    while (done := ops.filter(status=Operation.Status.SUCCEEDED).count()) < NODES * LOADS_PER_NODE:
+        bad = ops.exclude(status__in=[Operation.Status.SUCCEEDED, *OPEN])
+        assert not bad.exists(), list(bad.values("node__name", "model_name", "status", "error")[:5])
+        assert time.perf_counter() < deadline, (
+            f"{done} of {NODES * LOADS_PER_NODE} loads after {RELEASE_TIMEOUT_S:g} s"
+        )
+        time.sleep(0.1)
+    return time.perf_counter() - started
+
+
+def not_ready(url: str, expected: set[tuple[str, int]]) -> set[tuple[str, int]]:
+    index = TritonClient(url, timeout=FLOOR_TIMEOUT_S).repository_index()
+    return expected - {(e.model, e.version) for e in index if e.state == "READY" and e.version}
+
+
+def task_profile(log: Path) -> str:
+    """Tasks run and their mean time, from the worker's own log."""
+    times: dict[str, list[float]] = defaultdict(list)
+    pattern = r"Task (\S+)\[[^\]]+\] succeeded in ([\d.]+)s"
+    for name, seconds in re.findall(pattern, log.read_text(errors="replace")):
+        times[name].append(float(seconds))
+    retries = Counter(re.findall(r"Task (\S+)\[[^\]]+\] retry", log.read_text(errors="replace")))
+    return ", ".join(
+        f"{name} x{len(ts)} mean {sum(ts) / len(ts) * 1000:.0f} ms"
+        + (f" ({retries[name]} retries)" if retries[name] else "")
+        for name, ts in sorted(times.items())
+    )
+
+
+def query_shapes(queries: CaptureQueriesContext) -> str:
+    """The most frequent statements by verb and first table: where the queries per node go."""
+    shapes: Counter[str] = Counter()
+    for query in queries.captured_queries:
+        table = re.search(r'(?:FROM|INTO|UPDATE)\s+"(\w+)"', query["sql"])
+        shapes[f"{query['sql'].split()[0]} {table[1] if table else ''}".strip()] += 1
+    return ", ".join(f"{shape} x{count}" for shape, count in shapes.most_common(6))
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("workers", [2, 4])
+def test_release_to_500_nodes_against_the_floor(
+    workers: int,
+    redis_url: str,
+    report: Report,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    celery_app.conf.broker_url = redis_url
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor=ACTOR))
+    with simulated(NODES + 1) as urls:  # the last one: a probe, run in this process afterwards
+        for number, url in enumerate(urls[:NODES]):
+            node_register(name=f"sim-{number:03}", pool="bench", http_url=url, **NO_URLS)
+        pool = NodePool.objects.get(name="bench")
+        with celery_worker(workers, redis_url, tmp_path / "worker.log") as log:
+            started, started_at = time.perf_counter(), timezone.now()
+            deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor=ACTOR)
+            product = wait_for_release(pool, started)
+        first = Operation.objects.filter(node__pool=pool).order_by("started_at").first()
+        assert first is not None and first.started_at is not None
+        sample = list(Operation.objects.filter(node__name="sim-000").order_by("seq"))
+        loads = [(op.model_name, _json(op.config)) for op in sample]
+        expected = {(op.model_name, v) for op in sample for v in op.versions}
+        assert len(loads) == LOADS_PER_NODE and len(expected) == LOADS_PER_NODE
+        with ThreadPoolExecutor(max_workers=16) as readers:
+            missing = list(readers.map(lambda u: not_ready(u, expected), urls[:NODES]))
+        assert not any(missing), [(u, m) for u, m in zip(urls, missing, strict=False) if m][:5]
+
+        # One more node through the same code in this process, for the query count per node.
+        monkeypatch.setattr("apps.fleet.operations.enqueue_run", lambda node_id: None)
+        probe = node_register(name="sim-probe", pool="bench", http_url=urls[NODES], **NO_URLS)
+        with CaptureQueriesContext(connection) as reconcile_queries:
+            assert len(node_reconcile(node_id=probe.pk)) == LOADS_PER_NODE
+        with CaptureQueriesContext(connection) as run_queries:
+            t0 = time.perf_counter()
+            node_run(node_id=probe.pk)
+            probe_run_ms = (time.perf_counter() - t0) * 1000
+        assert not_ready(urls[NODES], expected) == set()
+    first_load = (first.started_at - started_at).total_seconds()
+
+    with simulated(NODES) as fresh:
+        raw = floor_load(fresh, loads, workers)
+    RESULTS[workers] = (product, raw)
+
+    ratio = product / raw
+    overhead_ms = (product - raw) * workers / NODES * 1000
+    print(
+        f"\n{workers} workers: product {product:.1f} s, floor {raw:.1f} s, ratio {ratio:.2f}x, "
+        f"overhead {overhead_ms:.0f} ms per node per worker process, "
+        f"first load after {first_load:.1f} s"
+    )
+    label = f"{workers} workers"
+    report.add(BENCH, f"product, {label}", f"{product:.1f} s")
+    report.add(
+        BENCH, f"floor, {workers} in parallel (5 loads + index reads per node)", f"{raw:.1f} s"
+    )
+    report.add(BENCH, f"product / floor, {label}", f"{ratio:.2f}x", f"<= {TARGET_RATIO}x")
+    report.add(BENCH, f"overhead per node per worker process, {label}", f"{overhead_ms:.0f} ms")
+    report.add(BENCH, f"time to first load, {label}", f"{first_load:.1f} s")
+    if len(RESULTS) == 1:  # the same code whatever the workers: one row for the session
+        report.add(
+            BENCH,
+            "DB queries per node (reconcile + run, one node in-process)",
+            f"{len(reconcile_queries)} + {len(run_queries)}",
+        )
+    if workers == 4 and 2 in RESULTS:
+        speedup = RESULTS[2][0] / product
+        verdict = "yes" if speedup > 1 else "no"
+        report.add(BENCH, "4 workers beat 2", f"{verdict} ({speedup:.2f}x faster)", "> 1x")
+    if ratio > TARGET_RATIO:
+        print(
+            f"profile: {task_profile(log)}; first load after {first_load:.1f} s; "
+            f"per node: {len(reconcile_queries)} queries to reconcile, {len(run_queries)} to run "
+            f"(run alone: {probe_run_ms:.0f} ms vs {LOADS_PER_NODE * LOAD_MS:g} ms of loads)\n"
+            f"  reconcile: {query_shapes(reconcile_queries)}\n  run: {query_shapes(run_queries)}"
+        )
+
+
+def _json(config: object) -> str | None:
+    """What `operations._execute` sends as the config override."""
+    return json.dumps(config) if config is not None else None
