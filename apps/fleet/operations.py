@@ -4,6 +4,7 @@ node, each confirmed by reading the node's repository index back."""
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -106,8 +107,8 @@ def node_reconcile(*, node_id: int, enqueue: bool = True) -> list[Operation]:
         managed = {name: name in kinds for name in owned}
         actions = plan(desired, observed, managed)
         digest = plan_digest(desired)
-        ops = [
-            Operation.objects.create(
+        ops = Operation.objects.bulk_create(
+            Operation(
                 node=locked,
                 kind=action.kind,
                 model_name=action.model,
@@ -119,7 +120,7 @@ def node_reconcile(*, node_id: int, enqueue: bool = True) -> list[Operation]:
                 requested_by=RECONCILER,
             )
             for seq, action in enumerate(actions)
-        ]
+        )
         if ops:
             _record_drift(node, [str(op) for op in ops])
             if enqueue:
@@ -232,16 +233,21 @@ def node_run(*, node_id: int) -> None:
         node = Node.objects.get(pk=node_id)
         queued = node.operations.filter(status=Operation.Status.QUEUED).select_related("node")
         wanted = _Wanted(node)
-        while op := queued.order_by("seq", "id").first():
-            if op.requested_by == RECONCILER and wanted.digest() != op.plan_digest:
-                _cancel_plan(op, "superseded: the desired state changed after this was planned")
-                continue
-            if not lease.held:
-                return  # the heartbeat lost the node: another worker may own it now
-            status = _execute(node, op)
-            if op.requested_by == RECONCILER and status != Operation.Status.SUCCEEDED:
-                # Later steps of a make-before-break plan assume this one worked.
-                _cancel_plan(op, f"not run: step {op.seq} ({op.kind} {op.model_name}) {status}")
+        # A batch at a time: each claim is conditional (queued -> running), so an operation
+        # cancelled since the batch was read is skipped; a cancel reads the queue afresh.
+        while batch := list(queued.order_by("seq", "id")):
+            for op in batch:
+                if op.requested_by == RECONCILER and wanted.digest() != op.plan_digest:
+                    _cancel_plan(op, "superseded: the desired state changed after it was planned")
+                    break
+                if not lease.held:
+                    return  # the heartbeat lost the node: another worker may own it now
+                status = _execute(node, op)
+                if op.requested_by == RECONCILER and status != Operation.Status.SUCCEEDED:
+                    # Later steps of a make-before-break plan assume this one worked.
+                    step = f"step {op.seq} ({op.kind} {op.model_name})"
+                    _cancel_plan(op, f"not run: {step} {status}")
+                    break
 
 
 def _cancel_plan(op: Operation, why: str) -> None:
@@ -255,16 +261,24 @@ def _cancel_plan(op: Operation, why: str) -> None:
 
 
 class _Wanted:
-    """The digest of the node's desired state now, recomputed (every deployment and config read
-    and parsed) only when what it is computed from changed since the last look: the deployments
-    that target the node, and the registry's released versions (a step pinned to the latest)."""
+    """The digest of the node's desired state, looked at again once a second at most (a load
+    takes longer than that on a real node; a plan's quick steps need not each pay for a look),
+    and recomputed (every deployment and config read and parsed) only when what it is computed
+    from changed: the deployments that target the node, and the registry's released versions (a
+    step pinned to the latest)."""
+
+    RECHECK_S = 1.0
 
     def __init__(self, node: Node) -> None:
         self.node = node
         self.inputs: tuple | None = None
         self.value: str | None = None
+        self.looked = -self.RECHECK_S
 
     def digest(self) -> str | None:
+        if time.monotonic() - self.looked < self.RECHECK_S:
+            return self.value
+        self.looked = time.monotonic()
         targeting = Deployment.objects.filter(Q(pool_id=self.node.pool_id) | Q(node=self.node))
         released = ModelVersion.objects.filter(status=ModelVersion.Status.RELEASED)
         inputs = (
@@ -341,8 +355,11 @@ def _finish(op: Operation, error: str, status: str = "") -> str:
         Operation.objects.filter(pk=op.pk, status=Operation.Status.RUNNING).update(
             status=status, error=error, finished_at=timezone.now()
         )
-        if status == Operation.Status.SUCCEEDED:
-            _own(op.node_id, op.model_name, op.kind != Operation.Kind.UNLOAD)
+        # A load of a model the node owns changes nothing: while this operation is open no
+        # reconcile prunes the node's models, so `owned` as read with the operation still holds.
+        loaded = op.kind != Operation.Kind.UNLOAD
+        if status == Operation.Status.SUCCEEDED and loaded != (op.model_name in op.node.owned):
+            _own(op.node_id, op.model_name, loaded)
         audit_record(
             actor=op.requested_by,
             action=f"operation.{op.kind}",
