@@ -50,6 +50,7 @@ MIDDLEWARE = [
     "apps.audit.context.RequestIdMiddleware",  # first: every response names its request
     "controlplane.nul.RejectNulMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",  # collected static files, before the session
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -94,7 +95,7 @@ USE_I18N = False
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATIC_ROOT = VAR_DIR / "static"
+STATIC_ROOT = Path(env_str("STATIC_ROOT", str(VAR_DIR / "static")))
 # plotly.js is served from the installed plotly package: no CDN, and always the matching version.
 STATICFILES_DIRS = [
     BASE_DIR / "static",
@@ -135,7 +136,11 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 FLEET_POLL_INTERVAL_S = env_float("FLEET_POLL_INTERVAL_S", 5.0)
 FLEET_RECONCILE_INTERVAL_S = env_float("FLEET_RECONCILE_INTERVAL_S", 10.0)
 ROLLOUT_TICK_S = env_float("ROLLOUT_TICK_S", 2.0)
+# /readyz wants a heartbeat that went from beat through a worker to the database this recently.
+HEARTBEAT_INTERVAL_S = 10.0
+READY_HEARTBEAT_MAX_AGE_S = env_float("READY_HEARTBEAT_MAX_AGE_S", 60.0)
 CELERY_BEAT_SCHEDULE = {
+    "heartbeat": {"task": "fleet.heartbeat", "schedule": HEARTBEAT_INTERVAL_S},
     "poll-nodes": {"task": "fleet.poll_nodes", "schedule": FLEET_POLL_INTERVAL_S},
     "reconcile": {"task": "fleet.reconcile_all", "schedule": FLEET_RECONCILE_INTERVAL_S},
     "rollouts": {"task": "rollouts.advance_all", "schedule": ROLLOUT_TICK_S},

@@ -191,3 +191,13 @@ class Operation(models.Model):
         if self.started_at and self.finished_at:
             return (self.finished_at - self.started_at).total_seconds()
         return None
+
+
+class Heartbeat(models.Model):
+    """When beat's heartbeat task last ran on a worker: both are alive (one row per name)."""
+
+    name = models.CharField(max_length=30, primary_key=True)
+    at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.name} at {self.at:%H:%M:%S}"

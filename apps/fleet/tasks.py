@@ -6,8 +6,9 @@ Work on a node goes to its pool's queue, so a pool can be driven by workers next
 from collections.abc import Iterable
 
 from celery import Task, shared_task
+from django.utils import timezone
 
-from apps.fleet.models import Node
+from apps.fleet.models import Heartbeat, Node
 from apps.fleet.operations import NodeBusy, enqueue_run, node_reconcile, node_run
 from apps.fleet.services import node_poll
 from apps.fleet.triton import TritonUnreachable
@@ -21,6 +22,12 @@ def send_per_node(task: Task, node_ids: Iterable[int] | None = None) -> None:
             task.apply_async((node_id,), queue=queue)
         else:
             task.apply_async((node_id,))
+
+
+# A late heartbeat is worthless: one that waited in the queue says nothing about now.
+@shared_task(name="fleet.heartbeat", expires=5, soft_time_limit=5, time_limit=10)
+def heartbeat() -> None:
+    Heartbeat.objects.update_or_create(name="worker", defaults={"at": timezone.now()})
 
 
 @shared_task(name="fleet.poll_nodes", acks_late=True, expires=10)

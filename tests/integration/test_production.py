@@ -1,0 +1,113 @@
+"""The production stack from the commands in deploy/README.md: gunicorn serving pages and their
+static files, a worker and beat; /readyz follows the broker going away and coming back."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import ROOT, _database_url, _free_port, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+
+def documented_commands() -> list[str]:
+    """The commands of the "Run it" section, in order."""
+    guide = (ROOT / "deploy" / "README.md").read_text()
+    section = guide.split("## Run it", 1)[1]
+    block = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert block, "deploy/README.md has no commands under 'Run it'"
+    return [line for line in block[1].splitlines() if line.strip()]
+
+
+@contextmanager
+def redis(port: int, home: Path) -> Iterator[subprocess.Popen[bytes]]:
+    server = subprocess.Popen(
+        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", ""],
+        stdout=subprocess.DEVNULL,
+        cwd=home,
+    )
+    try:
+        wait_for("redis answers", lambda: _answers(port), timeout=10)
+        yield server
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def _answers(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - a local test URL
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_the_documented_production_stack_serves_and_reports_readiness(tmp_path: Path) -> None:
+    web, broker = _free_port(), _free_port()
+    env = {
+        **os.environ,
+        "DEBUG": "false",
+        "SECRET_KEY": "production-test-secret-key-long-enough-for-django-checks",
+        "DATABASE_URL": _database_url(),
+        "CELERY_BROKER_URL": f"redis://127.0.0.1:{broker}/0",
+        "ALLOWED_HOSTS": "127.0.0.1",
+        "STATIC_ROOT": str(tmp_path / "static"),
+        "BIND": f"127.0.0.1:{web}",
+        "WEB_WORKERS": "2",
+        "WORKER_CONCURRENCY": "1",
+        "SECURE_COOKIES": "false",
+    }
+    *once, gunicorn, worker, beat = documented_commands()
+    assert "gunicorn" in gunicorn and " worker " in worker and " beat " in beat
+    services: list[subprocess.Popen[bytes]] = []
+    base = f"http://127.0.0.1:{web}"
+    try:
+        with redis(broker, tmp_path):
+            for command in once:
+                subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, check=True)
+            for name, command in (("web", gunicorn), ("worker", worker), ("beat", beat)):
+                with (tmp_path / f"{name}.log").open("wb") as log:
+                    services.append(
+                        subprocess.Popen(
+                            ["bash", "-c", f"exec {command}"],
+                            cwd=ROOT,
+                            env=env,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    )
+            wait_for("gunicorn answers", lambda: _answers(web), timeout=30)
+            status, page = get(f"{base}/accounts/login/")
+            assert status == 200 and "Sign in" in page
+            stylesheet = re.search(r'href="(/static/[^"]+\.css)"', page)
+            assert stylesheet, page
+            assert get(base + stylesheet[1])[0] == 200  # WhiteNoise, from STATIC_ROOT
+            assert get(f"{base}/healthz") == (200, "ok\n")
+            wait_for("ready", lambda: get(f"{base}/readyz")[0] == 200, timeout=60)
+        # The broker went away: not ready, and the probe says only which dependency.
+        assert get(f"{base}/readyz") == (503, "database ok\nbroker unavailable\nworkers ok\n")
+        with redis(broker, tmp_path):
+            wait_for("ready again", lambda: get(f"{base}/readyz")[0] == 200, timeout=60)
+    finally:
+        for service in services:
+            os.killpg(service.pid, signal.SIGTERM)
+        for service in services:
+            try:
+                service.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(service.pid, signal.SIGKILL)
