@@ -11,13 +11,18 @@ from ninja import Router, Schema
 from apps.api.auth import Token
 from apps.api.errors import ERRORS, ApiError
 from apps.audit.models import AuditEvent
-from apps.audit.selectors import audit_event_list, span_window, what_changed
+from apps.audit.selectors import (
+    MAX_WINDOW,
+    audit_event_list,
+    span_window,
+    what_changed,
+    window_valid,
+)
 from apps.fleet.models import Operation
 from apps.rollouts.models import Rollout
 from apps.rollouts.selectors import timeline_events
 
 router = Router(tags=["audit"], auth=Token())
-MAX_WINDOW = timedelta(days=31)
 
 
 class EventOut(Schema):
@@ -112,10 +117,9 @@ def get_timeline(
     try:
         end = end or timezone.now()
         start = start or end - timedelta(hours=1)
-        valid = start < end <= start + MAX_WINDOW
-    except OverflowError:  # a window reaching past year 1 or 9999
-        valid = False
-    if not valid or start is None or end is None:
+    except OverflowError:  # a window reaching past year 1
+        start = None
+    if start is None or end is None or not window_valid(start, end):
         message = f"start must come before end, {MAX_WINDOW.days} days at most"
         raise ApiError(422, "invalid_request", message)
     found = timeline_events(start, end)

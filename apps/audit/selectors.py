@@ -6,6 +6,25 @@ from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 
+# The longest timeline window a page, a report or the API reads: bounded work per request.
+MAX_WINDOW = timedelta(days=31)
+
+
+def window_valid(start: datetime, end: datetime) -> bool:
+    """A start before the end, MAX_WINDOW apart at most."""
+    try:
+        return start < end <= start + MAX_WINDOW
+    except OverflowError:  # a window reaching past year 9999
+        return False
+
+
+def around(at: datetime, span: timedelta) -> tuple[datetime, datetime] | None:
+    """`span` centred on `at`, or None where it would reach past year 1 or 9999."""
+    try:
+        return at - span / 2, at + span / 2
+    except OverflowError:
+        return None
+
 
 def audit_event_list(
     *,

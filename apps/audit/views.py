@@ -16,7 +16,15 @@ from django.utils.http import urlencode
 from django.utils.text import slugify
 
 from apps.audit.models import AuditEvent
-from apps.audit.selectors import affected, audit_event_list, span_window, what_changed
+from apps.audit.selectors import (
+    MAX_WINDOW,
+    affected,
+    around,
+    audit_event_list,
+    span_window,
+    what_changed,
+    window_valid,
+)
 from apps.fleet.models import Operation
 from apps.observability.charts import Chart, metric_chart
 from apps.rollouts.models import Rollout
@@ -129,7 +137,7 @@ def _window(request: HttpRequest) -> tuple[datetime, datetime, str, str, str]:
     preset before now."""
     get = request.GET.get
     start_at, end_at = _moment(get("start", "")), _moment(get("end", ""))
-    if start_at and end_at and start_at < end_at:
+    if start_at and end_at and window_valid(start_at, end_at):
         return start_at, end_at, get("model", ""), "", ""
     rollout = Rollout.objects.filter(pk=_number(get("rollout", ""))).first()
     if rollout is not None:
@@ -141,11 +149,27 @@ def _window(request: HttpRequest) -> tuple[datetime, datetime, str, str, str]:
         return start, end, operation.model_name, f"operation #{operation.pk}: {operation}", ""
     preset = get("window", "1h") if get("window", "1h") in WINDOWS else "1h"
     at = _moment(get("at", ""))
-    if at is not None:
-        half = WINDOWS[preset] / 2
-        return at - half, at + half, "", f"{preset} around {at:%Y-%m-%d %H:%M} UTC", preset
+    span = around(at, WINDOWS[preset]) if at else None
+    if at and span:
+        return *span, "", f"{preset} around {at:%Y-%m-%d %H:%M} UTC", preset
     end = timezone.now()
     return end - WINDOWS[preset], end, "", f"last {preset}", preset
+
+
+def _window_error(request: HttpRequest) -> str:
+    """What was wrong with the window asked for (the last hour is shown instead), or ""."""
+    get = request.GET.get
+    if get("start") or get("end"):
+        start_at, end_at = _moment(get("start", "")), _moment(get("end", ""))
+        if not (start_at and end_at and window_valid(start_at, end_at)):
+            return (
+                f"start, end: a start before the end, {MAX_WINDOW.days} days apart at most, "
+                "such as 2026-11-29T14:05 (UTC)"
+            )
+    at = _moment(get("at", ""))
+    if get("at") and (at is None or around(at, WINDOWS["24h"]) is None):
+        return "at: expected a date and time such as 2026-11-29T14:05 (UTC)"
+    return ""
 
 
 def _number(text: str) -> int:
@@ -170,9 +194,7 @@ def _timeline_context(request: HttpRequest) -> dict[str, object]:
         "title": title or f"{start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S} UTC",
         "window": preset,
         "at": request.GET.get("at", ""),
-        "error": "at: expected a date and time such as 2026-11-29T14:05 (UTC)"
-        if request.GET.get("at") and _moment(request.GET["at"]) is None
-        else "",
+        "error": _window_error(request),
         "windows": WINDOWS,
         "permalink": permalink,
         "report": f"{reverse('audit:timeline_report')}?{urlencode(fixed)}",

@@ -97,3 +97,28 @@ def test_a_rollouts_verdicts_read_as_one_line_per_change(
         r"<strong>rollout.verdict</strong>.*?<div class=\"small muted\">([^<]*)<", page
     )
     assert lines == ["step 1: success", "step 1: failure; p99 312 (threshold 250)"]
+
+
+@pytest.mark.parametrize("url", ["/audit/timeline/", "/audit/timeline/report.md"])
+@pytest.mark.parametrize(
+    ("query", "error"),
+    [
+        ({"at": "9999-12-31T23:00", "window": "24h"}, "at: expected a date and time"),
+        ({"at": "0001-01-01T00:10"}, "at: expected a date and time"),
+        ({"start": "2026-01-01T00:00", "end": "2026-03-01T00:00"}, "31 days apart at most"),
+        ({"start": "2026-01-01T00:00", "end": "9999-12-31T23:59"}, "31 days apart at most"),
+        ({"start": "2026-03-01T00:00", "end": "2026-01-01T00:00"}, "a start before the end"),
+    ],
+)
+def test_a_window_out_of_range_or_too_long_shows_the_latest_and_says_why(
+    client: Client, viewer: User, settings: object, url: str, query: dict, error: str
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    client.force_login(viewer)
+    response = client.get(url, query)
+    assert response.status_code == 200
+    start, end = response.context["start"], response.context["end"]
+    assert end <= timezone.now() and end - start == timedelta(
+        hours=int(query.get("window", "1h")[:-1])
+    )
+    assert error in response.context["error"]
