@@ -173,7 +173,7 @@ def _window_error(request: HttpRequest) -> str:
 
 
 def _number(text: str) -> int:
-    return int(text) if text.isdigit() else 0  # no row has id 0
+    return int(text) if text.isdecimal() else 0  # no row has id 0
 
 
 def _timeline_context(request: HttpRequest) -> dict[str, object]:

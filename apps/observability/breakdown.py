@@ -33,7 +33,7 @@ def worst_p99_ms(models: list[str]) -> dict[tuple[str, int], float]:
     return {
         (labels["model"], int(labels["version"])): value
         for labels, value in instant_query(query)
-        if not math.isnan(value) and labels.get("version", "").isdigit()
+        if not math.isnan(value) and labels.get("version", "").isdecimal()
     }
 
 

@@ -31,7 +31,8 @@ def read_model(repository: Path, name: str) -> RepositoryModel:
     default = parse_pbtxt(config_file.read_text(), source=str(config_file))
     configs = {}
     for entry in sorted(path.iterdir()):
-        if entry.is_dir() and entry.name.isdigit():
+        # Version folders are ASCII digits, as Triton reads them ("²" is a digit to Python).
+        if entry.is_dir() and entry.name.isascii() and entry.name.isdigit():
             override = entry / "config.pbtxt"
             configs[int(entry.name)] = (
                 parse_pbtxt(override.read_text(), source=str(override))

@@ -273,3 +273,23 @@ def test_a_release_download_reads_no_file_outside_the_model_repositories(
         for name in archive.namelist()
         if name.startswith("embedder/2/") and name != "embedder/2/ARTIFACT"
     ]
+
+
+def test_a_version_folder_that_is_not_ascii_digits_is_not_a_version(tmp_path: Path) -> None:
+    """ "²" is a digit to Python's str.isdigit but no number to int(), nor a version to Triton."""
+    repository = tmp_path / "models"
+    shutil.copytree(REPOSITORY / "embedder", repository / "embedder")
+    (repository / "embedder" / "²").mkdir()
+    (repository / "embedder" / "٣").mkdir()
+    results = repository_import(path=repository, actor="system:test")
+    assert [(r.model, r.ok) for r in results] == [("embedder", True)]
+    assert sorted(ModelVersion.objects.values_list("version", flat=True)) == [1, 2]
+
+
+def test_an_id_in_the_timeline_address_that_is_no_number_is_ignored(
+    client: Client, viewer: User, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    client.force_login(viewer)
+    for query in ({"rollout": "²"}, {"operation": "²"}):
+        assert client.get("/audit/timeline/", query).status_code == 200

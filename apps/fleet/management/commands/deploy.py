@@ -16,7 +16,7 @@ class Command(BaseCommand):
         target = NodePool.objects.filter(name=pool).first()
         if target is None:
             raise CommandError(f"no pool named {pool!r}")
-        if not version.isdigit():
+        if not version.isdecimal():
             raise CommandError(f"{release!r}: expected MODEL:VERSION, e.g. rag_pipeline:1")
         try:
             deployment_set(

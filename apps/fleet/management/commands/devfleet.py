@@ -91,7 +91,7 @@ class Command(BaseCommand):
         self.stdout.write(f"prometheus: {state.prometheus_url}")
         for release in options["load"]:  # type: ignore[attr-defined]
             model, _, version = release.partition(":")
-            if not version.isdigit():
+            if not version.isdecimal():
                 raise CommandError(
                     f"--load {release!r}: expected MODEL:VERSION, e.g. rag_pipeline:1"
                 )

@@ -13,7 +13,7 @@ class Command(BaseCommand):
     def handle(self, *args: object, budgets: list[str], **options: object) -> None:
         for item in budgets:
             name, _, ms = item.partition("=")
-            if not ms.isdigit():
+            if not ms.isdecimal():
                 raise CommandError(f"{item!r}: expected MODEL=MILLISECONDS, e.g. embedder=50")
             if not Model.objects.filter(name=name).exists():
                 raise CommandError(f"{name}: no such model in the registry")

@@ -12,7 +12,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: object, fallback: str, **options: object) -> None:
         name, _, version = fallback.partition("=")
-        if not version.isdigit():
+        if not version.isdecimal():
             raise CommandError(f"{fallback!r}: expected MODEL=VERSION, e.g. rag_pipeline=4")
         if not Model.objects.filter(name=name).exists():
             raise CommandError(f"{name}: no such model in the registry")
