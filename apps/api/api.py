@@ -2,10 +2,37 @@
 (see README): typed function views like the rest of the project, and the OpenAPI document
 comes from the same type hints that validate requests."""
 
+from collections.abc import Callable
+from functools import wraps
+
+from django.contrib.auth.views import redirect_to_login
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import URLPattern, URLResolver
 from ninja import NinjaAPI
 
+from apps.accounts.services import token_authenticate
 from apps.api import audit, errors, fleet, registry, rollouts
+
+
+def signed_in(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """The docs and the OpenAPI document describe every operation: for people signed in, or
+    calls with a live token, like everything else here."""
+
+    @wraps(view)
+    def guarded(request: HttpRequest, *args: object, **kwargs: object) -> HttpResponse:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if request.user.is_authenticated:
+            return view(request, *args, **kwargs)
+        if scheme.lower() != "bearer":
+            return redirect_to_login(request.get_full_path())
+        if token_authenticate(token.strip()) is None:
+            message = "send a live API token: Authorization: Bearer <token>"
+            error = {"code": "unauthenticated", "message": message, "details": None}
+            return JsonResponse({"error": error}, status=401)
+        return view(request, *args, **kwargs)
+
+    return guarded
+
 
 api = NinjaAPI(
     title="Triton control plane",
@@ -13,6 +40,7 @@ api = NinjaAPI(
     description="Registry, fleet, rollouts and audit for Triton Inference Server fleets. "
     "Authenticate with `Authorization: Bearer <token>`; create a token on your account page.",
     urls_namespace="api",
+    docs_decorator=signed_in,
 )
 errors.install(api)
 for module in (registry, fleet, rollouts, audit):

@@ -81,8 +81,8 @@ def test_a_user_makes_and_revokes_tokens_on_their_page(client: Client, viewer: U
     assert ApiToken.objects.get(user=viewer).revoked_at is not None
 
 
-def _mutations(client: Client) -> list[tuple[str, str]]:
-    schema = client.get("/api/openapi.json").json()
+def _mutations(client: Client, headers: dict[str, str]) -> list[tuple[str, str]]:
+    schema = client.get("/api/openapi.json", headers=headers).json()
     return [
         (method, path.replace("{", "").replace("}", ""))  # any value: refused before it is read
         for path, operations in schema["paths"].items()
@@ -95,7 +95,7 @@ def test_a_viewer_is_refused_every_mutation_and_each_refusal_is_audited(
     client: Client, viewer: User
 ) -> None:
     headers = bearer(viewer)
-    mutations = _mutations(client)
+    mutations = _mutations(client, headers)
     assert len(mutations) >= 12
     for method, path in mutations:
         before = AuditEvent.objects.count()
@@ -229,3 +229,15 @@ def test_nul_characters_are_refused_before_they_reach_postgresql(
     page = client.get("/audit/", {"actor": "\x00"})
     assert page.status_code == 400 and b"not allowed in the query string" in page.content
     assert client.get("/api/audit", {"action": "deploy"}, headers=headers).status_code == 200
+
+
+def test_the_docs_and_the_openapi_document_need_a_sign_in_or_a_token(
+    client: Client, viewer: User
+) -> None:
+    for url in ("/api/docs", "/api/openapi.json"):
+        assert client.get(url).status_code == 302  # to the sign-in page
+        bad = client.get(url, headers={"Authorization": "Bearer tcp_nope"})
+        assert bad.status_code == 401 and bad.json()["error"]["code"] == "unauthenticated"
+    assert client.get("/api/openapi.json", headers=bearer(viewer)).json()["paths"]
+    client.force_login(viewer)
+    assert client.get("/api/docs").status_code == 200

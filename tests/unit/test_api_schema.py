@@ -63,7 +63,11 @@ def api_schema(tokens: dict[Role, str]) -> Iterator[schemathesis.schemas.BaseSch
     transaction, so, as Django's test client does, the connection is kept open between them."""
     for signal in (request_started, request_finished):
         signal.disconnect(close_old_connections)
-    yield schemathesis.openapi.from_wsgi("/api/openapi.json", get_wsgi_application())
+    yield schemathesis.openapi.from_wsgi(
+        "/api/openapi.json",
+        get_wsgi_application(),
+        headers={"Authorization": f"Bearer {tokens[Role.VIEWER]}"},
+    )
     for signal in (request_started, request_finished):
         signal.connect(close_old_connections)
 

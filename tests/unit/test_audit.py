@@ -6,6 +6,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 
@@ -14,6 +15,7 @@ from django.contrib.auth.models import User
 from django.db import DatabaseError, connection, transaction
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver
+from django.utils import timezone
 
 from apps.accounts import services as accounts
 from apps.accounts.models import ApiToken
@@ -425,7 +427,11 @@ def test_the_timeline_charts_each_model_and_node_its_events_touched(
     bad = client.get("/audit/timeline/chart/?start=2026-11-30T02:00&end=2026-11-30T01:00")
     assert "needs a start before its end" in bad.content.decode()
     # The window asked for by model puts that model first; an empty window charts the fleet.
-    window = {"start": "2026-01-01T00:00:00", "end": "2099-01-01T00:00:00"}
+    now = timezone.now()
+    window = {
+        "start": f"{now - timedelta(days=10):%Y-%m-%dT%H:%M:%S}",
+        "end": f"{now + timedelta(days=1):%Y-%m-%dT%H:%M:%S}",
+    }
     page = client.get("/audit/timeline/", {**window, "model": "asr"}).content.decode()
     assert re.findall(r'hx-get="/audit/timeline/chart/\?[^"]+&amp;(\w+=[\w-]+)"', page)[:2] == [
         "model=asr",
