@@ -85,6 +85,9 @@ class Deployment(models.Model):
     )
     created_by = models.CharField(max_length=150)
     updated_at = models.DateTimeField(auto_now=True)
+    # The request that last changed it: the reconciles that carry the change out record it too,
+    # whichever trigger (that request's own, or the periodic one) gets to a node first.
+    request_id = models.CharField(max_length=64, blank=True)
 
     class Meta:
         ordering = ["model__name"]

@@ -15,6 +15,7 @@ from django.db import connection, transaction
 from django.db.models import Count, Max, Q
 from django.utils import timezone
 
+from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 from apps.fleet.desired import Desired, DesiredStateError, node_desired, plan_digest
@@ -107,6 +108,8 @@ def node_reconcile(*, node_id: int, enqueue: bool = True) -> list[Operation]:
         managed = {name: name in kinds for name in owned}
         actions = plan(desired, observed, managed)
         digest = plan_digest(desired)
+        if actions and not REQUEST_ID.get():
+            _follow_the_change(locked, digest)
         ops = Operation.objects.bulk_create(
             Operation(
                 node=locked,
@@ -126,6 +129,19 @@ def node_reconcile(*, node_id: int, enqueue: bool = True) -> list[Operation]:
             if enqueue:
                 transaction.on_commit(lambda: enqueue_run(node_id))
     return ops
+
+
+def _follow_the_change(node: Node, digest: str) -> None:
+    """A periodic reconcile that carries out a new desired state records it under the request
+    that changed it (the newest deployment targeting the node), as that request's own reconcile
+    would have; a repair of the same desired state as the last plan is nobody's request."""
+    last = node.operations.exclude(plan_digest="").order_by("-id")
+    if last.values_list("plan_digest", flat=True).first() == digest:
+        return
+    targeting = Deployment.objects.filter(Q(pool_id=node.pool_id) | Q(node=node))
+    newest = targeting.order_by("-updated_at").values_list("request_id", flat=True).first()
+    if newest:
+        REQUEST_ID.set(newest)  # for the rest of this task: the plan's events and its run
 
 
 def _drained(node: Node, desired: Desired, observed: dict[str, Observed]) -> set[str]:

@@ -7,6 +7,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
@@ -279,6 +280,7 @@ def deployment_set(
             "version": version,
             "baseline_version": baseline,
             "created_by": actor_name(actor),
+            "request_id": REQUEST_ID.get(),
         },
     )
     audit_record(

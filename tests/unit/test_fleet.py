@@ -1,17 +1,19 @@
 import re
+from contextvars import copy_context
 from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import User
 from django.test import Client
 
+from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.fleet import tasks
 from apps.fleet.desired import node_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.operations import enqueue_run
+from apps.fleet.operations import enqueue_run, node_reconcile
 from apps.fleet.services import FleetError, deployment_set, node_register, operation_request
-from apps.fleet.triton import parse_gpu_memory
+from apps.fleet.triton import TritonClient, parse_gpu_memory
 from apps.registry.imports import repository_import
 
 REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
@@ -319,3 +321,30 @@ def test_node_work_goes_to_each_pools_own_queue(monkeypatch: pytest.MonkeyPatch)
         ("fleet.reconcile_node", "us-1", None),
         ("fleet.run_node", "us-1", None),
     ]
+
+
+def test_a_periodic_reconcile_records_the_change_under_the_request_that_made_it(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])  # an empty node
+    token = REQUEST_ID.set("req-deploy")
+    try:
+        deployment_set(model_name="embedder", version=1, pool=node.pool, actor="ops")
+    finally:
+        REQUEST_ID.reset(token)
+
+    def reconcile() -> str:
+        """A reconcile from beat: no request of its own."""
+
+        def run() -> str:
+            node_reconcile(node_id=node.pk, enqueue=False)
+            return REQUEST_ID.get()
+
+        return copy_context().run(run)
+
+    assert reconcile() == "req-deploy"
+    drift = AuditEvent.objects.get(action="node.drift")
+    assert drift.request_id == "req-deploy"
+    # The same desired state repaired again (the load failed, say) is nobody's request.
+    Operation.objects.update(status=Operation.Status.FAILED, config_digest="other")
+    assert reconcile() == ""
