@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from django.db.models import Max, Q
+from django.db.models import Max, Q, QuerySet
 
 from apps.fleet.models import Deployment, Node
 from apps.registry.codec import ensemble_steps, from_dict, pin_versions, to_dict
@@ -200,6 +200,11 @@ def fleet_desired(*, pool_ids: Iterable[int] | None = None) -> FleetDesired:
             group = pools.setdefault(d.pool_id, {})  # type: ignore[arg-type]
         group[d.model.name] = (d.version, d.baseline_version, str(d))
     return FleetDesired(pools, overrides)
+
+
+def targeting(node: Node) -> QuerySet[Deployment]:
+    """The deployments that target the node: its pool's and its own."""
+    return Deployment.objects.filter(Q(pool_id=node.pool_id) | Q(node=node))
 
 
 def node_desired(node: Node) -> Desired:

@@ -66,6 +66,15 @@ class Node(models.Model):
     def ready_models(self) -> list[dict]:
         return [entry for entry in self.index if entry.get("state") == "READY"]
 
+    @property
+    def ready_versions(self) -> dict[str, list[int]]:
+        """Model -> its versions READY in the last index read, in order."""
+        found: dict[str, list[int]] = {}
+        for entry in self.ready_models:
+            if entry.get("version"):
+                found.setdefault(entry["model"], []).append(int(entry["version"]))
+        return {model: sorted(versions) for model, versions in found.items()}
+
 
 class Deployment(models.Model):
     """Desired state: `model` at `version` must be READY on every node of `pool`, or on `node`."""

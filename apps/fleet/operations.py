@@ -18,8 +18,14 @@ from django.utils import timezone
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
-from apps.fleet.desired import Desired, DesiredStateError, node_desired, plan_digest
-from apps.fleet.models import Deployment, Node, Operation
+from apps.fleet.desired import (
+    Desired,
+    DesiredStateError,
+    node_desired,
+    plan_digest,
+    targeting,
+)
+from apps.fleet.models import Node, Operation
 from apps.fleet.planner import Observed, plan
 from apps.fleet.services import node_read_index
 from apps.fleet.triton import (
@@ -138,8 +144,7 @@ def _follow_the_change(node: Node, digest: str) -> None:
     last = node.operations.exclude(plan_digest="").order_by("-id")
     if last.values_list("plan_digest", flat=True).first() == digest:
         return
-    targeting = Deployment.objects.filter(Q(pool_id=node.pool_id) | Q(node=node))
-    newest = targeting.order_by("-updated_at").values_list("request_id", flat=True).first()
+    newest = targeting(node).order_by("-updated_at").values_list("request_id", flat=True).first()
     if newest:
         REQUEST_ID.set(newest)  # for the rest of this task: the plan's events and its run
 
@@ -150,9 +155,7 @@ def _drained(node: Node, desired: Desired, observed: dict[str, Observed]) -> set
     owned = {
         name for name in node.owned if name in desired or observed.get(name, _GONE).ready
     } | set(desired)
-    if owned != set(node.owned):
-        node.owned = sorted(owned)
-        node.save(update_fields=["owned"])
+    _save_owned(node, owned)
     return owned
 
 
@@ -295,10 +298,11 @@ class _Wanted:
         if time.monotonic() - self.looked < self.RECHECK_S:
             return self.value
         self.looked = time.monotonic()
-        targeting = Deployment.objects.filter(Q(pool_id=self.node.pool_id) | Q(node=self.node))
         released = ModelVersion.objects.filter(status=ModelVersion.Status.RELEASED)
         inputs = (
-            tuple(targeting.order_by("id").values_list("id", "version", "baseline_version")),
+            tuple(
+                targeting(self.node).order_by("id").values_list("id", "version", "baseline_version")
+            ),
             tuple(released.aggregate(count=Count("id"), last=Max("id")).values()),
         )
         if inputs != self.inputs:
@@ -390,7 +394,11 @@ def _finish(op: Operation, error: str, status: str = "") -> str:
 def _own(node_id: int, model_name: str, owned: bool) -> None:
     """What we loaded is ours to unload; what we unloaded is no longer ours."""
     node = Node.objects.select_for_update().get(pk=node_id)
-    names = set(node.owned) | {model_name} if owned else set(node.owned) - {model_name}
+    _save_owned(node, set(node.owned) | {model_name} if owned else set(node.owned) - {model_name})
+
+
+def _save_owned(node: Node, names: set[str]) -> None:
+    """Write the (locked) node's owned models, when they changed."""
     if names != set(node.owned):
         node.owned = sorted(names)
         node.save(update_fields=["owned"])

@@ -107,27 +107,18 @@ def node_models(node: Node, desired: FleetDesired | None = None) -> list[ModelRo
     entries: dict[str, list[dict]] = {}
     for entry in node.index:
         entries.setdefault(entry["model"], []).append(entry)
-    ready: dict[str, list[int]] = {}
-    for entry in node.ready_models:
-        if entry.get("version"):
-            ready.setdefault(entry["model"], []).append(int(entry["version"]))
+    ready = node.ready_versions
     managed = set(wanted) | set(node.owned)
     return [
         ModelRow(
             model=name,
             versions=[e for e in entries.get(name, []) if e.get("version") or e.get("state")],
-            ready=sorted(ready.get(name, [])),
+            ready=ready.get(name, []),
             desired=wanted.get(name, []),
             managed=name in managed,
         )
         for name in sorted(set(entries) | set(wanted))
     ]
-
-
-def ready_versions(node: Node, model: str) -> list[int]:
-    """The versions of `model` READY in the node's last polled repository index."""
-    entries = [e for e in node.index if e["model"] == model and e.get("version")]
-    return sorted(int(e["version"]) for e in entries if e.get("state") == "READY")
 
 
 Reading = tuple[set[int], datetime | None]
@@ -150,8 +141,9 @@ def observed_many(nodes: list[Node], models: Iterable[str]) -> dict[tuple[int, s
             last[key] = (op.versions, op.finished_at)  # type: ignore[assignment]
     readings: dict[tuple[int, str], Reading] = {}
     for node in nodes:
+        ready = node.ready_versions
         for name in names:
-            polled = set(ready_versions(node, name))
+            polled = set(ready.get(name, []))
             versions, at = last.get((node.pk, name), (None, None))
             if versions is None or at is None:
                 readings[(node.pk, name)] = (polled, node.last_seen)
