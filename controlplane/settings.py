@@ -24,6 +24,8 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 CELERY_BROKER_URL = env_url("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0", ("redis", "rediss"))
 PROMETHEUS_URL = env_url("PROMETHEUS_URL", "http://127.0.0.1:9090", ("http", "https"))
+# A CA file for an https:// Prometheus signed by a private authority; empty: the system's.
+PROMETHEUS_CA_BUNDLE = env_str("PROMETHEUS_CA_BUNDLE", "")
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -48,13 +50,14 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "apps.audit.context.RequestIdMiddleware",  # first: every response names its request
-    "controlplane.nul.RejectNulMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",  # collected static files, before the session
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "controlplane.guard.RequestGuardMiddleware",  # before CSRF reads the form
+    "controlplane.nul.RejectNulMiddleware",
     "django.contrib.auth.middleware.LoginRequiredMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
@@ -113,6 +116,14 @@ CONTENT_SECURITY_POLICY = {
     }
 }
 
+# A repository archive (registry.archives.MAX_UPLOAD_BYTES) and its multipart framing fit.
+REQUEST_BODY_MAX_BYTES = int(env_float("REQUEST_BODY_MAX_BYTES", 21 * 2**20))
+
+# A session ends after SESSION_IDLE_S without a request; every request starts the count again.
+SESSION_COOKIE_AGE = int(env_float("SESSION_IDLE_S", 3600))
+SESSION_SAVE_EVERY_REQUEST = True
+# API tokens expire after at most this many days (each token may choose fewer).
+API_TOKEN_MAX_DAYS = int(env_float("API_TOKEN_MAX_DAYS", 90))
 SESSION_COOKIE_HTTPONLY = True
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", not DEBUG)
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)

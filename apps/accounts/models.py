@@ -4,7 +4,11 @@ from django.db import models
 
 class ApiToken(models.Model):
     """A user's key to the API. Only a digest is kept: the token itself is shown once, when it is
-    created, and cannot be read back."""
+    created, and cannot be read back. Every token expires; a read-only one changes nothing."""
+
+    class Scope(models.TextChoices):
+        READ = "read", "read only"
+        WRITE = "write", "read and write (as your role allows)"
 
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="tokens"
@@ -17,6 +21,8 @@ class ApiToken(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField()
+    scope = models.CharField(max_length=5, choices=Scope.choices, default=Scope.WRITE)
 
     class Meta:
         ordering = ["-created_at"]

@@ -2,6 +2,7 @@ import hashlib
 import secrets
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib.auth.models import Group, Permission, User
 from django.db import transaction
 from django.db.models import Q
@@ -73,20 +74,39 @@ def token_digest(token: str) -> str:
 
 
 @audited("token.create", lambda user, **_: f"user:{user.username}", (TokenError,))
-def token_create(*, user: User, name: str, actor: User | str) -> tuple[ApiToken, str]:
-    """A new token for `user`: the record, and the token itself, which is never stored."""
+def token_create(
+    *,
+    user: User,
+    name: str,
+    actor: User | str,
+    days: int | None = None,
+    scope: str = ApiToken.Scope.WRITE,
+) -> tuple[ApiToken, str]:
+    """A new token for `user`, expiring after `days` (API_TOKEN_MAX_DAYS by default and at
+    most): the record, and the token itself, which is never stored."""
     name = name.strip()
     if not name or len(name) > 80:
         raise TokenError("name the token (1 to 80 characters): what will use it?")
+    limit = settings.API_TOKEN_MAX_DAYS
+    days = limit if days is None else days
+    if not 1 <= days <= limit:
+        raise TokenError(f"a token lives 1 to {limit} days, not {days}")
+    if scope not in ApiToken.Scope.values:
+        raise TokenError(f"scope is one of {', '.join(ApiToken.Scope.values)}, not {scope!r}")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     record = ApiToken.objects.create(
-        user=user, name=name, prefix=token[: len(TOKEN_PREFIX) + 6], digest=token_digest(token)
+        user=user,
+        name=name,
+        prefix=token[: len(TOKEN_PREFIX) + 6],
+        digest=token_digest(token),
+        expires_at=timezone.now() + timedelta(days=days),
+        scope=scope,
     )
     audit_record(
         actor=actor,
         action="token.create",
         target=f"user:{user.username}",
-        after={"token": str(record)},
+        after={"token": str(record), "scope": scope, "expires_at": record.expires_at.isoformat()},
     )
     return record, token
 
@@ -119,14 +139,19 @@ def token_revoke(*, token_id: int, actor: User | str) -> ApiToken:
 
 def token_authenticate(token: str) -> ApiToken | None:
     """The live token a caller presented, its use noted (once a minute at most: a busy pipeline
-    should not write on every call); None when it is unknown or revoked."""
+    should not write on every call); None when it is unknown, revoked or expired."""
+    now = timezone.now()
     found = (
         ApiToken.objects.select_related("user")
-        .filter(digest=token_digest(token), revoked_at__isnull=True, user__is_active=True)
+        .filter(
+            digest=token_digest(token),
+            revoked_at__isnull=True,
+            expires_at__gt=now,
+            user__is_active=True,
+        )
         .first()
     )
     if found is not None:
-        now = timezone.now()
         stale = Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - timedelta(minutes=1))
         ApiToken.objects.filter(stale, pk=found.pk).update(last_used_at=now)
     return found

@@ -1,6 +1,8 @@
+from django.conf import settings
 from django.contrib import messages
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from apps.accounts.models import ApiToken
@@ -13,12 +15,24 @@ def tokens(request: HttpRequest) -> HttpResponse:
     user = current_user(request)
     context: dict[str, object] = {}
     if request.method == "POST":
+        days = request.POST.get("days", "").strip()
         try:
-            record, value = token_create(user=user, name=request.POST.get("name", ""), actor=user)
+            record, value = token_create(
+                user=user,
+                name=request.POST.get("name", ""),
+                actor=user,
+                days=None if not days else int(days) if days.isascii() and days.isdigit() else 0,
+                scope=request.POST.get("scope") or ApiToken.Scope.READ,
+            )
             context |= {"created": record, "value": value}
         except TokenError as exc:
             context["error"] = str(exc)
-    context["tokens"] = ApiToken.objects.filter(user=user)
+    context |= {
+        "tokens": ApiToken.objects.filter(user=user),
+        "scopes": ApiToken.Scope.choices,
+        "max_days": settings.API_TOKEN_MAX_DAYS,
+        "now": timezone.now(),
+    }
     response = render(request, "accounts/tokens.html", context)
     response["Cache-Control"] = "no-store"  # the new token must not linger in a cache
     return response

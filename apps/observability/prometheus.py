@@ -5,6 +5,7 @@ import functools
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import requests
 from django.conf import settings
@@ -31,37 +32,48 @@ def escape_label(value: str) -> str:
 
 
 def _connect() -> PrometheusConnect:
-    return _connection(settings.PROMETHEUS_URL, settings.PROMETHEUS_TIMEOUT_S)
+    return _connection(
+        settings.PROMETHEUS_URL, settings.PROMETHEUS_TIMEOUT_S, settings.PROMETHEUS_CA_BUNDLE
+    )
 
 
 @functools.cache
-def _connection(url: str, timeout: int) -> PrometheusConnect:
+def _connection(url: str, timeout: int, ca_bundle: str) -> PrometheusConnect:
     """One client (and HTTP keep-alive session) per Prometheus and process. One quick retry at
-    most: a page waits on this, and the next refresh tries again anyway."""
-    client = PrometheusConnect(
-        url=url, disable_ssl=True, retry=Retry(total=1, backoff_factor=0.1), timeout=timeout
-    )
+    most: a page waits on this, and the next refresh tries again anyway. Certificates are
+    checked, against `ca_bundle` when one is set, else the system's authorities."""
+    client = PrometheusConnect(url=url, retry=Retry(total=1, backoff_factor=0.1), timeout=timeout)
+    client._session.verify = ca_bundle or True
     # Prometheus is reached directly: reading the proxy variables on every request cost more
     # than building the chart (tests/bench).
     client._session.trust_env = False
     return client
 
 
+def shown_url(url: str) -> str:
+    """The URL as errors show it: no user, password or query string (a token may hide there)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    return urlunsplit(
+        (parts.scheme, netloc + (f":{parts.port}" if parts.port else ""), parts.path, "", "")
+    )
+
+
 def _call(method: str, *args: Any, **kwargs: Any) -> Any:
+    where = shown_url(settings.PROMETHEUS_URL)
     try:
         return getattr(_connect(), method)(*args, **kwargs)
     except requests.RequestException as exc:
         if isinstance(exc, requests.Timeout):
             reason = f"no answer within {settings.PROMETHEUS_TIMEOUT_S:g} s"
+        elif isinstance(exc, requests.exceptions.SSLError):
+            reason = "its TLS certificate is not trusted (PROMETHEUS_CA_BUNDLE names a CA file)"
         else:
             reason = "connection failed"
-        raise PrometheusUnavailable(
-            f"Prometheus at {settings.PROMETHEUS_URL} did not answer: {reason}."
-        ) from exc
+        raise PrometheusUnavailable(f"Prometheus at {where} did not answer: {reason}.") from exc
     except PrometheusApiClientException as exc:
-        raise PrometheusUnavailable(
-            f"Prometheus at {settings.PROMETHEUS_URL} refused the query: {exc}"
-        ) from exc
+        raise PrometheusUnavailable(f"Prometheus at {where} refused the query: {exc}") from exc
 
 
 def instant_query(query: str) -> list[tuple[dict[str, str], float]]:

@@ -10,6 +10,8 @@ from apps.registry.codec import pin_versions, to_pbtxt
 
 MAX_MEMBERS = 2_000
 MAX_UNPACKED_BYTES = 200 * 1024 * 1024
+# Model files and configs compress a few times at most; a far higher ratio is a zip bomb.
+MAX_COMPRESSION_RATIO = 50
 
 
 class ArchiveError(ValueError):
@@ -29,8 +31,14 @@ def extract_repository(data: bytes, target: Path) -> Path:
     members = archive.infolist()
     if len(members) > MAX_MEMBERS:
         raise ArchiveError(f"{len(members)} entries: more than {MAX_MEMBERS}")
-    if sum(m.file_size for m in members) > MAX_UNPACKED_BYTES:
+    unpacked = sum(m.file_size for m in members)
+    if unpacked > MAX_UNPACKED_BYTES:
         raise ArchiveError(f"unpacks to more than {MAX_UNPACKED_BYTES // 2**20} MiB")
+    if unpacked > 2**20 and unpacked > MAX_COMPRESSION_RATIO * len(data):
+        raise ArchiveError(
+            f"unpacks {len(data):,} bytes to {unpacked:,}: more than {MAX_COMPRESSION_RATIO}"
+            " times its size, which no model repository does"
+        )
     for member in members:
         path = PurePosixPath(member.filename)
         if path.is_absolute() or ".." in path.parts or "\\" in member.filename:

@@ -7,6 +7,8 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
 ModelConfig = model_config_pb2.ModelConfig
+# Real configs are a few KB; protobuf's text parser takes about a second per megabyte.
+MAX_CONFIG_CHARS = 200_000
 
 
 class ConfigSyntaxError(ValueError):
@@ -18,6 +20,10 @@ class ConfigSyntaxError(ValueError):
 
 
 def parse_pbtxt(text: str, *, source: str = "config.pbtxt") -> Any:
+    if len(text) > MAX_CONFIG_CHARS:
+        raise ConfigSyntaxError(
+            source, 1, 1, f"{len(text):,} characters; a config may hold {MAX_CONFIG_CHARS:,}"
+        )
     config = ModelConfig()
     try:
         text_format.Parse(text, config)

@@ -1,6 +1,6 @@
 from django import forms
 
-MAX_CONFIG_CHARS = 200_000
+from apps.registry.codec import MAX_CONFIG_CHARS
 
 
 class VersionForm(forms.Form):

@@ -5,17 +5,20 @@ release through the API runs on the real fleet in tests/integration/test_api_rel
 import io
 import json
 import zipfile
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import connection
 from django.test import Client
+from django.utils import timezone
 
 from apps.accounts.models import ApiToken
 from apps.accounts.roles import Role
-from apps.accounts.services import token_create
+from apps.accounts.services import TokenError, token_create
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
 from apps.fleet.services import deployment_set
@@ -241,3 +244,40 @@ def test_the_docs_and_the_openapi_document_need_a_sign_in_or_a_token(
     assert client.get("/api/openapi.json", headers=bearer(viewer)).json()["paths"]
     client.force_login(viewer)
     assert client.get("/api/docs").status_code == 200
+
+
+def test_a_token_expires_and_its_life_is_bounded(
+    client: Client, viewer: User, settings: Any
+) -> None:
+    record, value = token_create(user=viewer, name="ci", actor="system:test", days=1)
+    headers = {"Authorization": f"Bearer {value}"}
+    assert client.get("/api/models", headers=headers).status_code == 200
+    ApiToken.objects.filter(pk=record.pk).update(expires_at=timezone.now())
+    assert client.get("/api/models", headers=headers).status_code == 401
+    with pytest.raises(TokenError, match="a token lives 1 to 90 days, not 91"):
+        token_create(user=viewer, name="forever", actor="system:test", days=91)
+    settings.API_TOKEN_MAX_DAYS = 7
+    default, _ = token_create(user=viewer, name="short", actor="system:test")
+    assert timedelta(days=6) < default.expires_at - timezone.now() <= timedelta(days=7)
+
+
+def test_a_read_only_token_reads_but_changes_nothing(client: Client, admin_user: User) -> None:
+    _, value = token_create(user=admin_user, name="dash", actor="system:test", scope="read")
+    headers = {"Authorization": f"Bearer {value}"}
+    assert client.get("/api/models", headers=headers).status_code == 200
+    refused = post(client, "/api/models/ocr/validate", {"pbtxt": 'name: "ocr"'}, headers)
+    assert refused.status_code == 403 and refused.json()["error"]["message"] == (
+        "this token is read-only"
+    )
+    denied = AuditEvent.objects.get(result=AuditEvent.Result.DENIED)
+    assert denied.message == "token dash (" + value[:10] + "…) is read-only"
+
+
+def test_the_tokens_page_sets_scope_and_expiry(client: Client, viewer: User) -> None:
+    client.force_login(viewer)
+    client.post("/accounts/tokens/", {"name": "laptop", "scope": "read", "days": "30"})
+    token = ApiToken.objects.get()
+    life = token.expires_at - token.created_at
+    assert token.scope == "read" and abs(life - timedelta(days=30)) < timedelta(seconds=1)
+    shown = client.post("/accounts/tokens/", {"name": "x", "days": "9999"}).content.decode()
+    assert "a token lives 1 to 90 days, not 9999" in shown

@@ -1,5 +1,6 @@
 import io
 import json
+import random
 import shutil
 import stat
 import zipfile
@@ -13,7 +14,7 @@ from django.test import Client
 from apps.audit.models import AuditEvent
 from apps.registry.archives import ArchiveError, extract_repository
 from apps.registry.codec import parse_pbtxt, to_pbtxt
-from apps.registry.imports import repository_import
+from apps.registry.imports import read_candidates, repository_import
 from apps.registry.models import Model, ModelVersion
 from apps.registry.services import (
     RegistryError,
@@ -117,9 +118,11 @@ def test_a_new_step_version_lists_the_ensembles_it_would_break() -> None:
     assert "tensor 'candidates' is TYPE_BF16" in str(breaks[0].problems[0])
 
 
-def zip_of(entries: dict[str, bytes], *, symlink: str = "") -> bytes:
+def zip_of(entries: dict[str, bytes], *, symlink: str = "", deflate: bool = False) -> bytes:
     buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
+    with zipfile.ZipFile(
+        buffer, "w", zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED
+    ) as archive:
         for name, data in entries.items():
             archive.writestr(name, data)
         if symlink:
@@ -136,12 +139,32 @@ def zip_of(entries: dict[str, bytes], *, symlink: str = "") -> bytes:
         (zip_of({"/abs/config.pbtxt": b""}), "path leaves the archive"),
         (zip_of({}, symlink="m/1/model.py"), "symbolic links are not accepted"),
         (b"not a zip", "not a zip archive"),
+        # 20 KB that would unpack to 20 MiB of zeros: under the size cap, not under the ratio.
+        (zip_of({"m/1/model.plan": bytes(20 * 2**20)}, deflate=True), "times its size"),
     ],
 )
 def test_unsafe_archives_are_refused(tmp_path: Path, data: bytes, message: str) -> None:
     with pytest.raises(ArchiveError, match=message):
         extract_repository(data, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_real_model_file_is_not_taken_for_a_bomb(tmp_path: Path) -> None:
+    weights = random.Random(0).randbytes(2**21)  # weights hardly compress
+    data = zip_of({"m/config.pbtxt": b'name: "m"', "m/1/model.plan": weights}, deflate=True)
+    assert (extract_repository(data, tmp_path) / "m" / "1" / "model.plan").stat().st_size == 2**21
+
+
+def test_an_oversized_config_is_refused_before_protobuf_parses_it(tmp_path: Path) -> None:
+    """A 21 MB config.pbtxt took protobuf's text parser 26 s."""
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    huge = 'name: "m"\n' + "# padding\n" * 2_100_000
+    (tmp_path / "m" / "config.pbtxt").write_text(huge)
+    candidates, failures = read_candidates(tmp_path)
+    assert not candidates
+    assert failures[0].errors == [
+        f"{tmp_path}/m/config.pbtxt:1:1: {len(huge):,} characters; a config may hold 200,000"
+    ]
 
 
 def test_an_archive_with_one_top_directory_is_the_repository(tmp_path: Path) -> None:

@@ -15,6 +15,10 @@ class Command(BaseCommand):
         create = commands.add_parser("create", help="create a token and print it")
         create.add_argument("username")
         create.add_argument("name", help="what will use it, e.g. 'release pipeline'")
+        create.add_argument(
+            "--days", type=int, help="lifetime (default and most: API_TOKEN_MAX_DAYS)"
+        )
+        create.add_argument("--read-only", action="store_true", help="a token that changes nothing")
         listing = commands.add_parser("list", help="a user's tokens (never their values)")
         listing.add_argument("username")
         revoke = commands.add_parser("revoke", help="revoke a token by its id")
@@ -30,11 +34,18 @@ class Command(BaseCommand):
             if user is None:
                 raise CommandError(f"no user named {options['username']!r}")
             if command == "create":
-                record, value = token_create(user=user, name=str(options["name"]), actor=ACTOR)
+                record, value = token_create(
+                    user=user,
+                    name=str(options["name"]),
+                    actor=ACTOR,
+                    days=options["days"],  # type: ignore[arg-type]
+                    scope=ApiToken.Scope.READ if options["read_only"] else ApiToken.Scope.WRITE,
+                )
                 self.stdout.write(f"token {record.pk} for {user.username}: {value}")
                 return
             for token in ApiToken.objects.filter(user=user):
                 state = f"revoked {token.revoked_at:%Y-%m-%d}" if token.revoked_at else "active"
-                self.stdout.write(f"{token.pk}\t{token}\t{state}")
+                expires = f"expires {token.expires_at:%Y-%m-%d}"
+                self.stdout.write(f"{token.pk}\t{token}\t{token.scope}\t{state}\t{expires}")
         except TokenError as exc:
             raise CommandError(str(exc)) from exc

@@ -1,0 +1,82 @@
+"""What a request may carry, checked before anything reads its body: a size cap, no uploads
+from someone not signed in, and JSON no deeper than any of our forms or API bodies."""
+
+import json
+from collections.abc import Callable
+
+from django.conf import settings
+from django.contrib.auth.views import redirect_to_login
+from django.http import HttpRequest, HttpResponse, JsonResponse
+
+MAX_JSON_DEPTH = 32
+
+
+class RequestGuardMiddleware:
+    """After authentication, before CSRF (which reads the form) and the view."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        api = request.path.startswith("/api/")
+        refuse = _api_error if api else _plain
+        length = _content_length(request)
+        if length > settings.REQUEST_BODY_MAX_BYTES:
+            cap = settings.REQUEST_BODY_MAX_BYTES // 2**20
+            return refuse(413, "too_large", f"the request body is larger than {cap} MiB")
+        anonymous = not request.user.is_authenticated and not (
+            api and request.headers.get("Authorization", "").startswith("Bearer ")
+        )
+        if anonymous and length and request.content_type == "multipart/form-data":
+            # Parsing the upload would spool it to disk before the view's login check.
+            if api:
+                return refuse(
+                    401, "unauthenticated", "send a live API token: Authorization: Bearer <token>"
+                )
+            return redirect_to_login(request.get_full_path())
+        if request.content_type == "application/json" and too_deep(request.body):
+            return refuse(
+                400,
+                "invalid_request",
+                f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels",
+            )
+        return self.get_response(request)
+
+
+def _content_length(request: HttpRequest) -> int:
+    try:
+        return max(int(request.META.get("CONTENT_LENGTH") or 0), 0)
+    except ValueError:
+        return 0
+
+
+def _plain(status: int, code: str, message: str) -> HttpResponse:
+    return HttpResponse(message, status=status, content_type="text/plain; charset=utf-8")
+
+
+def _api_error(status: int, code: str, message: str) -> HttpResponse:
+    """The API's own error shape (apps.api.errors), which this runs before."""
+    return JsonResponse(
+        {"error": {"code": code, "message": message, "details": None}}, status=status
+    )
+
+
+def too_deep(body: bytes) -> bool:
+    """Nested past MAX_JSON_DEPTH. Counting brackets settles almost every body at C speed;
+    only one with more brackets than the limit is parsed, without recursion in our code."""
+    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
+        return False
+    try:
+        stack = [(json.loads(body), 1)]
+    except RecursionError:
+        return True
+    except ValueError:
+        return False  # not JSON: the view says so
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value
+        if isinstance(value, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                return True
+            stack.extend((child, depth + 1) for child in children)
+    return False
