@@ -1,6 +1,7 @@
 """Typed readers for environment variables: a bad value stops start-up with the variable's name."""
 
 import os
+from ipaddress import ip_network
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -44,6 +45,28 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None:
         return default
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_networks(name: str, default: list[str]) -> list[str]:
+    """CIDR ranges, checked now: a typo must not silently allow or refuse every node."""
+    networks = env_list(name, default)
+    for network in networks:
+        try:
+            ip_network(network, strict=False)
+        except ValueError:
+            raise ImproperlyConfigured(f"{name}: {network!r} is not a CIDR range.") from None
+    return networks
+
+
+def env_header(name: str) -> dict[str, str]:
+    """`Name: value` as a one-entry dict for a request's headers, {} when unset."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return {}
+    key, sep, value = raw.partition(":")
+    if not sep or not key.strip() or not value.strip() or not key.strip().isascii():
+        raise ImproperlyConfigured(f"{name} must read 'Header-Name: value'.")
+    return {key.strip(): value.strip()}
 
 
 def env_url(name: str, default: str, schemes: tuple[str, ...]) -> str:

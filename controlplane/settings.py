@@ -6,7 +6,16 @@ import plotly
 from csp.constants import NONCE, SELF
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.env import database_from_url, env_bool, env_float, env_list, env_str, env_url
+from controlplane.env import (
+    database_from_url,
+    env_bool,
+    env_float,
+    env_header,
+    env_list,
+    env_networks,
+    env_str,
+    env_url,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -163,6 +172,26 @@ SITE_URL = env_str("SITE_URL", "http://127.0.0.1:8000").rstrip("/")
 
 # Local model repositories whose files a release download may include (artifacts are free text).
 REGISTRY_ARTIFACT_ROOTS = env_list("REGISTRY_ARTIFACT_ROOTS", [str(BASE_DIR / "deploy" / "models")])
+
+# Nodes are contacted only at addresses inside these networks (never link-local or metadata
+# addresses): by default loopback and the private ranges.
+NODE_ALLOWED_NETWORKS = env_networks(
+    "NODE_ALLOWED_NETWORKS",
+    [
+        "127.0.0.0/8",
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "::1/128",
+        "fc00::/7",
+    ],
+)
+# https:// nodes signed by a private authority: its CA file; empty: the system's authorities.
+TRITON_CA_BUNDLE = env_str("TRITON_CA_BUNDLE", "")
+# Nodes started with --http-restricted-api=model-repository:NAME=VALUE want this header,
+# "NAME: VALUE", on every repository call (index, load, unload); empty: none.
+TRITON_REPOSITORY_HEADER = env_header("TRITON_REPOSITORY_HEADER")
 
 FLEET_UNREACHABLE_AFTER = 3
 # A flapping node: past FLEET_FLAP_LIMIT up/down events within the window, changes are counted,

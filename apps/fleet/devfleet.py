@@ -120,8 +120,16 @@ class Devfleet:
     # -- up / down -------------------------------------------------------------------------------
 
     def up(
-        self, *, nodes: int, pool: str, base_port: int | None, prometheus_port: int | None
+        self,
+        *,
+        nodes: int,
+        pool: str,
+        base_port: int | None,
+        prometheus_port: int | None,
+        repository_key: str = "",
     ) -> FleetState:
+        """`repository_key` ("name=value"): nodes serve the repository API only to requests
+        with that header, as Triton's --http-restricted-api has it."""
         self._require_stopped()
         tritonserver, backends = self._triton_install()
         self._precompile()
@@ -150,6 +158,8 @@ class Devfleet:
                     "--metrics-address=127.0.0.1",
                     f"--id={name}",
                 ]
+                if repository_key:
+                    argv.append(f"--http-restricted-api=model-repository:{repository_key}")
                 proc = self._spawn(
                     name, argv, {"http": http, "grpc": grpc, "metrics": metrics}, _triton_env()
                 )
@@ -379,10 +389,20 @@ class Devfleet:
                 )
 
 
+# What would make the Python backend's stub, which embeds the system's libpython3.11, look for
+# its standard library and packages somewhere else than the system Python's.
+_FOREIGN_PYTHON = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "CONDA_PREFIX")
+
+
 def _triton_env() -> dict[str, str]:
-    """tritonserver finds its bundled libraries (libtritonserver, libcudart...) next to pytriton."""
+    """tritonserver finds its bundled libraries (libtritonserver, libcudart...) next to pytriton.
+    The Python backend's stub embeds the system's libpython3.11, which takes its prefix from the
+    first python3 on PATH: /usr/bin goes first, so the stub finds the system's numpy whatever
+    the caller's shell put there (pyenv, conda, a virtualenv)."""
     libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
-    return {**os.environ, "LD_LIBRARY_PATH": str(libs)}
+    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_PYTHON}
+    path = "/usr/bin:" + env.get("PATH", "")
+    return {**env, "LD_LIBRARY_PATH": str(libs), "PATH": path}
 
 
 def _simulator_env() -> dict[str, str]:

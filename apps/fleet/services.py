@@ -10,6 +10,7 @@ from django.utils import timezone
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.audit.services import actor_name, audit_record, audited
+from apps.fleet import addresses
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
 from apps.fleet.triton import (
     IndexEntry,
@@ -30,7 +31,8 @@ class FleetError(Exception):
 
 
 def validate_node_url(url: str, *, field: str) -> None:
-    """http(s) with a host and a port, and no credentials: they would end up in logs and pages."""
+    """http(s) with a host and a port, and no credentials: they would end up in logs and pages;
+    at an address the control plane may contact (apps.fleet.addresses)."""
     parts = urlsplit(url)
     try:
         port = parts.port
@@ -44,6 +46,9 @@ def validate_node_url(url: str, *, field: str) -> None:
         raise FleetError(f"{field} {url!r}: a host is required")
     if port is None and parts.scheme == "grpc":
         raise FleetError(f"{field} {url!r}: host:port is required")
+    refused = addresses.refusal(parts.hostname)
+    if refused:
+        raise FleetError(f"{field} {url!r}: {refused}")
 
 
 # What polling writes: never the lease fields, which a worker may be renewing at the same moment.

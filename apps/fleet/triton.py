@@ -5,6 +5,7 @@ Every call has a timeout. Errors become `TritonUnreachable` (transient: the node
 """
 
 import re
+import ssl
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,8 @@ import numpy as np
 import tritonclient.http as httpclient
 from django.conf import settings
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype, triton_to_np_dtype
+
+from apps.fleet import addresses
 
 # Loading a model runs its initialize(): far slower than any other repository call.
 LOAD_TIMEOUT_S = 120.0
@@ -62,16 +65,26 @@ def numpy_dtype(datatype: str) -> np.dtype:
 class TritonClient:
     def __init__(self, http_url: str, *, node: str = "", timeout: float | None = None) -> None:
         parts = urlsplit(http_url)
-        self.address = parts.netloc
+        self.address, self.host = parts.netloc, parts.hostname or ""
+        self.secure = parts.scheme == "https"
         self.node = node or self.address
         self.timeout = timeout if timeout is not None else settings.TRITON_TIMEOUT_S
 
     @contextmanager
     def _client(self, timeout: float | None = None) -> Iterator[httpclient.InferenceServerClient]:
+        # Checked on every call, not only when the URL was saved: DNS may have changed since.
+        refused = addresses.refusal(self.host)
+        if refused:
+            raise TritonRejected(self.node, refused)
         client = httpclient.InferenceServerClient(
             self.address,
             connection_timeout=min(self.timeout, 5.0),
             network_timeout=timeout or self.timeout,
+            # https: certificates checked against TRITON_CA_BUNDLE, else certifi's authorities.
+            ssl=self.secure,
+            ssl_options={"ca_certs": settings.TRITON_CA_BUNDLE}
+            if settings.TRITON_CA_BUNDLE
+            else None,
         )
         try:
             yield client
@@ -97,7 +110,7 @@ class TritonClient:
 
     def repository_index(self) -> list[IndexEntry]:
         with self._client() as client:
-            rows = client.get_model_repository_index()
+            rows = client.get_model_repository_index(headers=settings.TRITON_REPOSITORY_HEADER)
         return [
             IndexEntry(
                 model=row["name"],
@@ -111,11 +124,15 @@ class TritonClient:
     def load(self, model: str, *, config_json: str | None = None) -> None:
         """Load or reload `model`; returns once Triton is done (callers read the index back)."""
         with self._client(LOAD_TIMEOUT_S) as client:
-            client.load_model(model, config=config_json)
+            client.load_model(model, config=config_json, headers=settings.TRITON_REPOSITORY_HEADER)
 
     def unload(self, model: str, *, unload_dependents: bool = False) -> None:
         with self._client() as client:
-            client.unload_model(model, unload_dependents=unload_dependents)
+            client.unload_model(
+                model,
+                unload_dependents=unload_dependents,
+                headers=settings.TRITON_REPOSITORY_HEADER,
+            )
 
     def model_config(self, model: str) -> dict[str, Any]:
         """The config Triton runs `model` with, as JSON (auto-completed fields included)."""
@@ -158,9 +175,21 @@ def parse_gpu_memory(metrics_text: str) -> list[dict[str, Any]]:
     return list(gpus.values())
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A node's answer never sends us elsewhere: a redirect is an error, not a new address."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 def read_metrics(metrics_url: str, *, node: str, timeout: float = 5.0) -> str:
+    refused = addresses.refusal(urlsplit(metrics_url).hostname or "")
+    if refused:
+        raise TritonRejected(node, f"metrics at {metrics_url}: {refused}")
+    context = ssl.create_default_context(cafile=settings.TRITON_CA_BUNDLE or None)
+    opener = urllib.request.build_opener(_NoRedirects, urllib.request.HTTPSHandler(context=context))
     try:
-        with urllib.request.urlopen(metrics_url, timeout=timeout) as response:  # noqa: S310 - validated node URL
+        with opener.open(metrics_url, timeout=timeout) as response:
             return str(response.read().decode())
     except OSError as exc:
         raise TritonUnreachable(node, f"metrics at {metrics_url}: {exc}") from exc

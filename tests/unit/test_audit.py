@@ -311,7 +311,7 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             lambda: fleet.node_register(
                 name="n",
                 pool="gpu",
-                http_url="http://n:8000",
+                http_url="http://10.0.0.9:8000",
                 grpc_url="",
                 metrics_url="",
                 actor="ops",

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.env import database_from_url, env_bool, env_url
+from controlplane.env import database_from_url, env_bool, env_header, env_networks, env_url
 
 
 def test_sqlite_url_relative_to_the_project(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,3 +66,18 @@ def test_settings_refuse_to_start_without_a_secret_key_in_production(tmp_path: P
     )
     assert result.returncode != 0
     assert "SECRET_KEY must be set" in result.stderr
+
+
+def test_networks_and_headers_are_checked_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NETS", "10.0.0.0/8, fd00::/8")
+    assert env_networks("NETS", []) == ["10.0.0.0/8", "fd00::/8"]
+    monkeypatch.setenv("NETS", "10.0.0.0/33")
+    with pytest.raises(ImproperlyConfigured, match="'10.0.0.0/33' is not a CIDR range"):
+        env_networks("NETS", [])
+    monkeypatch.setenv("HEADER", "admin-key: s3cret")
+    assert env_header("HEADER") == {"admin-key": "s3cret"}
+    monkeypatch.setenv("HEADER", "s3cret")
+    with pytest.raises(ImproperlyConfigured, match="HEADER must read 'Header-Name: value'"):
+        env_header("HEADER")
+    monkeypatch.delenv("HEADER")
+    assert env_header("HEADER") == {}

@@ -1,6 +1,8 @@
 """Findings of the security review that are not about one app: sessions, secrets in errors."""
 
 import base64
+import io
+import re
 import ssl
 import subprocess
 import threading
@@ -13,9 +15,13 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import User
 from django.contrib.sessions.models import Session
+from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
+from apps.fleet.models import Node, NodePool
+from apps.fleet.services import node_poll
+from apps.fleet.triton import TritonClient, TritonUnreachable, read_metrics
 from apps.observability.prometheus import PrometheusUnavailable, instant_query
 
 pytestmark = pytest.mark.django_db
@@ -52,6 +58,11 @@ def tls_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[s
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if self.path.startswith("/v2/health/"):  # a Triton node's health, for https nodes
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             allowed = self.headers.get("Authorization") == expected
             body = b'{"status":"success","data":{"resultType":"vector","result":[]}}'
             self.send_response(200 if allowed else 401)
@@ -97,3 +108,75 @@ def test_credentials_in_the_prometheus_url_never_reach_a_page(
     for page in chart, tiles:
         assert "http://127.0.0.1:1/prom did not answer" in page
         assert "s3cret" not in page
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("http://169.254.169.254/latest", "169.254.169.254: link-local, multicast and metadata"),
+        ("http://[fe80::1]:8000", "fe80::1: link-local, multicast and metadata"),
+        ("http://[::ffff:169.254.169.254]:80", "169.254.169.254: link-local"),
+        ("http://8.8.8.8:8000", "8.8.8.8, outside NODE_ALLOWED_NETWORKS (127.0.0.0/8, 10.0.0.0/8"),
+        ("http://no-such-node.invalid:8000", "no-such-node.invalid does not resolve"),
+    ],
+)
+def test_nodes_are_registered_only_at_allowed_addresses(url: str, reason: str) -> None:
+    with pytest.raises(CommandError, match=re.escape(reason)):
+        call_command("register_node", "n1", "gpu", url)
+    assert not Node.objects.exists()
+
+
+def test_an_allowed_network_is_a_setting(settings: Any) -> None:
+    call_command("register_node", "n1", "gpu", "http://10.1.2.3:8000", stdout=io.StringIO())
+    settings.NODE_ALLOWED_NETWORKS = ["8.8.8.0/24"]
+    call_command("register_node", "n2", "gpu", "http://8.8.8.8:8000", stdout=io.StringIO())
+    assert set(Node.objects.values_list("name", flat=True)) == {"n1", "n2"}
+
+
+def test_a_node_moved_to_a_refused_address_is_not_contacted() -> None:
+    """A row written before the check, or a name whose DNS changed: refused at each call."""
+    pool = NodePool.objects.create(name="gpu")
+    node = Node.objects.create(name="n1", pool=pool, http_url="http://169.254.169.254:80")
+    node_poll(node_id=node.pk)
+    node.refresh_from_db()
+    assert node.last_error == (
+        "n1: 169.254.169.254 is 169.254.169.254: link-local, multicast and metadata addresses"
+        " are refused"
+    )
+
+
+def test_a_node_metrics_redirect_is_not_followed() -> None:
+    hits: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(302)
+            self.send_header("Location", "/elsewhere")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        with pytest.raises(TritonUnreachable, match="HTTP Error 302"):
+            read_metrics(url, node="n1")
+    finally:
+        server.shutdown()
+    assert hits == ["/metrics"]
+
+
+def test_an_https_node_is_spoken_to_over_tls(
+    tls_prometheus: tuple[str, Path], settings: Any
+) -> None:
+    """Only host:port of the URL was kept: an https:// node was sent plain HTTP."""
+    url, cert = tls_prometheus
+    node = TritonClient("https://" + url.split("@")[1], node="n1")
+    with pytest.raises(TritonUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
+        node.health()
+    settings.TRITON_CA_BUNDLE = str(cert)
+    assert node.health() == "ready"

@@ -1,0 +1,48 @@
+"""Which addresses the control plane may contact as Triton nodes: a node's URL is data anyone
+with the operator role can set, so without this it would be a way to make our servers call
+anything they can reach (a cloud metadata service, an admin port on a neighbour)."""
+
+import functools
+import socket
+from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
+
+from django.conf import settings
+
+# Never contacted, whatever NODE_ALLOWED_NETWORKS says: "this network", link-local (where cloud
+# metadata services answer), AWS's IPv6 metadata address, multicast.
+NEVER = tuple(
+    ip_network(n)
+    for n in (
+        "0.0.0.0/8",
+        "169.254.0.0/16",
+        "224.0.0.0/4",
+        "fe80::/10",
+        "fd00:ec2::254/128",
+        "ff00::/8",
+    )
+)
+
+
+@functools.cache
+def _allowed(networks: tuple[str, ...]) -> tuple[object, ...]:
+    return tuple(ip_network(n, strict=False) for n in networks)
+
+
+def refusal(host: str) -> str:
+    """Why `host` may not be contacted as a node, or "" when it may: every address it resolves
+    to lies in NODE_ALLOWED_NETWORKS, and none is link-local, multicast or a metadata address."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError as exc:
+        return f"{host} does not resolve ({exc.strerror or exc})"
+    allowed = _allowed(tuple(settings.NODE_ALLOWED_NETWORKS))
+    for text in sorted({str(info[4][0]).split("%")[0] for info in infos}):
+        address: IPv4Address | IPv6Address = ip_address(text)
+        if isinstance(address, IPv6Address) and address.ipv4_mapped:
+            address = address.ipv4_mapped
+        if any(address in network for network in NEVER):
+            return f"{host} is {address}: link-local, multicast and metadata addresses are refused"
+        if not any(address in network for network in allowed):  # type: ignore[operator]
+            networks = ", ".join(settings.NODE_ALLOWED_NETWORKS)
+            return f"{host} is {address}, outside NODE_ALLOWED_NETWORKS ({networks})"
+    return ""
