@@ -40,6 +40,16 @@ def env_float(name: str, default: float) -> float:
     return value
 
 
+def env_int(name: str, default: int) -> int:
+    """A count: zero or more."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if not (raw.strip().isascii() and raw.strip().isdigit()):
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a whole number (0 or more).")
+    return int(raw)
+
+
 def env_list(name: str, default: list[str]) -> list[str]:
     raw = os.environ.get(name)
     if raw is None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from django.conf import settings
 from django.contrib.auth.views import redirect_to_login
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.urls import Resolver404, resolve
 
 MAX_JSON_DEPTH = 32
 
@@ -27,7 +28,8 @@ class RequestGuardMiddleware:
         anonymous = not request.user.is_authenticated and not (
             api and request.headers.get("Authorization", "").startswith("Bearer ")
         )
-        if anonymous and length and request.content_type == "multipart/form-data":
+        upload = length and request.content_type == "multipart/form-data"
+        if upload and anonymous and (api or _needs_login(request)):
             # Parsing the upload would spool it to disk before the view's login check.
             if api:
                 return refuse(
@@ -41,6 +43,15 @@ class RequestGuardMiddleware:
                 f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels",
             )
         return self.get_response(request)
+
+
+def _needs_login(request: HttpRequest) -> bool:
+    """As LoginRequiredMiddleware will decide, once the URL is resolved."""
+    try:
+        view = resolve(request.path_info).func
+    except Resolver404:
+        return True
+    return getattr(view, "login_required", True)
 
 
 def _content_length(request: HttpRequest) -> int:
@@ -80,3 +91,13 @@ def too_deep(body: bytes) -> bool:
                 return True
             stack.extend((child, depth + 1) for child in children)
     return False
+
+
+def client_ip(request: HttpRequest) -> str:
+    """The address a request came from: behind TRUSTED_PROXIES proxies, the one the outermost of
+    them saw (X-Forwarded-For, read from the right: entries further left are the client's say)."""
+    hops = [h.strip() for h in request.headers.get("X-Forwarded-For", "").split(",") if h.strip()]
+    trusted = settings.TRUSTED_PROXIES
+    if trusted and len(hops) >= trusted:
+        return hops[-trusted]
+    return str(request.META.get("REMOTE_ADDR", ""))

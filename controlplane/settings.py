@@ -1,5 +1,6 @@
 """All settings come from the environment; defaults run the local demo with zero setup."""
 
+from datetime import timedelta
 from pathlib import Path
 
 import plotly
@@ -11,11 +12,13 @@ from controlplane.env import (
     env_bool,
     env_float,
     env_header,
+    env_int,
     env_list,
     env_networks,
     env_str,
     env_url,
 )
+from controlplane.logs import logging_config
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -47,6 +50,7 @@ INSTALLED_APPS = [
     "template_partials",
     "csp",
     "django_celery_beat",
+    "axes",
     "apps.accounts",
     "apps.audit",
     "apps.registry",
@@ -72,7 +76,24 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "csp.middleware.CSPMiddleware",
+    "axes.middleware.AxesMiddleware",  # last, as django-axes wants
 ]
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",  # refuses a locked-out sign-in before the password
+    "django.contrib.auth.backends.ModelBackend",
+]
+# AXES_FAILURE_LIMIT failed sign-ins for one user from one address lock that pair out for
+# AXES_COOLOFF_MINUTES (a per-user lock alone would let anyone lock the admins out).
+AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = timedelta(minutes=env_float("AXES_COOLOFF_MINUTES", 15))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_DISABLE_ACCESS_LOG = True  # the audit trail records what matters; this table only grows
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+AXES_VERBOSE = False
+# Behind TRUSTED_PROXIES reverse proxies, the client is the address they saw (X-Forwarded-For).
+TRUSTED_PROXIES = env_int("TRUSTED_PROXIES", 0)
+AXES_CLIENT_IP_CALLABLE = "controlplane.guard.client_ip"
 
 ROOT_URLCONF = "controlplane.urls"
 WSGI_APPLICATION = "controlplane.wsgi.application"
@@ -203,9 +224,9 @@ FLEET_LEASE_S = env_float("FLEET_LEASE_S", 15.0)
 TRITON_TIMEOUT_S = 5.0
 PROMETHEUS_TIMEOUT_S = 5
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
-}
+# One JSON object per line, with the request id the audit trail records (controlplane.logs).
+LOGGING = logging_config(env_str("LOG_LEVEL", "INFO"))
+# Workers keep that logging instead of putting Celery's own plain handler on the root logger.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# /metrics answers without a token (a Prometheus on a private network); a token always works.
+METRICS_ALLOW_ANONYMOUS = env_bool("METRICS_ALLOW_ANONYMOUS", False)

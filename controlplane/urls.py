@@ -3,10 +3,14 @@ from django.urls import include, path
 
 from apps.api.api import urls as api_urls
 from controlplane.health import healthz, readyz
+from controlplane.metrics import metrics
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
     path("readyz", readyz, name="readyz"),
+    # Prometheus' scrape, beside the charts page at metrics/ (no slash: CommonMiddleware would
+    # otherwise redirect a scrape to the login-protected page).
+    path("metrics", metrics, name="self-metrics"),
     path("", include("apps.fleet.urls")),
     path("accounts/", include("apps.accounts.urls")),
     path("models/", include("apps.registry.urls")),

@@ -12,6 +12,7 @@ REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="")
 # How the actor acted when it was not through the pages: "API token ci (tcp_Ab12Cd…)".
 VIA: ContextVar[str] = ContextVar("via", default="")
 HEADER = "X-Request-ID"
+META_KEY = "controlplane.request_id"
 # What a proxy may hand us: anything longer or stranger is replaced, never stored.
 _SANE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
@@ -37,6 +38,8 @@ class RequestIdMiddleware:
 
     def _handle(self, request: HttpRequest, request_id: str) -> HttpResponse:
         REQUEST_ID.set(request_id)
+        # Django logs a 4xx after the middleware returned, with the request: the id goes along.
+        request.META[META_KEY] = request_id
         return self.get_response(request)
 
 

@@ -72,7 +72,7 @@ def test_networks_and_headers_are_checked_at_start_up(monkeypatch: pytest.Monkey
     monkeypatch.setenv("NETS", "10.0.0.0/8, fd00::/8")
     assert env_networks("NETS", []) == ["10.0.0.0/8", "fd00::/8"]
     monkeypatch.setenv("NETS", "10.0.0.0/33")
-    with pytest.raises(ImproperlyConfigured, match="'10.0.0.0/33' is not a CIDR range"):
+    with pytest.raises(ImproperlyConfigured, match=r"'10\.0\.0\.0/33' is not a CIDR range"):
         env_networks("NETS", [])
     monkeypatch.setenv("HEADER", "admin-key: s3cret")
     assert env_header("HEADER") == {"admin-key": "s3cret"}

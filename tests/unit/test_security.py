@@ -19,10 +19,13 @@ from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
+from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
 from apps.fleet.services import node_poll
 from apps.fleet.triton import TritonClient, TritonUnreachable, read_metrics
 from apps.observability.prometheus import PrometheusUnavailable, instant_query
+from controlplane.guard import client_ip
+from tests.conftest import PASSWORD
 
 pytestmark = pytest.mark.django_db
 
@@ -180,3 +183,29 @@ def test_an_https_node_is_spoken_to_over_tls(
         node.health()
     settings.TRITON_CA_BUNDLE = str(cert)
     assert node.health() == "ready"
+
+
+def test_sign_ins_are_throttled_per_user_and_address(client: Client, viewer: User) -> None:
+    def sign_in(password: str, address: str = "10.0.0.1") -> Any:
+        form = {"username": viewer.username, "password": password}
+        return client.post("/accounts/login/", form, REMOTE_ADDR=address)
+
+    for _ in range(4):
+        assert sign_in("wrong").status_code == 200  # the form again, with its error
+    assert sign_in("wrong").status_code == 429  # the fifth failure locks
+    locked = sign_in(PASSWORD)  # even the right password, now
+    assert locked.status_code == 429 and "Signing in is locked" in locked.content.decode()
+    events = AuditEvent.objects.filter(action="login.locked_out")  # each refused try
+    assert {(e.target, e.actor, e.result) for e in events} == {
+        ("user:viewer-user", "anonymous@10.0.0.1", "denied")
+    } and len(events) == 2
+    assert sign_in(PASSWORD, address="10.0.0.2").status_code == 302  # not a lock on the user alone
+
+
+def test_the_client_address_is_what_the_trusted_proxy_saw(rf: Any, settings: Any) -> None:
+    request = rf.get("/", REMOTE_ADDR="10.9.9.9", HTTP_X_FORWARDED_FOR="1.2.3.4, 5.6.7.8")
+    assert client_ip(request) == "10.9.9.9"  # no proxy trusted: the header is anyone's to write
+    settings.TRUSTED_PROXIES = 1
+    assert client_ip(request) == "5.6.7.8"
+    settings.TRUSTED_PROXIES = 2
+    assert client_ip(request) == "1.2.3.4"

@@ -1,0 +1,99 @@
+"""A real Prometheus scrapes the control plane's own /metrics with a read-only API token from a
+credentials file (the scrape config deploy/prometheus/prometheus.yml needs), and can query what it
+read."""
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from apps.accounts.models import ApiToken
+from apps.accounts.roles import Role
+from apps.accounts.services import token_create
+from apps.fleet.models import Node, NodePool
+from tests.conftest import make_user
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _query(url: str, promql: str) -> list[dict[str, Any]]:
+    query = urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(f"{url}/api/v1/query?{query}", timeout=5) as response:  # noqa: S310
+        return json.load(response)["data"]["result"]
+
+
+def test_prometheus_scrapes_self_metrics_with_a_token_from_a_file(
+    tmp_path: Path, live_server: Any
+) -> None:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("Prometheus is not installed: apt-get install -y prometheus")
+    pool = NodePool.objects.create(name="it-self")
+    for i in range(3):
+        Node.objects.create(
+            name=f"it-self-{i}", pool=pool, http_url="http://127.0.0.1:1", health="ready"
+        )
+    _, token = token_create(
+        user=make_user(Role.VIEWER),
+        name="prometheus",
+        actor="system:test",
+        scope=ApiToken.Scope.READ,
+    )
+    credentials = tmp_path / "controlplane.token"
+    credentials.write_text(token + "\n")  # Prometheus trims the trailing newline
+    target = urllib.parse.urlsplit(str(live_server)).netloc
+    config = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "controlplane",
+                "metrics_path": "/metrics",
+                "authorization": {"credentials_file": str(credentials)},
+                "static_configs": [{"targets": [target]}],
+            }
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is valid YAML
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    try:
+        nodes: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not nodes:
+            time.sleep(1)
+            try:
+                nodes = _query(url, 'controlplane_nodes{pool="it-self",health="ready"}')
+            except OSError:
+                continue  # not listening yet
+        assert nodes, (tmp_path / "prometheus.log").read_text()[-2000:]
+        assert nodes[0]["value"][1] == "3"
+        (up,) = _query(url, 'up{job="controlplane"}')
+        assert up["value"][1] == "1"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()

@@ -1,0 +1,281 @@
+"""The control plane's own /metrics: exact values read from the database and Redis at scrape
+time, a query count flat in fleet size, a token (or an explicit opt-in) to read them, and a
+scrape that still answers when the broker does not."""
+
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import redis
+from django.contrib.auth.models import User
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+from kombu import Connection
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+from apps.accounts.models import ApiToken
+from apps.accounts.services import token_create, token_revoke
+from apps.fleet.models import Node, NodePool, Operation
+from apps.registry.models import Model
+from apps.rollouts.models import Measurement, Notification, Rollout
+from controlplane import metrics
+from controlplane.celery import app as celery_app
+
+pytestmark = pytest.mark.django_db
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+# A database of its own on the local Redis, so nothing here touches a real broker's queues.
+TEST_BROKER = "redis://127.0.0.1:6379/14"
+
+
+@pytest.fixture
+def headers(viewer: User) -> dict[str, str]:
+    _, value = token_create(
+        user=viewer, name="prometheus", actor="system:test", scope=ApiToken.Scope.READ
+    )
+    return {"Authorization": f"Bearer {value}"}
+
+
+@pytest.fixture
+def broker(monkeypatch: pytest.MonkeyPatch) -> Iterator[redis.Redis]:
+    monkeypatch.setattr(celery_app.conf, "broker_url", TEST_BROKER)
+    with redis.Redis.from_url(TEST_BROKER) as client:
+        yield client
+
+
+def scrape(client: Client, headers: dict[str, str]) -> Samples:
+    response = client.get("/metrics", headers=headers)
+    assert response.status_code == 200
+    assert response["Content-Type"] == CONTENT_TYPE_LATEST
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.content.decode())
+        for sample in family.samples
+    }
+
+
+def matching(samples: Samples, name: str) -> dict[tuple[str, ...], float]:
+    """One metric's samples, keyed by their label values in label-name order."""
+    return {
+        tuple(value for _, value in labels): v
+        for (sample, labels), v in samples.items()
+        if sample == name
+    }
+
+
+def operation(node: Node, kind: str, status: str, *, took_s: float | None = None) -> Operation:
+    op = Operation.objects.create(node=node, kind=kind, model_name="m", status=status)
+    if took_s is not None:
+        start = timezone.now() - timedelta(minutes=5)
+        op.started_at, op.finished_at = start, start + timedelta(seconds=took_s)
+        op.save()
+    return op
+
+
+def make_fleet(prefix: str, nodes: int, queue: str = "") -> NodePool:
+    pool = NodePool.objects.create(name=prefix, queue=queue)
+    for i in range(nodes):
+        node = Node.objects.create(
+            name=f"{prefix}-{i}", pool=pool, http_url="http://127.0.0.1:1", health="ready"
+        )
+        operation(node, "load", "succeeded", took_s=1)
+        operation(node, "unload", "queued")
+    return pool
+
+
+def test_every_series_reports_exact_values_from_the_database(
+    client: Client, headers: dict[str, str]
+) -> None:
+    gpu, eu = NodePool.objects.create(name="gpu-a"), NodePool.objects.create(name="eu-west")
+    a1, _, a3 = (
+        Node.objects.create(name=name, pool=gpu, http_url="http://127.0.0.1:1", health=health)
+        for name, health in [("a1", "ready"), ("a2", "ready"), ("a3", "unreachable")]
+    )
+    e1 = Node.objects.create(name="e1", pool=eu, http_url="http://127.0.0.1:1", health="live")
+    operation(a1, "load", "succeeded", took_s=3)
+    operation(a1, "load", "failed", took_s=0.5)
+    operation(a3, "unload", "unknown", took_s=1.5)
+    operation(a1, "reload", "cancelled")  # never started: no duration
+    old = operation(e1, "load", "queued")
+    Operation.objects.filter(pk=old.pk).update(created_at=timezone.now() - timedelta(seconds=120))
+    operation(e1, "reload", "running")
+
+    m1, m2 = Model.objects.create(name="m1"), Model.objects.create(name="m2")
+    plan = [{"percent": 100}]
+    live = Rollout.objects.create(
+        model=m1, pool=gpu, baseline_version=1, canary_version=2, plan=plan, state="progressing"
+    )
+    Rollout.objects.create(
+        model=m2, pool=gpu, baseline_version=1, canary_version=2, plan=plan, state="succeeded"
+    )
+    Rollout.objects.create(
+        model=m1, pool=eu, baseline_version=1, canary_version=2, plan=plan, state="rolled_back"
+    )
+    for verdict in ["success", "success", "failure"]:
+        Measurement.objects.create(rollout=live, step=0, metric="p99", query="q", verdict=verdict)
+    for status in ["sent", "failed", "failed"]:
+        Notification.objects.create(rollout=live, event="started", payload={}, status=status)
+
+    samples = scrape(client, headers)
+
+    assert matching(samples, "controlplane_rollouts") == {
+        ("pending",): 0,
+        ("progressing",): 1,
+        ("paused",): 0,
+        ("promoting",): 0,
+        ("succeeded",): 1,
+        ("aborting",): 0,
+        ("rolled_back",): 1,
+        ("failed",): 0,
+    }
+    assert matching(samples, "controlplane_operations") == {
+        ("queued",): 1,
+        ("running",): 1,
+        ("succeeded",): 1,
+        ("failed",): 1,
+        ("unknown",): 1,
+        ("cancelled",): 1,
+    }
+    assert matching(samples, "controlplane_operation_duration_seconds_count") == {
+        ("load",): 2,
+        ("unload",): 1,
+        ("reload",): 0,
+    }
+    assert matching(samples, "controlplane_operation_duration_seconds_sum") == {
+        ("load",): 3.5,
+        ("unload",): 1.5,
+        ("reload",): 0,
+    }
+    lag = matching(samples, "controlplane_reconcile_lag_seconds")
+    assert lag.keys() == {("gpu-a",), ("eu-west",)}
+    assert lag[("gpu-a",)] == 0
+    assert lag[("eu-west",)] == pytest.approx(120, abs=10)
+    assert matching(samples, "controlplane_nodes") == {
+        ("unknown", "eu-west"): 0,
+        ("ready", "eu-west"): 0,
+        ("live", "eu-west"): 1,
+        ("unreachable", "eu-west"): 0,
+        ("unknown", "gpu-a"): 0,
+        ("ready", "gpu-a"): 2,
+        ("live", "gpu-a"): 0,
+        ("unreachable", "gpu-a"): 1,
+    }
+    assert matching(samples, "controlplane_analysis_verdicts") == {
+        ("success",): 2,
+        ("failure",): 1,
+        ("inconclusive",): 0,
+        ("error",): 0,
+    }
+    assert matching(samples, "controlplane_webhook_deliveries") == {
+        ("pending",): 0,
+        ("sent",): 1,
+        ("failed",): 2,
+    }
+
+
+def test_a_scrape_runs_as_many_queries_for_a_big_fleet_as_for_a_small_one(
+    client: Client, settings: object
+) -> None:
+    settings.METRICS_ALLOW_ANONYMOUS = True  # type: ignore[attr-defined]
+    make_fleet("small", nodes=1)
+
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as captured:
+            assert client.get("/metrics").status_code == 200
+        return len(captured)
+
+    small = queries()
+    for i in range(6):
+        make_fleet(f"big-{i}", nodes=5, queue=f"q{i}")
+    assert queries() == small
+
+
+def test_queue_depth_sums_every_priority_list_of_each_queue_in_use(
+    client: Client, headers: dict[str, str], broker: redis.Redis
+) -> None:
+    queue = f"metrics-test-{uuid.uuid4().hex[:8]}"
+    make_fleet("regional", nodes=1, queue=queue)
+    make_fleet("local", nodes=1)
+    try:
+        with Connection(TEST_BROKER) as conn:
+            waiting = conn.SimpleQueue(queue)
+            for priority in [0, 0, 5, 9, 9]:
+                waiting.put({"n": priority}, priority=priority)
+            waiting.close()
+        # kombu spread them over several lists: the depth has to add them up.
+        assert len(broker.keys(f"{queue}*")) > 1
+        samples = scrape(client, headers)
+    finally:
+        broker.delete(*broker.keys(f"*{queue}*"))
+    depths = matching(samples, "controlplane_celery_queue_depth")
+    assert depths == {("celery",): broker.llen("celery"), (queue,): 5}
+    assert matching(samples, "controlplane_broker_up") == {(): 1}
+
+
+@pytest.fixture(params=["closed", "silent"])
+def dead_broker(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A port nothing listens on, or one that accepts and never answers."""
+    if request.param == "closed":
+        yield "redis://127.0.0.1:1/0"
+        return
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+
+
+def test_a_broker_that_does_not_answer_leaves_the_scrape_up_without_queue_depths(
+    client: Client,
+    headers: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    dead_broker: str,
+) -> None:
+    monkeypatch.setattr(celery_app.conf, "broker_url", dead_broker)
+    make_fleet("gpu-a", nodes=1, queue="gpu")
+    started = time.monotonic()
+    samples = scrape(client, headers)
+    assert time.monotonic() - started < 1 + metrics.BROKER_TIMEOUT_S
+    assert matching(samples, "controlplane_broker_up") == {(): 0}
+    assert matching(samples, "controlplane_celery_queue_depth") == {}
+    assert matching(samples, "controlplane_nodes")[("ready", "gpu-a")] == 1
+
+
+def test_a_scrape_needs_a_live_token(client: Client, viewer: User) -> None:
+    record, value = token_create(
+        user=viewer, name="prometheus", actor="system:test", scope=ApiToken.Scope.READ
+    )
+    refused = client.get("/metrics")
+    assert refused.status_code == 401
+    assert refused["WWW-Authenticate"].startswith("Bearer")
+    assert b"controlplane_" not in refused.content
+    assert client.get("/metrics", headers={"Authorization": f"Bearer {value}"}).status_code == 200
+    token_revoke(token_id=record.pk, actor="system:test")
+    assert client.get("/metrics", headers={"Authorization": f"Bearer {value}"}).status_code == 401
+
+
+def test_anonymous_scrapes_only_where_the_setting_allows_them(
+    client: Client, settings: object
+) -> None:
+    assert client.get("/metrics").status_code == 401
+    settings.METRICS_ALLOW_ANONYMOUS = True  # type: ignore[attr-defined]
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert "no-cache" in response["Cache-Control"]
+    # A token that was sent is still checked: a mistyped one shows up as a failing target.
+    assert client.get("/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
+
+
+def test_the_charts_page_behind_the_slash_still_asks_for_a_login(client: Client) -> None:
+    response = client.get("/metrics/")
+    assert response.status_code == 302
+    assert response["Location"].startswith("/accounts/login/")
+
+
+def test_a_scrape_is_a_read(client: Client, headers: dict[str, str]) -> None:
+    response = client.post("/metrics", "{}", content_type="application/json", headers=headers)
+    assert response.status_code == 405
