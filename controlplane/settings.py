@@ -1,5 +1,6 @@
 """All settings come from the environment; defaults run the local demo with zero setup."""
 
+import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,6 +36,21 @@ DATABASES = {"default": database_from_url("DATABASE_URL", "sqlite:///var/db.sqli
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 CELERY_BROKER_URL = env_url("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0", ("redis", "rediss"))
+
+# PRODUCTION=true: the defaults that let the demo run with zero setup become errors.
+PRODUCTION = env_bool("PRODUCTION", False)
+if PRODUCTION:
+    if DEBUG:
+        raise ImproperlyConfigured("PRODUCTION=true with DEBUG=true: unset DEBUG.")
+    if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
+        raise ImproperlyConfigured(
+            "PRODUCTION=true needs PostgreSQL: set DATABASE_URL=postgres://user@host/database "
+            "(SQLite is the demo's)."
+        )
+    if "CELERY_BROKER_URL" not in os.environ:
+        raise ImproperlyConfigured(
+            "PRODUCTION=true needs Redis named explicitly: set CELERY_BROKER_URL=redis://host:6379/0."
+        )
 PROMETHEUS_URL = env_url("PROMETHEUS_URL", "http://127.0.0.1:9090", ("http", "https"))
 # A CA file for an https:// Prometheus signed by a private authority; empty: the system's.
 PROMETHEUS_CA_BUNDLE = env_str("PROMETHEUS_CA_BUNDLE", "")
@@ -156,7 +172,9 @@ SESSION_SAVE_EVERY_REQUEST = True
 API_TOKEN_MAX_DAYS = int(env_float("API_TOKEN_MAX_DAYS", 90))
 SESSION_COOKIE_HTTPONLY = True
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", not DEBUG)
-SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", PRODUCTION)
+# Probes and scrapers may come over plain HTTP from inside the cluster or host.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
 SECURE_HSTS_SECONDS = 0 if DEBUG else 31536000
 SECURE_HSTS_INCLUDE_SUBDOMAINS = not DEBUG
 SECURE_HSTS_PRELOAD = not DEBUG

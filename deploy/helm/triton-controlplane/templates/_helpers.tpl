@@ -23,7 +23,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* Non-secret settings: `config` over the defaults derived from `host`. */}}
 {{- define "triton-controlplane.config" -}}
-{{- $config := dict "ALLOWED_HOSTS" .Values.host "SITE_URL" (printf "https://%s" .Values.host) -}}
+{{- $config := dict "PRODUCTION" "true" "ALLOWED_HOSTS" .Values.host "SITE_URL" (printf "https://%s" .Values.host) -}}
 {{- range $name, $value := .Values.config -}}
 {{- $_ := set $config $name (toString $value) -}}
 {{- end -}}
