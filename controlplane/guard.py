@@ -1,15 +1,25 @@
 """What a request may carry, checked before anything reads its body: a size cap, no uploads
-from someone not signed in, and JSON no deeper than any of our forms or API bodies."""
+from someone not signed in, JSON no deeper than any of our forms or API bodies, and POST only
+to the pages that take it."""
 
 import json
 from collections.abc import Callable
+from typing import TypeVar
 
 from django.conf import settings
 from django.contrib.auth.views import redirect_to_login
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    HttpResponseNotAllowed,
+    JsonResponse,
+)
 from django.urls import Resolver404, resolve
 
 MAX_JSON_DEPTH = 32
+# Paths with methods and permissions of their own.
+OUTSIDE = ("/api/", "/admin/")
 
 
 class RequestGuardMiddleware:
@@ -101,3 +111,34 @@ def client_ip(request: HttpRequest) -> str:
     if trusted and len(hops) >= trusted:
         return hops[-trusted]
     return str(request.META.get("REMOTE_ADDR", ""))
+
+
+V = TypeVar("V", bound=Callable[..., HttpResponseBase])
+
+
+def takes_post(view: V) -> V:
+    """Mark a page that acts on POST (a form of the signed-in user's own, a dry run); pages that
+    change shared state say so with apps.accounts.permissions.require, which marks them too."""
+    view.takes_post = True  # type: ignore[attr-defined]
+    return view
+
+
+class ReadOnlyPagesMiddleware:
+    """A page takes POST only if it says so (405 otherwise): a view that reads can never be
+    made to change something by a method it did not expect. The API (its own methods per
+    operation) and Django's admin (its own permissions) are outside."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        return self.get_response(request)
+
+    def process_view(
+        self, request: HttpRequest, view: Callable[..., HttpResponse], *args: object
+    ) -> HttpResponse | None:
+        if request.method in ("GET", "HEAD", "OPTIONS") or request.path.startswith(OUTSIDE):
+            return None
+        if getattr(view, "takes_post", False) or hasattr(view, "required"):
+            return None
+        return HttpResponseNotAllowed(["GET", "HEAD"])

@@ -62,5 +62,7 @@ def logging_config(level: str) -> dict[str, Any]:
             "gunicorn.error": json_only,
             "gunicorn.access": json_only,
             "celery.task": json_only,
+            # django-axes notes every successful sign-in at INFO; its warnings (lockouts) stay.
+            "axes": {"level": "WARNING"},
         },
     }

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from apps.accounts.permissions import ANY_ROLE
 from apps.accounts.services import token_authenticate
 from apps.fleet.models import Node, NodePool, Operation
 from apps.rollouts.models import Measurement, Notification, Rollout
@@ -207,5 +208,6 @@ def _allowed(request: HttpRequest) -> bool:
     if scheme or token:
         # Credentials that were sent are checked even where anonymous scrapes are allowed: a
         # revoked or mistyped token should show as a failing target, not pass unnoticed.
-        return scheme.lower() == "bearer" and token_authenticate(token.strip()) is not None
-    return bool(getattr(settings, "METRICS_ALLOW_ANONYMOUS", False))
+        found = token_authenticate(token.strip()) if scheme.lower() == "bearer" else None
+        return found is not None and found.user.has_perm(ANY_ROLE)  # a viewer at least
+    return bool(settings.METRICS_ALLOW_ANONYMOUS)

@@ -88,6 +88,8 @@ MIDDLEWARE = [
     "controlplane.guard.RequestGuardMiddleware",  # before CSRF reads the form
     "controlplane.nul.RejectNulMiddleware",
     "django.contrib.auth.middleware.LoginRequiredMiddleware",
+    "apps.accounts.permissions.RoleRequiredMiddleware",
+    "controlplane.guard.ReadOnlyPagesMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",

@@ -29,3 +29,26 @@ class ApiToken(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.prefix}…)"
+
+
+class PoolRole(models.Model):
+    """A role held on one pool only, above the user's own (global) role: an operator of `gpu`
+    who is a viewer elsewhere. Every user with access has a global role, viewer at least."""
+
+    class Role(models.TextChoices):
+        OPERATOR = "operator"
+        RELEASE_MANAGER = "release_manager"
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="pool_roles"
+    )
+    pool = models.ForeignKey("fleet.NodePool", on_delete=models.CASCADE, related_name="roles")
+    role = models.CharField(max_length=20, choices=Role.choices)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["user", "pool"], name="one_role_per_user_and_pool")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.role} of {self.pool_id}"

@@ -1,15 +1,34 @@
+"""Who may do what, where. A user's global role (a Django group) grants its permissions on every
+pool; a PoolRole grants a higher role's on one pool. Views and the API check that the user may
+act somewhere (`require`, apps.api.auth); services check the pool they act on (`authorize`)."""
+
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
-from django.contrib.auth.models import User
+from django.contrib.auth.models import AnonymousUser, User
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
+from apps.accounts.models import PoolRole
+from apps.accounts.roles import roles_granting
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 
 View = Callable[..., HttpResponse]
+# What the viewer role grants first: a user without it has no role, and sees nothing.
+ANY_ROLE = "fleet.view_node"
+# What a role held on one pool can grant there. The registry (models, versions, imports) and the
+# pools themselves are fleet-wide: only a global role grants their permissions.
+POOL_SCOPED = frozenset(
+    {
+        "fleet.operate_node",
+        "rollouts.add_rollout",
+        "rollouts.change_rollout",
+        "rollouts.rollback_release",
+    }
+)
 
 
 def current_user(request: HttpRequest) -> User:
@@ -18,13 +37,52 @@ def current_user(request: HttpRequest) -> User:
     return request.user
 
 
+def _pool_roles(permission: str) -> list[str]:
+    if permission not in POOL_SCOPED:
+        return []
+    return [role.value for role in roles_granting(permission) if role in PoolRole.Role.values]
+
+
+def may(user: User | AnonymousUser, permission: str, pool_id: int | None) -> bool:
+    """`permission` on that pool: from the global role, or a role held on the pool."""
+    if user.has_perm(permission):
+        return True
+    return (
+        pool_id is not None
+        and isinstance(user, User)
+        and PoolRole.objects.filter(
+            user=user, pool_id=pool_id, role__in=_pool_roles(permission)
+        ).exists()
+    )
+
+
+def may_somewhere(user: User | AnonymousUser, permission: str) -> bool:
+    """`permission` on at least one pool: enough to be shown the form; the service decides."""
+    if user.has_perm(permission):
+        return True
+    return (
+        isinstance(user, User)
+        and PoolRole.objects.filter(user=user, role__in=_pool_roles(permission)).exists()
+    )
+
+
+def authorize(actor: User | str, permission: str, pool: Any) -> None:
+    """Raise PermissionDenied unless `actor` holds `permission` on `pool` (a NodePool). System
+    actors (names, not users: the controller, the reconciler, commands) act everywhere."""
+    if isinstance(actor, User) and not may(actor, permission, pool.pk):
+        raise PermissionDenied(
+            f"{actor.username} may not do that on pool {pool.name}: it needs {permission} there"
+        )
+
+
 def require(permission: str, action: str) -> Callable[[View], View]:
-    """Refuse (403, audited) a user without `permission`; the role check is always server-side."""
+    """Refuse (403, audited) a user without `permission` on any pool; the role check is always
+    server-side, and the service checks the pool it acts on."""
 
     def decorator(view: View) -> View:
         @wraps(view)
         def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-            if request.user.has_perm(permission):
+            if may_somewhere(request.user, permission):
                 return view(request, *args, **kwargs)
             audit_record(
                 actor=current_user(request),
@@ -40,3 +98,24 @@ def require(permission: str, action: str) -> Callable[[View], View]:
         return wrapped
 
     return decorator
+
+
+class RoleRequiredMiddleware:
+    """A signed-in user without a role (not even viewer) is refused every page: signing in
+    proves who someone is, not that they may read the fleet, its audit trail or its models."""
+
+    ALLOWED = ("/accounts/logout/", "/accounts/login/")
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        user = request.user
+        if (
+            user.is_authenticated
+            and not user.has_perm(ANY_ROLE)
+            and not request.path.startswith(self.ALLOWED)
+        ):
+            context = {"permission": ANY_ROLE, "action": "reading the control plane"}
+            return render(request, "403.html", context, status=403)
+        return self.get_response(request)

@@ -44,3 +44,8 @@ def role_permissions(role: Role) -> list[str]:
     for each in ROLE_ORDER[: ROLE_ORDER.index(role) + 1]:
         granted += ROLE_GRANTS[each]
     return granted
+
+
+def roles_granting(permission: str) -> list[Role]:
+    """The roles whose permissions include `permission`."""
+    return [role for role in ROLE_ORDER if permission in role_permissions(role)]

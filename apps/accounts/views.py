@@ -8,8 +8,10 @@ from django.views.decorators.http import require_POST
 from apps.accounts.models import ApiToken
 from apps.accounts.permissions import current_user
 from apps.accounts.services import TokenError, token_create, token_revoke
+from controlplane.guard import takes_post
 
 
+@takes_post
 def tokens(request: HttpRequest) -> HttpResponse:
     """The signed-in user's API tokens; a new one is shown on this response only."""
     user = current_user(request)
@@ -38,6 +40,7 @@ def tokens(request: HttpRequest) -> HttpResponse:
     return response
 
 
+@takes_post
 @require_POST
 def token_revoke_view(request: HttpRequest, token_id: int) -> HttpResponse:
     try:

@@ -10,6 +10,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import URLPattern, URLResolver
 from ninja import NinjaAPI
 
+from apps.accounts.permissions import ANY_ROLE
 from apps.accounts.services import token_authenticate
 from apps.api import audit, errors, fleet, registry, rollouts
 
@@ -25,10 +26,14 @@ def signed_in(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
             return view(request, *args, **kwargs)
         if scheme.lower() != "bearer":
             return redirect_to_login(request.get_full_path())
-        if token_authenticate(token.strip()) is None:
+        found = token_authenticate(token.strip())
+        if found is None:
             message = "send a live API token: Authorization: Bearer <token>"
             error = {"code": "unauthenticated", "message": message, "details": None}
             return JsonResponse({"error": error}, status=401)
+        if not found.user.has_perm(ANY_ROLE):
+            error = {"code": "forbidden", "message": f"your role lacks {ANY_ROLE}", "details": None}
+            return JsonResponse({"error": error}, status=403)
         return view(request, *args, **kwargs)
 
     return guarded

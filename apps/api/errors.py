@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
@@ -60,6 +61,10 @@ def install(api: NinjaAPI) -> None:
     def _unauthenticated(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
         message = "send a live API token: Authorization: Bearer <token>"
         return error_response(api, request, ApiError(401, "unauthenticated", message))
+
+    @api.exception_handler(PermissionDenied)
+    def _forbidden(request: HttpRequest, exc: PermissionDenied) -> HttpResponse:
+        return error_response(api, request, ApiError(403, "forbidden", str(exc)))
 
     @api.exception_handler(Http404)
     def _missing(request: HttpRequest, exc: Http404) -> HttpResponse:

@@ -4,6 +4,7 @@ from functools import wraps
 from typing import Any, TypeVar, cast
 
 from django.contrib.auth.models import AnonymousUser, User
+from django.core.exceptions import PermissionDenied
 from django.db import transaction
 
 from apps.audit.context import REQUEST_ID, VIA
@@ -85,7 +86,8 @@ def audited(
     event. It runs in its own transaction; services it calls are steps of the same action, and
     their events become parts of its event. When it refuses, raising one of `refusals`, its
     changes roll back but the refusal is recorded, after that transaction, and raised to the
-    caller: a failed action is in the trail too."""
+    caller: a failed action is in the trail too, and so is one refused for want of a role
+    (PermissionDenied)."""
 
     def decorator(service: F) -> F:
         @wraps(service)
@@ -98,12 +100,16 @@ def audited(
                     result, held = _holding(service, kwargs)
                     _record_action(held)
                     return result
-            except refusals as exc:
+            except (PermissionDenied, *refusals) as exc:  # type: ignore[misc]  # a tuple of them
                 audit_record(
                     actor=kwargs["actor"],
                     action=action if isinstance(action, str) else action(**kwargs),
                     target=target(**kwargs),
-                    result=AuditEvent.Result.FAILED,
+                    result=(
+                        AuditEvent.Result.DENIED
+                        if isinstance(exc, PermissionDenied)
+                        else AuditEvent.Result.FAILED
+                    ),
                     message=str(exc),
                 )
                 raise

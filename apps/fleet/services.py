@@ -7,6 +7,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from apps.accounts.permissions import authorize
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.audit.services import actor_name, audit_record, audited
@@ -253,6 +254,7 @@ def deployment_set(
     kept READY beside it when given; idempotent."""
     if (pool is None) == (node is None):
         raise FleetError("a deployment targets a pool or a node")
+    authorize(actor, "fleet.operate_node", pool or node.pool)  # type: ignore[union-attr]
     found = (
         ModelVersion.objects.filter(model__name=model_name, version=version)
         .select_related("model")
@@ -308,12 +310,13 @@ def _removed_target(*, deployment_id: int, **_: object) -> str:
 def deployment_remove(*, deployment_id: int, actor: Actor) -> None:
     deployment = (
         Deployment.objects.select_for_update(of=("self",))  # pool and node are outer joins
-        .select_related("model", "pool", "node")
+        .select_related("model", "pool", "node__pool")
         .filter(pk=deployment_id)
         .first()
     )
     if deployment is None:
         raise FleetError(f"deployment {deployment_id} does not exist (removed already?)")
+    authorize(actor, "fleet.operate_node", deployment.pool or deployment.node.pool)  # type: ignore[union-attr]
     nodes = _target_nodes(deployment.pool, deployment.node)
     audit_record(
         actor=actor,
@@ -338,7 +341,8 @@ def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor)
     from apps.fleet.desired import node_desired
     from apps.fleet.operations import enqueue_run
 
-    node = Node.objects.select_for_update().get(pk=node_id)
+    node = Node.objects.select_for_update().select_related("pool").get(pk=node_id)
+    authorize(actor, "fleet.operate_node", node.pool)
     open_op = node.operations.filter(
         model_name=model_name,
         kind=kind,
@@ -389,7 +393,8 @@ def _release_switch(*, pool: NodePool, model: Model, version: int | None, actor:
 def node_adopt(*, node_id: int, model_name: str, actor: Actor) -> Node:
     """Take over a model someone else loaded on the node: from now on the reconciler manages it,
     so it is unloaded unless a deployment names it."""
-    node = Node.objects.select_for_update().get(pk=node_id)
+    node = Node.objects.select_for_update().select_related("pool").get(pk=node_id)
+    authorize(actor, "fleet.operate_node", node.pool)
     if model_name in node.owned:
         raise FleetError(f"{model_name} on {node.name} is managed already")
     if not any(entry["model"] == model_name for entry in node.index):

@@ -16,7 +16,6 @@ from apps.fleet.selectors import (
     NodeFilters,
     failing_operations,
     fleet_summary,
-    node_list,
     node_models,
     node_rows,
     pool_views,
@@ -51,7 +50,7 @@ def serving(request: HttpRequest) -> HttpResponse:
     model, version = request.GET.get("model", ""), request.GET.get("version", "")
     found = [
         node
-        for node in node_list().only("name", "index")
+        for node in Node.objects.only("name", "index").order_by("name")
         if any(e["model"] == model and str(e["version"]) == version for e in node.ready_models)
     ]
     return render(request, "fleet/partials/serving.html", {"nodes": found})

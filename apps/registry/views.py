@@ -27,6 +27,7 @@ from apps.registry.services import (
     version_set_status,
 )
 from apps.registry.validation import errors
+from controlplane.guard import takes_post
 from controlplane.htmx import HtmxHttpRequest
 
 
@@ -162,6 +163,7 @@ def version_new(request: HttpRequest, name: str) -> HttpResponse:
     return render(request, "registry/version_new.html", {"model": model, "form": form})
 
 
+@takes_post  # a dry run: it changes nothing
 @require_POST
 def version_validate(request: HtmxHttpRequest, name: str) -> HttpResponse:
     """Inline validation as the user types: problems, and the ensembles the change would break."""

@@ -7,6 +7,7 @@ from typing import Any
 from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 
+from apps.accounts.permissions import authorize
 from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet.models import Deployment, NodePool, Release
 from apps.fleet.services import FleetError, deployment_set
@@ -119,6 +120,7 @@ def rollout_start(
         plan=plan,
         analysis=analysis,
     )
+    authorize(actor, "rollouts.add_rollout", proposal.pool)
     running = _active(proposal.model, proposal.pool)
     if running is not None:
         raise RolloutError(
@@ -147,11 +149,14 @@ def rollout_start(
     return rollout
 
 
-def _locked(rollout_id: int, action: str, allowed: list[State]) -> Rollout:
+def _locked(rollout_id: int, action: str, allowed: list[State], actor: Actor | None) -> Rollout:
+    """The rollout, locked, if `actor` may change it (None: the caller checked already)."""
     found = Rollout.objects.select_for_update().select_related("model", "pool")
     rollout = found.filter(pk=rollout_id).first()
     if rollout is None:
         raise RolloutError(f"there is no rollout #{rollout_id}")
+    if actor is not None:
+        authorize(actor, "rollouts.change_rollout", rollout.pool)
     if rollout.state not in allowed:
         raise RolloutError(f"rollout #{rollout.pk} is {rollout.state}: cannot {action} it")
     return rollout
@@ -159,14 +164,14 @@ def _locked(rollout_id: int, action: str, allowed: list[State]) -> Rollout:
 
 @audited("rollout.pause", _rollout_target, (RolloutError, PlanError))
 def rollout_pause(*, rollout_id: int, actor: Actor) -> Rollout:
-    rollout = _locked(rollout_id, "pause", [State.PENDING, State.PROGRESSING])
+    rollout = _locked(rollout_id, "pause", [State.PENDING, State.PROGRESSING], actor)
     controller.pause(rollout, f"paused by {actor_name(actor)}", actor=actor)
     return rollout
 
 
 @audited("rollout.resume", _rollout_target, (RolloutError, PlanError))
 def rollout_resume(*, rollout_id: int, actor: Actor) -> Rollout:
-    rollout = _locked(rollout_id, "resume", [State.PAUSED])
+    rollout = _locked(rollout_id, "resume", [State.PAUSED], actor)
     # Judged afresh: what made it pause (too little data, a node down) may have passed.
     rollout.errors, rollout.last_verdict, rollout.last_measured_at = 0, "", None
     controller.transition(rollout, State.PROGRESSING, "", event="resumed", actor=actor)
@@ -178,7 +183,9 @@ def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
     """Skip the remaining steps and analysis; a reason is required, and recorded."""
     if not reason.strip():
         raise RolloutError("say why the analysis is skipped: a reason is required")
-    rollout = _locked(rollout_id, "promote", [State.PENDING, State.PROGRESSING, State.PAUSED])
+    rollout = _locked(
+        rollout_id, "promote", [State.PENDING, State.PROGRESSING, State.PAUSED], actor
+    )
     controller.transition(
         rollout, State.PROMOTING, f"promoted by {actor_name(actor)}: {reason}", actor=actor
     )
@@ -188,7 +195,7 @@ def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
 @audited("rollout.abort", _rollout_target, (RolloutError, PlanError))
 def rollout_abort(*, rollout_id: int, actor: Actor, reason: str = "") -> Rollout:
     allowed = [State.PENDING, State.PROGRESSING, State.PAUSED, State.PROMOTING]
-    rollout = _locked(rollout_id, "abort", allowed)
+    rollout = _locked(rollout_id, "abort", allowed, actor)
     why = f"aborted by {actor_name(actor)}" + (f": {reason}" if reason.strip() else "")
     controller.begin_abort(rollout, why, actor=actor)
     return rollout
@@ -197,7 +204,7 @@ def rollout_abort(*, rollout_id: int, actor: Actor, reason: str = "") -> Rollout
 @audited("rollout.retry", _rollout_target, (RolloutError, PlanError))
 def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
     """A new rollout with the same canary, plan and analysis (terminal states stay terminal)."""
-    rollout = _locked(rollout_id, "retry", [State.FAILED, State.ROLLED_BACK])
+    rollout = _locked(rollout_id, "retry", [State.FAILED, State.ROLLED_BACK], actor)
     again = rollout_start(
         model_name=rollout.model.name,
         pool_name=rollout.pool.name,
@@ -255,6 +262,7 @@ def last_good_versions(pairs: list[tuple[int, int]]) -> dict[tuple[int, int], in
 def release_rollback(*, model_name: str, pool_name: str, actor: Actor) -> int:
     """On-call's one click: the pool back to its last good release, now. Returns the version."""
     model, pool = _model_and_pool(model_name, pool_name)
+    authorize(actor, "rollouts.rollback_release", pool)
     version = last_good_version(model, pool)
     if version is None:
         raise RolloutError(f"{model_name} on {pool_name} has no earlier good release")
@@ -265,6 +273,7 @@ def release_rollback(*, model_name: str, pool_name: str, actor: Actor) -> int:
 def release_fallback(*, model_name: str, pool_name: str, actor: Actor) -> int:
     """The pool onto the model's pre-registered degraded version (a latency emergency)."""
     model, pool = _model_and_pool(model_name, pool_name)
+    authorize(actor, "rollouts.rollback_release", pool)
     if model.fallback_version is None:
         raise RolloutError(f"{model_name} has no fallback version; set one on the model page")
     return _switch(model, pool, model.fallback_version, "fallback", actor)
@@ -294,7 +303,8 @@ def _switch(model: Model, pool: NodePool, version: int, action: str, actor: Acto
     running = _active(model, pool)
     if running is not None and running.state != State.ABORTING:
         why = f"pool switched to v{version} ({action}) by {actor_name(actor)}"
-        controller.begin_abort(_locked(running.pk, "abort", Rollout.ACTIVE), why, actor=actor)
+        rollout = _locked(running.pk, "abort", Rollout.ACTIVE, None)  # the switch was authorized
+        controller.begin_abort(rollout, why, actor=actor)
     controller.drop_node_deployments(model, pool, actor)
     audit_record(
         actor=actor,

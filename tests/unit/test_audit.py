@@ -244,6 +244,7 @@ FLEET_REGISTRY_SERVICES = {
     accounts.user_ensure,
     accounts.token_create,
     accounts.token_revoke,
+    accounts.pool_role_set,
     fleet.node_register,
     fleet.deployment_set,
     fleet.deployment_remove,
@@ -301,6 +302,14 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             "token.revoke",
             lambda: accounts.token_revoke(token_id=0, actor="ops"),
             lambda: accounts.token_revoke(token_id=ApiToken.objects.get().pk, actor="ops"),
+        ),
+        Case(
+            accounts.pool_role_set,
+            "user.pool_role_set",
+            lambda: accounts.pool_role_set(username="ann", pool_name="gpu", role="x", actor="ops"),
+            lambda: accounts.pool_role_set(
+                username="ann", pool_name="gpu", role="operator", actor="ops"
+            ),
         ),
         Case(
             fleet.node_register,

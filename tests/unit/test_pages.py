@@ -152,3 +152,18 @@ def test_auto_refresh_makes_the_chart_fetch_itself_again(
     refreshing = client.get(f"{url}&refresh=on", headers={"HX-Request": "true"}).content.decode()
     assert 'hx-trigger="every 15s"' in refreshing
     assert 'hx-get="/metrics/?metric=p99&amp;range=1h&amp;refresh=on"' in refreshing
+
+
+def test_the_serving_fragment_names_the_nodes_with_the_version_ready(
+    client: Client, viewer: User
+) -> None:
+    """It was a 500: the node list joins the pool, which the fragment's query deferred."""
+    pool = NodePool.objects.create(name="gpu")
+    ready = [{"model": "embedder", "version": 2, "state": "READY", "reason": ""}]
+    Node.objects.create(name="gpu-2", pool=pool, http_url="http://10.0.0.2:8000", index=ready)
+    Node.objects.create(name="gpu-1", pool=pool, http_url="http://10.0.0.1:8000", index=[])
+    client.force_login(viewer)
+    response = client.get("/nodes/serving/", {"model": "embedder", "version": "2"})
+    assert response.status_code == 200
+    body = response.content.decode()
+    assert "gpu-2" in body and "gpu-1" not in body

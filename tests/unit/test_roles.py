@@ -1,8 +1,9 @@
+import io
 import itertools
 
 import pytest
 from django.contrib.auth.models import Group, User
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 
 from apps.accounts.roles import ROLE_ORDER, Role, role_permissions
 from apps.accounts.services import user_role
@@ -31,3 +32,25 @@ def test_each_role_holds_the_permissions_of_the_roles_below() -> None:
 def test_only_operators_and_above_may_operate_nodes(viewer: User, operator: User) -> None:
     assert not viewer.has_perm("fleet.operate_node")
     assert operator.has_perm("fleet.operate_node")
+
+
+@pytest.mark.django_db
+def test_a_pool_role_is_set_and_taken_away_by_command(viewer: User) -> None:
+    from apps.accounts.models import PoolRole
+    from apps.fleet.models import NodePool
+
+    NodePool.objects.create(name="gpu")
+    call_command("set_pool_role", "viewer-user", "gpu", "operator", stdout=io.StringIO())
+    assert PoolRole.objects.get().role == "operator"
+    call_command("set_pool_role", "viewer-user", "gpu", "none", stdout=io.StringIO())
+    assert not PoolRole.objects.exists()
+    User.objects.create_user("nobody")
+    with pytest.raises(CommandError, match="nobody has no role: give them one"):
+        call_command("set_pool_role", "nobody", "gpu", "operator")
+    with pytest.raises(CommandError, match="no pool named 'cpu'"):
+        call_command("set_pool_role", "viewer-user", "cpu", "operator")
+    events = AuditEvent.objects.filter(action="user.pool_role_set", result="ok")
+    assert [(e.before["role"], e.after["role"]) for e in events.order_by("id")] == [
+        ("", "operator"),
+        ("operator", ""),
+    ]
