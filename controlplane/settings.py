@@ -90,6 +90,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.LoginRequiredMiddleware",
     "apps.accounts.permissions.RoleRequiredMiddleware",
     "controlplane.guard.ReadOnlyPagesMiddleware",
+    "apps.rollouts.approvals.ApprovalMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
@@ -209,6 +210,8 @@ CELERY_BEAT_SCHEDULE = {
 # Slack-compatible webhook told about rollouts (start, steps, pauses, failures, rollbacks,
 # success); empty: none. Links in its messages start with SITE_URL.
 ROLLOUT_WEBHOOK_URL = env_str("ROLLOUT_WEBHOOK_URL", "")
+# How long a change to a protected pool waits for its second person.
+APPROVAL_TTL_S = env_float("APPROVAL_TTL_S", 3600.0)
 SITE_URL = env_str("SITE_URL", "http://127.0.0.1:8000").rstrip("/")
 
 # Local model repositories whose files a release download may include (artifacts are free text).

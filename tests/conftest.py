@@ -76,6 +76,12 @@ def browser() -> Iterator[Browser]:
 @pytest.fixture
 def page(browser: Browser) -> Iterator[Page]:
     context = browser.new_context(viewport={"width": 1280, "height": 800})
+    # Every Content Security Policy violation (inline script or style, a foreign origin) is an
+    # error in the console, which the tests assert empty.
+    context.add_init_script(
+        "document.addEventListener('securitypolicyviolation', e => console.error("
+        "'CSP violation: ' + e.violatedDirective + ' blocked ' + e.blockedURI))"
+    )
     page = context.new_page()
     page.console_errors = []  # type: ignore[attr-defined]
     page.on("console", lambda m: m.type == "error" and page.console_errors.append(m.text))  # type: ignore[attr-defined]

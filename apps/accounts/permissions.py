@@ -3,6 +3,7 @@ pool; a PoolRole grants a higher role's on one pool. Views and the API check tha
 act somewhere (`require`, apps.api.auth); services check the pool they act on (`authorize`)."""
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from functools import wraps
 from typing import Any
 
@@ -73,6 +74,28 @@ def authorize(actor: User | str, permission: str, pool: Any) -> None:
         raise PermissionDenied(
             f"{actor.username} may not do that on pool {pool.name}: it needs {permission} there"
         )
+
+
+# The approval whose action is being carried out (apps.rollouts.approvals), if any.
+APPROVING: ContextVar[int | None] = ContextVar("approving", default=None)
+
+
+class ApprovalRequired(PermissionDenied):
+    """A person's change to a protected pool: it waits for a second person to approve it.
+    Carries what to do once approved (an action of apps.rollouts.approvals and its arguments)."""
+
+    def __init__(self, action: str, params: dict[str, Any], pool: Any) -> None:
+        self.action, self.params, self.pool = action, params, pool
+        super().__init__(
+            f"pool {pool.name} is protected: {action} waits for a second person to approve it"
+        )
+
+
+def second_person(actor: User | str, pool: Any, action: str, params: dict[str, Any]) -> None:
+    """On a protected pool, a person's `action` needs an approval first (system actors, such as
+    the rollout controller promoting a canary that passed, act alone)."""
+    if pool.protected and isinstance(actor, User) and APPROVING.get() is None:
+        raise ApprovalRequired(action, params, pool)
 
 
 def require(permission: str, action: str) -> Callable[[View], View]:

@@ -7,6 +7,9 @@ from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 
+from apps.accounts.permissions import ApprovalRequired, current_user
+from apps.rollouts.approvals import approval_request
+
 
 class ErrorBody(Schema):
     code: str
@@ -61,6 +64,18 @@ def install(api: NinjaAPI) -> None:
     def _unauthenticated(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
         message = "send a live API token: Authorization: Bearer <token>"
         return error_response(api, request, ApiError(401, "unauthenticated", message))
+
+    @api.exception_handler(ApprovalRequired)
+    def _waits(request: HttpRequest, exc: ApprovalRequired) -> HttpResponse:
+        """A change to a protected pool: kept as a request for a second person (202)."""
+        approval = approval_request(refused=exc, actor=current_user(request))
+        body = {
+            "approval": approval.pk,
+            "status": approval.status,
+            "expires_at": approval.expires_at.isoformat(),
+            "message": f"{exc} (POST /api/approvals/{approval.pk}/approve)",
+        }
+        return api.create_response(request, body, status=202)
 
     @api.exception_handler(PermissionDenied)
     def _forbidden(request: HttpRequest, exc: PermissionDenied) -> HttpResponse:

@@ -13,6 +13,10 @@ class NodePool(models.Model):
         help_text="the Celery queue whose workers drive this pool's nodes (say, workers in the "
         "same region); empty: the default queue",
     )
+    protected = models.BooleanField(
+        default=False,
+        help_text="deployments, promotions and rollbacks need a second person",
+    )
 
     class Meta:
         ordering = ["name"]

@@ -7,7 +7,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from apps.accounts.permissions import authorize
+from apps.accounts.permissions import authorize, second_person
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.audit.services import actor_name, audit_record, audited
@@ -255,6 +255,13 @@ def deployment_set(
     if (pool is None) == (node is None):
         raise FleetError("a deployment targets a pool or a node")
     authorize(actor, "fleet.operate_node", pool or node.pool)  # type: ignore[union-attr]
+    target = {"pool": pool.name} if pool else {"node": node.name}  # type: ignore[union-attr]
+    second_person(
+        actor,
+        pool or node.pool,  # type: ignore[union-attr]
+        "deployment.set",
+        {**target, "model": model_name, "version": version, "baseline": baseline},
+    )
     found = (
         ModelVersion.objects.filter(model__name=model_name, version=version)
         .select_related("model")
@@ -316,7 +323,9 @@ def deployment_remove(*, deployment_id: int, actor: Actor) -> None:
     )
     if deployment is None:
         raise FleetError(f"deployment {deployment_id} does not exist (removed already?)")
-    authorize(actor, "fleet.operate_node", deployment.pool or deployment.node.pool)  # type: ignore[union-attr]
+    where = deployment.pool or deployment.node.pool  # type: ignore[union-attr]
+    authorize(actor, "fleet.operate_node", where)
+    second_person(actor, where, "deployment.remove", {"deployment_id": deployment_id})
     nodes = _target_nodes(deployment.pool, deployment.node)
     audit_record(
         actor=actor,
@@ -432,6 +441,25 @@ def pool_set_queue(*, pool_name: str, queue: str, actor: Actor) -> NodePool:
         )
         pool.queue = queue
         pool.save(update_fields=["queue"])
+    return pool
+
+
+@audited("pool.set_protected", lambda pool_name, **_: f"pool:{pool_name}", (FleetError,))
+def pool_set_protected(*, pool_name: str, protected: bool, actor: Actor) -> NodePool:
+    """A protected pool's deployments, promotions and rollbacks need two people."""
+    pool = NodePool.objects.select_for_update().filter(name=pool_name).first()
+    if pool is None:
+        raise FleetError(f"no pool {pool_name!r}")
+    if pool.protected != protected:
+        audit_record(
+            actor=actor,
+            action="pool.set_protected",
+            target=f"pool:{pool_name}",
+            before={"protected": pool.protected},
+            after={"protected": protected},
+        )
+        pool.protected = protected
+        pool.save(update_fields=["protected"])
     return pool
 
 

@@ -7,7 +7,7 @@ from typing import Any
 from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 
-from apps.accounts.permissions import authorize
+from apps.accounts.permissions import authorize, second_person
 from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet.models import Deployment, NodePool, Release
 from apps.fleet.services import FleetError, deployment_set
@@ -186,6 +186,8 @@ def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
     rollout = _locked(
         rollout_id, "promote", [State.PENDING, State.PROGRESSING, State.PAUSED], actor
     )
+    params = {"rollout_id": rollout_id, "reason": reason}
+    second_person(actor, rollout.pool, "rollout.promote", params)
     controller.transition(
         rollout, State.PROMOTING, f"promoted by {actor_name(actor)}: {reason}", actor=actor
     )
@@ -263,6 +265,7 @@ def release_rollback(*, model_name: str, pool_name: str, actor: Actor) -> int:
     """On-call's one click: the pool back to its last good release, now. Returns the version."""
     model, pool = _model_and_pool(model_name, pool_name)
     authorize(actor, "rollouts.rollback_release", pool)
+    second_person(actor, pool, "release.rollback", {"model": model_name, "pool": pool_name})
     version = last_good_version(model, pool)
     if version is None:
         raise RolloutError(f"{model_name} on {pool_name} has no earlier good release")
@@ -274,6 +277,7 @@ def release_fallback(*, model_name: str, pool_name: str, actor: Actor) -> int:
     """The pool onto the model's pre-registered degraded version (a latency emergency)."""
     model, pool = _model_and_pool(model_name, pool_name)
     authorize(actor, "rollouts.rollback_release", pool)
+    second_person(actor, pool, "release.fallback", {"model": model_name, "pool": pool_name})
     if model.fallback_version is None:
         raise RolloutError(f"{model_name} has no fallback version; set one on the model page")
     return _switch(model, pool, model.fallback_version, "fallback", actor)

@@ -5,14 +5,16 @@ from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
+from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
 from apps.accounts.permissions import current_user, require
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment
+from apps.rollouts.approvals import APPROVER_PERMISSION, ApprovalError, approval_approve
 from apps.rollouts.forms import RolloutForm
-from apps.rollouts.models import Rollout
+from apps.rollouts.models import Approval, Rollout
 from apps.rollouts.plans import PlanError, parse_plan
 from apps.rollouts.services import (
     RolloutError,
@@ -142,3 +144,26 @@ def release_switch(request: HttpRequest, pool: str, model: str, to: str) -> Http
     if not url_has_allowed_host_and_scheme(following, allowed_hosts={request.get_host()}):
         following = reverse("fleet:deployments")
     return back(request, following)
+
+
+def approvals(request: HttpRequest) -> HttpResponse:
+    """Changes to protected pools waiting for a second person, then the ones decided."""
+    found = Approval.objects.select_related("pool", "requested_by", "approved_by")
+    page = Paginator(found, 25).get_page(request.GET.get("page"))
+    context = {"page": page, "now": timezone.now(), "user_id": current_user(request).pk}
+    return render(request, "rollouts/approvals.html", context)
+
+
+@require_POST
+@require(APPROVER_PERMISSION, "approval.approve")
+def approval_approve_view(request: HttpRequest, pk: int) -> HttpResponse:
+    try:
+        approval = approval_approve(approval_id=pk, actor=current_user(request))
+    except ApprovalError as exc:
+        messages.error(request, str(exc))
+    else:
+        done = f"Approved #{pk}: {approval.action} on {approval.pool.name} is {approval.status}"
+        (messages.success if not approval.result else messages.error)(
+            request, done + (f": {approval.result}" if approval.result else ".")
+        )
+    return back(request, reverse("rollouts:approvals"))

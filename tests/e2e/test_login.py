@@ -50,7 +50,9 @@ def test_signed_in_user_sees_the_navigation_and_every_page(
     expect(page.get_by_role("cell", name="rag_pipeline v1")).to_be_visible()
     screenshot(page, "nodes")
     for label in NAVIGATION:
-        nav.get_by_role("link", name=label).click()
+        with page.expect_response(lambda r: r.request.resource_type == "document") as loaded:
+            nav.get_by_role("link", name=label).click()
+        assert "script-src 'self' 'nonce-" in loaded.value.headers["content-security-policy"]
         expect(nav.get_by_role("link", name=label)).to_have_attribute("aria-current", "page")
         expect(page.locator("main h1")).to_have_text(
             re.compile(label if label != "Overview" else "Fleet")
@@ -60,3 +62,14 @@ def test_signed_in_user_sees_the_navigation_and_every_page(
         screenshot(page, label.lower())
     # Every script ran under the CSP: nothing blocked, nothing thrown.
     assert page.console_errors == []  # type: ignore[attr-defined]
+
+
+def test_a_csp_violation_reaches_the_console_the_tests_check(
+    page: Page, live_server: object
+) -> None:
+    """The pages' console is asserted empty: this shows a violation would be in it."""
+    page.goto(f"{live_server}/accounts/login/")
+    foreign = '<img src="http://203.0.113.9/x.png">'  # img-src is 'self' and data: only
+    with page.expect_console_message(lambda m: "CSP violation: img-src" in m.text):
+        page.evaluate("html => document.body.insertAdjacentHTML('beforeend', html)", foreign)
+    assert page.console_errors  # type: ignore[attr-defined]

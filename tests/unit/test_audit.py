@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from apps.accounts import services as accounts
 from apps.accounts.models import ApiToken
+from apps.accounts.permissions import ApprovalRequired
 from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
@@ -27,6 +28,8 @@ from apps.fleet.models import Deployment, Node, NodePool
 from apps.registry import imports
 from apps.registry import services as registry
 from apps.registry.models import Model, ModelVersion
+from apps.rollouts import approvals
+from apps.rollouts.models import Approval
 
 CONFIG = {"name": "rag", "backend": "python", "max_batch_size": 8}
 REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
@@ -237,6 +240,7 @@ def test_every_service_is_an_audited_action_and_is_in_a_table() -> None:
 
 SERVICE_MODULES = [
     *(f"apps.{app}.services" for app in ("accounts", "audit", "fleet", "registry", "rollouts")),
+    "apps.rollouts.approvals",
     "apps.registry.imports",
     "apps.fleet.imports",
 ]
@@ -256,6 +260,9 @@ FLEET_REGISTRY_SERVICES = {
     registry.model_set_budget,
     registry.model_set_fallback,
     imports.candidates_import,
+    fleet.pool_set_protected,
+    approvals.approval_request,
+    approvals.approval_approve,
 }
 
 
@@ -397,6 +404,30 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             lambda: imports.repository_import(path=REPOSITORY, actor="ops"),
         )
     )
+    bob = accounts.user_ensure(username="bob", password="pw", role=Role.RELEASE_MANAGER)
+    change = {"pool": "gpu", "model": "rag", "version": 2, "baseline": None}
+    cases += [
+        Case(
+            fleet.pool_set_protected,
+            "pool.set_protected",
+            lambda: fleet.pool_set_protected(pool_name="nope", protected=True, actor="ops"),
+            lambda: fleet.pool_set_protected(pool_name="gpu", protected=True, actor="ops"),
+        ),
+        Case(
+            approvals.approval_request,
+            "approval.request",
+            None,
+            lambda: approvals.approval_request(
+                refused=ApprovalRequired("deployment.set", change, pool), actor=ann()
+            ),
+        ),
+        Case(
+            approvals.approval_approve,
+            "approval.approve",
+            lambda: approvals.approval_approve(approval_id=0, actor=bob),
+            lambda: approvals.approval_approve(approval_id=Approval.objects.get().pk, actor=bob),
+        ),
+    ]
     assert {case.service for case in cases} == FLEET_REGISTRY_SERVICES
     assert_one_event_each(cases)
 

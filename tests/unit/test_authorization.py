@@ -6,12 +6,14 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver
+from django.utils import timezone
 
 from apps.accounts.models import ApiToken, PoolRole
 from apps.accounts.roles import Role
@@ -20,7 +22,7 @@ from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.registry.models import ModelVersion
 from apps.rollouts.forms import RolloutForm
-from apps.rollouts.models import Rollout
+from apps.rollouts.models import Approval, Rollout
 from tests.conftest import make_user
 from tests.unit.test_registry import import_demo
 
@@ -41,6 +43,7 @@ class World:
     rollout_b: Rollout
     node_a: Node
     token_id: int
+    approval_b: Approval
 
 
 @pytest.fixture
@@ -67,7 +70,15 @@ def world() -> World:
         started_by="ops",
     )
     token, _ = token_create(user=make_user(Role.VIEWER), name="mine", actor="system:test")
-    return World(b, node_b, Deployment.objects.get(pool=b), rollout_b, node_a, token.pk)
+    approval_b = Approval.objects.create(
+        pool=b,
+        action="deployment.set",
+        params={"pool": "b", "model": "embedder", "version": 2, "baseline": None},
+        requested_by=make_user(Role.RELEASE_MANAGER),
+        expires_at=timezone.now() + timedelta(hours=1),
+    )
+    deployment_b = Deployment.objects.get(pool=b)
+    return World(b, node_b, deployment_b, rollout_b, node_a, token.pk, approval_b)
 
 
 def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
@@ -88,6 +99,7 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "rollouts:rollout_new": ({}, rollout_form),
         "rollouts:rollout_act": ({"pk": world.rollout_b.pk, "action": "resume"}, {}),
         "rollouts:release_switch": ({"pool": "b", "model": "embedder", "to": "last-good"}, {}),
+        "rollouts:approval_approve": ({"pk": world.approval_b.pk}, {}),
         "accounts:token_revoke": ({"token_id": world.token_id}, {}),
     }
 
@@ -120,6 +132,7 @@ def changes() -> tuple[int, ...]:
         Rollout.objects.exclude(state=Rollout.State.PAUSED).count() + Rollout.objects.count(),
         ModelVersion.objects.exclude(status=ModelVersion.Status.RELEASED).count(),
         ApiToken.objects.filter(revoked_at__isnull=False).count(),
+        Approval.objects.exclude(status=Approval.Status.PENDING).count(),
         AuditEvent.objects.exclude(result=AuditEvent.Result.DENIED).count(),
     )
 
@@ -205,6 +218,7 @@ def api_path(path: str, world: World) -> str:
         "model": "embedder",
         "rollout_id": world.rollout_b.pk,
         "deployment_id": world.deployment_b.pk,
+        "approval_id": world.approval_b.pk,
         "version": 1,
     }
     return re.sub(r"{(\w+)}", lambda m: str(values[m[1]]), path)

@@ -5,11 +5,12 @@ from django.contrib.auth.models import User
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from apps.accounts.services import token_create
 from apps.fleet.desired import fleet_desired
 from apps.fleet.models import Node, NodePool
-from apps.rollouts.models import Rollout
+from apps.rollouts.models import Approval, Rollout
 from apps.rollouts.seed import Size, seed_fleet
 
 SMALL = Size(nodes=4, pools=2, models=10, versions=3, operations=20, rollouts=2, events=30)
@@ -30,6 +31,7 @@ def pages() -> list[str]:
         "/models/a-model-000/",
         "/rollouts/",
         f"/rollouts/{rollout.pk}/",
+        "/rollouts/approvals/",
         "/audit/",
         "/audit/timeline/",
         "/api/nodes",
@@ -38,7 +40,24 @@ def pages() -> list[str]:
         "/api/audit",
         "/api/operations",
         "/api/models",
+        "/api/approvals",
     ]
+
+
+def approvals(n: int, prefix: str) -> None:
+    """`n` changes to protected pools, by as many people, half of them approved by others."""
+    pool = NodePool.objects.order_by("id").last()
+    for i in range(n):
+        ann, bob = (User.objects.create(username=f"{prefix}{who}{i}") for who in "ab")
+        Approval.objects.create(
+            pool=pool,
+            action="deployment.set",
+            params={"pool": pool.name, "model": "m", "version": i},
+            requested_by=ann,
+            expires_at=timezone.now(),
+            approved_by=bob if i % 2 else None,
+            status=Approval.Status.APPROVED if i % 2 else Approval.Status.PENDING,
+        )
 
 
 def count(client: Client, url: str, token: str) -> int:
@@ -56,8 +75,10 @@ def test_every_page_and_api_list_costs_the_same_queries_at_any_fleet_size(
     client.force_login(admin_user)
     _, token = token_create(user=admin_user, name="ci", actor="system:test")
     seed_fleet(size=SMALL, prefix="a-")
+    approvals(2, "a-")
     small = {url: count(client, url, token) for url in pages()}
     seed_fleet(size=BIGGER, prefix="b-")
+    approvals(20, "b-")
     big = {url: count(client, url, token) for url in pages()}
     assert big == small
 

@@ -1,0 +1,167 @@
+"""Two people for a protected pool: a person's deployment, promotion or pool-wide rollback there
+is refused by its service with ApprovalRequired; it becomes a request that someone else with a
+release manager's role on the pool approves before it expires, which carries it out as the
+requester's, with the approver named in the trail."""
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth.models import User
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
+from django.utils import timezone
+
+from apps.accounts.permissions import APPROVING, ApprovalRequired, authorize, current_user
+from apps.audit.services import audit_record, audited
+from apps.fleet.models import Node, NodePool
+from apps.fleet.services import FleetError, deployment_remove, deployment_set
+from apps.rollouts.models import Approval
+from apps.rollouts.plans import PlanError
+from apps.rollouts.services import (
+    RolloutError,
+    release_fallback,
+    release_rollback,
+    rollout_promote,
+)
+from controlplane.htmx import back
+
+APPROVER_PERMISSION = "rollouts.change_rollout"  # a release manager's, on the pool
+
+
+def _deploy(params: dict[str, Any], actor: User) -> object:
+    where: dict[str, Any] = (
+        {"pool": NodePool.objects.get(name=params["pool"])}
+        if "pool" in params
+        else {"node": Node.objects.get(name=params["node"])}
+    )
+    return deployment_set(
+        model_name=params["model"],
+        version=params["version"],
+        baseline=params.get("baseline"),
+        actor=actor,
+        **where,
+    )
+
+
+ACTIONS: dict[str, Callable[[dict[str, Any], User], object]] = {
+    "deployment.set": _deploy,
+    "deployment.remove": lambda p, actor: deployment_remove(
+        deployment_id=p["deployment_id"], actor=actor
+    ),
+    "rollout.promote": lambda p, actor: rollout_promote(
+        rollout_id=p["rollout_id"], reason=p["reason"], actor=actor
+    ),
+    "release.rollback": lambda p, actor: release_rollback(
+        model_name=p["model"], pool_name=p["pool"], actor=actor
+    ),
+    "release.fallback": lambda p, actor: release_fallback(
+        model_name=p["model"], pool_name=p["pool"], actor=actor
+    ),
+}
+
+
+class ApprovalError(Exception):
+    pass
+
+
+@audited("approval.request", lambda refused, **_: f"pool:{refused.pool.name}")
+def approval_request(*, refused: ApprovalRequired, actor: User) -> Approval:
+    """The refused change, kept to be approved (the same request again returns the first)."""
+    pending = Approval.objects.filter(
+        pool=refused.pool,
+        action=refused.action,
+        params=refused.params,
+        requested_by=actor,
+        status=Approval.Status.PENDING,
+        expires_at__gt=timezone.now(),
+    ).first()
+    if pending is not None:
+        return pending
+    approval = Approval.objects.create(
+        pool=refused.pool,
+        action=refused.action,
+        params=refused.params,
+        requested_by=actor,
+        expires_at=timezone.now() + timedelta(seconds=settings.APPROVAL_TTL_S),
+    )
+    audit_record(
+        actor=actor,
+        action="approval.request",
+        target=f"pool:{refused.pool.name}",
+        after={"approval": approval.pk, "action": refused.action, "params": refused.params},
+    )
+    return approval
+
+
+def _approval_target(*, approval_id: int, **_: object) -> str:
+    return f"approval:{approval_id}"
+
+
+@audited("approval.approve", _approval_target, (ApprovalError,))
+def approval_approve(*, approval_id: int, actor: User) -> Approval:
+    """Carry out a pending request of someone else's, as theirs, now."""
+    approval = (
+        Approval.objects.select_for_update()
+        .select_related("pool", "requested_by")
+        .filter(pk=approval_id)
+        .first()
+    )
+    if approval is None:
+        raise ApprovalError(f"there is no approval #{approval_id}")
+    if approval.status != Approval.Status.PENDING:
+        raise ApprovalError(f"approval #{approval_id} is {approval.status} already")
+    if approval.expires_at <= timezone.now():
+        raise ApprovalError(
+            f"approval #{approval_id} expired at {approval.expires_at:%H:%M:%S} UTC"
+        )
+    if approval.requested_by_id == actor.pk:
+        raise ApprovalError("a change needs a second person: you cannot approve your own")
+    authorize(actor, APPROVER_PERMISSION, approval.pool)
+    approval.approved_by, approval.approved_at = actor, timezone.now()
+    token = APPROVING.set(approval.pk)
+    try:
+        ACTIONS[approval.action](approval.params, approval.requested_by)
+        approval.status = Approval.Status.APPROVED
+    except (FleetError, RolloutError, PlanError) as exc:
+        approval.status, approval.result = Approval.Status.FAILED, str(exc)
+    finally:
+        APPROVING.reset(token)
+    approval.save()
+    audit_record(
+        actor=actor,
+        action="approval.approve",
+        target=f"approval:{approval.pk}",
+        after={
+            "action": approval.action,
+            "requested_by": approval.requested_by.username,
+            "status": approval.status,
+        },
+        message=approval.result,
+    )
+    return approval
+
+
+class ApprovalMiddleware:
+    """A page's change that a protected pool refused becomes a request for approval, and the
+    person is sent to the approvals page, which says so."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        return self.get_response(request)
+
+    def process_exception(self, request: HttpRequest, exc: Exception) -> HttpResponse | None:
+        if not isinstance(exc, ApprovalRequired) or request.path.startswith("/api/"):
+            return None
+        approval = approval_request(refused=exc, actor=current_user(request))
+        messages.info(
+            request,
+            f"Pool {approval.pool.name} is protected: {approval.action} is request "
+            f"#{approval.pk}, waiting for a second person until "
+            f"{approval.expires_at:%H:%M} UTC.",
+        )
+        return back(request, reverse("rollouts:approvals"))

@@ -1,0 +1,53 @@
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Page, expect
+
+from apps.accounts.roles import Role
+from apps.accounts.services import user_ensure
+from apps.fleet.models import Deployment, Node, NodePool
+from apps.fleet.services import deployment_set, pool_set_protected
+from apps.registry.imports import repository_import
+from tests.conftest import PASSWORD, make_user, screenshot
+from tests.e2e.test_login import sign_in
+
+REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+
+
+def test_a_rollback_on_a_protected_pool_waits_for_a_second_person(
+    page: Page, live_server: object
+) -> None:
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
+    pool = NodePool.objects.create(name="gpu")
+    Node.objects.create(name="gpu-1", pool=pool, http_url="http://127.0.0.1:1")
+    for version in (1, 2):
+        deployment_set(model_name="rag_pipeline", version=version, pool=pool, actor="ops")
+    pool_set_protected(pool_name="gpu", protected=True, actor="ops")
+    make_user(Role.VIEWER)
+    for name in ("ann", "bob"):
+        user_ensure(username=name, password=PASSWORD, role=Role.RELEASE_MANAGER)
+    base = str(live_server)
+    sign_in(page, base, "ann")
+    page.goto(f"{base}/rollouts/")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator("#releases tbody tr", has_text="rag_pipeline").get_by_role(
+        "button", name="Roll back to v1"
+    ).click()
+    expect(page).to_have_url(f"{base}/rollouts/approvals/")
+    expect(page.locator(".flash")).to_contain_text("Pool gpu is protected: release.rollback")
+    row = page.locator("#approvals tbody tr").first
+    expect(row).to_contain_text("pending until")
+    expect(row.get_by_role("button", name="Approve")).to_have_count(0)  # not hers to approve
+    screenshot(page, "approvals-pending")
+    assert Deployment.objects.get(pool=pool).version == 2
+    page.context.clear_cookies()
+    sign_in(page, base, "bob")
+    page.goto(f"{base}/rollouts/approvals/")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator("#approvals tbody tr").first.get_by_role("button", name="Approve").click()
+    expect(page.locator(".flash")).to_contain_text("release.rollback on gpu is approved")
+    expect(page.locator("#approvals tbody tr").first).to_contain_text("approved by bob")
+    screenshot(page, "approvals-approved")
+    assert Deployment.objects.get(pool=pool).version == 1
+    assert page.console_errors == []  # type: ignore[attr-defined]
