@@ -39,32 +39,34 @@ def current_user(request: HttpRequest) -> User:
 
 
 def _pool_roles(permission: str) -> list[str]:
-    if permission not in POOL_SCOPED:
-        return []
     return [role.value for role in roles_granting(permission) if role in PoolRole.Role.values]
+
+
+def _held(user: User) -> dict[int, str]:
+    """The user's pool roles, read once per user object (a page asks for each row)."""
+    held = getattr(user, "_pool_roles", None)
+    if held is None:
+        held = dict(PoolRole.objects.filter(user=user).values_list("pool_id", "role"))
+        user._pool_roles = held  # type: ignore[attr-defined]
+    return held
 
 
 def may(user: User | AnonymousUser, permission: str, pool_id: int | None) -> bool:
     """`permission` on that pool: from the global role, or a role held on the pool."""
     if user.has_perm(permission):
         return True
-    return (
-        pool_id is not None
-        and isinstance(user, User)
-        and PoolRole.objects.filter(
-            user=user, pool_id=pool_id, role__in=_pool_roles(permission)
-        ).exists()
-    )
+    if pool_id is None or not isinstance(user, User) or permission not in POOL_SCOPED:
+        return False
+    return _held(user).get(pool_id) in _pool_roles(permission)
 
 
 def may_somewhere(user: User | AnonymousUser, permission: str) -> bool:
     """`permission` on at least one pool: enough to be shown the form; the service decides."""
     if user.has_perm(permission):
         return True
-    return (
-        isinstance(user, User)
-        and PoolRole.objects.filter(user=user, role__in=_pool_roles(permission)).exists()
-    )
+    if not isinstance(user, User) or permission not in POOL_SCOPED:
+        return False
+    return any(role in _pool_roles(permission) for role in _held(user).values())
 
 
 def authorize(actor: User | str, permission: str, pool: Any) -> None:

@@ -155,12 +155,15 @@ def pages_posted_by(client: Client, world: World) -> dict[str, int]:
     return statuses
 
 
-@pytest.mark.parametrize("role", ["viewer", "no role", "release manager of pool a"])
+@pytest.mark.parametrize(
+    "role", ["viewer", "no role", "operator of pool a", "release manager of pool a"]
+)
 def test_no_page_changes_anything_for_who_may_not(world: World, role: str) -> None:
     user = {
         "viewer": lambda: make_user(Role.VIEWER),
         "no role": lambda: User.objects.create_user("nobody", password="x"),
-        "release manager of pool a": release_manager_of_a,
+        "operator of pool a": lambda: role_on_a("operator"),
+        "release manager of pool a": lambda: role_on_a("release_manager"),
     }[role]()
     client = Client()
     client.force_login(user)
@@ -173,16 +176,17 @@ def test_no_page_changes_anything_for_who_may_not(world: World, role: str) -> No
     assert set(forms(world)) - PERSONAL <= guarded  # every changing page was reached
 
 
-def release_manager_of_a() -> User:
+def role_on_a(role: str) -> User:
+    """A viewer everywhere, with `role` on pool a."""
     user = make_user(Role.VIEWER)
-    pool_role_set(username=user.username, pool_name="a", role="release_manager", actor="ops")
+    pool_role_set(username=user.username, pool_name="a", role=role, actor="ops")
     return user
 
 
 def test_a_pool_role_acts_on_its_own_pool(world: World) -> None:
     """The same person, on pool a: the role is real, not a refusal of everything."""
     client = Client()
-    client.force_login(release_manager_of_a())
+    client.force_login(role_on_a("release_manager"))
     response = client.post("/nodes/a-1/load/", {"model_version": "embedder:2"})
     assert response.status_code == 302
     assert Deployment.objects.get(node=world.node_a).version == 2
@@ -238,14 +242,22 @@ API_BODIES: dict[tuple[str, str], dict[str, Any]] = {
 
 
 @pytest.mark.parametrize(
-    "who", ["viewer", "no role", "read-only token of an admin", "release manager of pool a"]
+    "who",
+    [
+        "viewer",
+        "no role",
+        "read-only token of an admin",
+        "operator of pool a",
+        "release manager of pool a",
+    ],
 )
 def test_no_api_operation_changes_anything_for_who_may_not(world: World, who: str) -> None:
     user, scope = {
         "viewer": (lambda: make_user(Role.VIEWER), "write"),
         "no role": (lambda: User.objects.create_user("nobody", password="x"), "write"),
         "read-only token of an admin": (lambda: make_user(Role.ADMIN), "read"),
-        "release manager of pool a": (release_manager_of_a, "write"),
+        "operator of pool a": (lambda: role_on_a("operator"), "write"),
+        "release manager of pool a": (lambda: role_on_a("release_manager"), "write"),
     }[who]
     mutating = [
         (method, path)
@@ -266,4 +278,12 @@ def test_no_api_operation_changes_anything_for_who_may_not(world: World, who: st
         ).status_code
     assert {op: s for op, s in statuses.items() if s != 403} == {}
     assert changes() == before
-    assert PoolRole.objects.count() == (1 if who == "release manager of pool a" else 0)
+    assert PoolRole.objects.count() == (1 if who.endswith("of pool a") else 0)
+
+
+def test_a_pool_role_shows_its_buttons_on_its_pool_only(world: World, client: Client) -> None:
+    client.force_login(role_on_a("operator"))
+    deployments = client.get("/deployments/").content.decode()
+    assert "Deploy to a</button>" in deployments and "Deploy to b</button>" not in deployments
+    assert "Load a model version on a-1" in client.get("/nodes/a-1/").content.decode()
+    assert "Load a model version on b-1" not in client.get("/nodes/b-1/").content.decode()
