@@ -31,6 +31,19 @@ class ApiError(Exception):
 ERRORS: dict[int, type[Schema]] = {code: ErrorOut for code in (400, 401, 403, 404, 409, 422)}
 
 
+class WaitOut(Schema):
+    """A change to a protected pool, kept for a second person to approve."""
+
+    approval: int
+    status: str
+    expires_at: str
+    message: str
+
+
+# Declared on the changes a protected pool holds for approval.
+WAITS: dict[int, type[Schema]] = {202: WaitOut}
+
+
 def error_response(api: NinjaAPI, request: HttpRequest, exc: ApiError) -> HttpResponse:
     body = {"error": {"code": exc.code, "message": exc.message, "details": exc.details}}
     return api.create_response(request, body, status=exc.status)

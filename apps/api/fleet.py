@@ -9,7 +9,7 @@ from ninja import Router, Schema, Status
 
 from apps.accounts.permissions import current_user
 from apps.api.auth import Token, can
-from apps.api.errors import ERRORS, ApiError
+from apps.api.errors import ERRORS, WAITS, ApiError
 from apps.api.paging import Limit, Offset
 from apps.fleet.desired import DesiredStateError, FleetDesired, fleet_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
@@ -190,7 +190,7 @@ def get_deployment(request: HttpRequest, deployment_id: int) -> dict[str, Any]:
 
 @router.post(
     "/deployments",
-    response={201: DeploymentOut, **ERRORS},
+    response={201: DeploymentOut, **WAITS, **ERRORS},
     auth=can("fleet.operate_node", "deployment.set"),
 )
 def create_deployment(request: HttpRequest, body: DeploymentIn) -> Status[dict[str, Any]]:
@@ -215,7 +215,7 @@ def create_deployment(request: HttpRequest, body: DeploymentIn) -> Status[dict[s
 
 @router.delete(
     "/deployments/{deployment_id}",
-    response={204: None, **ERRORS},
+    response={204: None, **WAITS, **ERRORS},
     auth=can("fleet.operate_node", "deployment.remove"),
 )
 def remove_deployment(request: HttpRequest, deployment_id: int) -> Status[None]:

@@ -11,7 +11,7 @@ from ninja import Router, Schema, Status
 
 from apps.accounts.permissions import current_user
 from apps.api.auth import Token, can
-from apps.api.errors import ERRORS, ApiError
+from apps.api.errors import ERRORS, WAITS, ApiError
 from apps.api.paging import Limit, Offset
 from apps.rollouts.approvals import APPROVER_PERMISSION, ApprovalError, approval_approve
 from apps.rollouts.models import Approval, Rollout
@@ -172,7 +172,9 @@ def resume_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
 
 
 @router.post(
-    "/rollouts/{rollout_id}/promote", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
+    "/rollouts/{rollout_id}/promote",
+    response={200: RolloutOut, **WAITS, **ERRORS},
+    auth=can(*CHANGE),
 )
 def promote_rollout(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict[str, Any]:
     """Skip the remaining steps and analysis; `reason` is required and recorded."""
@@ -204,7 +206,7 @@ def _switch(request: HttpRequest, pool: str, model: str, service: Any) -> dict[s
 
 @router.post(
     "/pools/{pool}/models/{model}/rollback",
-    response={200: ReleaseOut, **ERRORS},
+    response={200: ReleaseOut, **WAITS, **ERRORS},
     auth=can("rollouts.rollback_release", "release.rollback"),
 )
 def rollback_to_last_good(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
@@ -214,7 +216,7 @@ def rollback_to_last_good(request: HttpRequest, pool: str, model: str) -> dict[s
 
 @router.post(
     "/pools/{pool}/models/{model}/fallback",
-    response={200: ReleaseOut, **ERRORS},
+    response={200: ReleaseOut, **WAITS, **ERRORS},
     auth=can("rollouts.rollback_release", "release.fallback"),
 )
 def switch_to_fallback(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:

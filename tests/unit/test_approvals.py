@@ -121,6 +121,8 @@ def test_through_the_api_a_change_answers_202_and_is_approved_there(
     approved = client.post(f"/api/approvals/{number}/approve", headers=bearer(bob))
     assert approved.status_code == 200 and approved.json()["status"] == "approved"
     assert deployed(pool) == 2
+    document = client.get("/api/openapi.json", headers=bearer(bob)).json()
+    assert "202" in document["paths"]["/api/deployments"]["post"]["responses"]
 
 
 def test_promotion_and_rollback_wait_too_but_the_controller_does_not(pool: NodePool) -> None:
