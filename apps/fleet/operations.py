@@ -80,13 +80,17 @@ def observed_state(node: Node) -> dict[str, Observed]:
     }
 
 
-def node_reconcile(*, node_id: int, enqueue: bool = True) -> list[Operation]:
+def node_reconcile(
+    *, node_id: int, enqueue: bool = True, wanted: "Wanted | None" = None
+) -> list[Operation]:
     """Read the node, plan what is missing, queue it (and a run of it, unless the caller runs it
-    itself). Harmless to repeat: a node with queued or running operations is left to them, and a
+    itself, handing `wanted` on to node_run: what the plan was made from, not computed twice).
+    Harmless to repeat: a node with queued or running operations is left to them, and a
     converged node gets no operation at all."""
     node = node_read_index(node_id=node_id)
     if node.health == Node.Health.UNREACHABLE or node.last_error:
         return []
+    inputs = Wanted.inputs_of(node)  # before the desired state: a change after them shows later
     try:
         desired = node_desired(node)
     except DesiredStateError as exc:
@@ -114,6 +118,8 @@ def node_reconcile(*, node_id: int, enqueue: bool = True) -> list[Operation]:
         managed = {name: name in kinds for name in owned}
         actions = plan(desired, observed, managed)
         digest = plan_digest(desired)
+        if wanted is not None:
+            wanted.seed(node, inputs, digest)
         if actions and not REQUEST_ID.get():
             _follow_the_change(locked, digest)
         ops = Operation.objects.bulk_create(
@@ -238,8 +244,10 @@ class NodeBusy(Exception):
     """Another worker holds the node; try again shortly."""
 
 
-def node_run(*, node_id: int) -> None:
-    """Run the node's queued operations in order, holding its lease."""
+def node_run(*, node_id: int, wanted: "Wanted | None" = None) -> None:
+    """Run the node's queued operations in order, holding its lease; a plan's steps stop when
+    the desired state they were planned for is no longer the node's (`wanted`, if the caller
+    just planned them, knows what that was)."""
     with Lease(node_id).hold() as lease:
         if not lease.held:
             raise NodeBusy(node_id)
@@ -251,7 +259,9 @@ def node_run(*, node_id: int) -> None:
         )
         node = Node.objects.get(pk=node_id)
         queued = node.operations.filter(status=Operation.Status.QUEUED).select_related("node")
-        wanted = _Wanted(node)
+        if wanted is None or wanted.node is None:
+            wanted = Wanted()
+            wanted.node = node
         # A batch at a time: each claim is conditional (queued -> running), so an operation
         # cancelled since the batch was read is skipped; a cancel reads the queue afresh.
         while batch := list(queued.order_by("seq", "id")):
@@ -279,7 +289,7 @@ def _cancel_plan(op: Operation, why: str) -> None:
     ).update(status=Operation.Status.CANCELLED, finished_at=timezone.now(), error=why)
 
 
-class _Wanted:
+class Wanted:
     """The digest of the node's desired state, looked at again once a second at most (a load
     takes longer than that on a real node; a plan's quick steps need not each pay for a look),
     and recomputed (every deployment and config read and parsed) only when what it is computed
@@ -288,23 +298,30 @@ class _Wanted:
 
     RECHECK_S = 1.0
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self) -> None:
+        self.node: Node | None = None
         self.inputs: tuple | None = None
         self.value: str | None = None
         self.looked = -self.RECHECK_S
 
+    def seed(self, node: Node, inputs: tuple, digest: str) -> None:
+        """What a reconcile just planned from: the run starts from it instead of recomputing."""
+        self.node, self.inputs, self.value, self.looked = node, inputs, digest, time.monotonic()
+
+    @staticmethod
+    def inputs_of(node: Node) -> tuple:
+        released = ModelVersion.objects.filter(status=ModelVersion.Status.RELEASED)
+        return (
+            tuple(targeting(node).order_by("id").values_list("id", "version", "baseline_version")),
+            tuple(released.aggregate(count=Count("id"), last=Max("id")).values()),
+        )
+
     def digest(self) -> str | None:
+        assert self.node is not None
         if time.monotonic() - self.looked < self.RECHECK_S:
             return self.value
         self.looked = time.monotonic()
-        released = ModelVersion.objects.filter(status=ModelVersion.Status.RELEASED)
-        inputs = (
-            tuple(
-                targeting(self.node).order_by("id").values_list("id", "version", "baseline_version")
-            ),
-            tuple(released.aggregate(count=Count("id"), last=Max("id")).values()),
-        )
+        inputs = self.inputs_of(self.node)
         if inputs != self.inputs:
             self.inputs = inputs
             try:

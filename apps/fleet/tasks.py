@@ -9,7 +9,7 @@ from celery import Task, shared_task
 from django.utils import timezone
 
 from apps.fleet.models import Heartbeat, Node
-from apps.fleet.operations import NodeBusy, enqueue_run, node_reconcile, node_run
+from apps.fleet.operations import NodeBusy, Wanted, enqueue_run, node_reconcile, node_run
 from apps.fleet.services import node_poll
 from apps.fleet.triton import TritonUnreachable
 
@@ -56,9 +56,10 @@ def reconcile_all() -> None:
     name="fleet.reconcile_node", acks_late=True, expires=60, soft_time_limit=300, time_limit=330
 )
 def reconcile_node(node_id: int) -> None:
-    if node_reconcile(node_id=node_id, enqueue=False):
+    wanted = Wanted()  # what the plan is made from, handed to its run
+    if node_reconcile(node_id=node_id, enqueue=False, wanted=wanted):
         try:
-            node_run(node_id=node_id)
+            node_run(node_id=node_id, wanted=wanted)
         except (NodeBusy, TritonUnreachable):
             enqueue_run(node_id)  # that task retries with backoff
 

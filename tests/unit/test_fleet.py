@@ -1,3 +1,4 @@
+import json
 import re
 from contextvars import copy_context
 from pathlib import Path
@@ -13,7 +14,7 @@ from apps.fleet.desired import node_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.operations import enqueue_run, node_reconcile
 from apps.fleet.services import FleetError, deployment_set, node_register, operation_request
-from apps.fleet.triton import TritonClient, parse_gpu_memory
+from apps.fleet.triton import IndexEntry, TritonClient, parse_gpu_memory
 from apps.registry.imports import repository_import
 
 REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
@@ -348,3 +349,43 @@ def test_a_periodic_reconcile_records_the_change_under_the_request_that_made_it(
     # The same desired state repaired again (the load failed, say) is nobody's request.
     Operation.objects.update(status=Operation.Status.FAILED, config_digest="other")
     assert reconcile() == ""
+
+
+def test_a_reconcile_hands_its_desired_state_to_the_run_and_a_change_still_stops_it(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run used to compute the desired state again, its dearest step at 500 nodes."""
+    from apps.fleet import operations
+
+    computed = []
+    original = operations.node_desired
+    monkeypatch.setattr(operations, "node_desired", lambda n: computed.append(n) or original(n))
+    loaded: list[tuple[str, int]] = []
+    monkeypatch.setattr(  # what was loaded reads back READY
+        TritonClient,
+        "repository_index",
+        lambda self: [IndexEntry(m, v, "READY", "") for m, v in loaded],
+    )
+    changed = []
+
+    def load(self: TritonClient, model: str, *, config_json: str | None = None) -> None:
+        policy = json.loads(config_json or "{}")["version_policy"]["specific"]["versions"]
+        loaded.extend((model, int(v)) for v in policy)
+        if not changed:  # during the first step, someone deploys another version
+            changed.append(model)
+            deployment_set(model_name="rag_pipeline", version=2, node=node, actor="ops")
+
+    monkeypatch.setattr(TritonClient, "load", load)
+    deployment_set(model_name="rag_pipeline", version=1, node=node, actor="ops")
+    tasks.reconcile_node(node.pk)
+    assert len(computed) == 1  # once, for the plan; the run started from it
+    monkeypatch.setattr(operations.Wanted, "RECHECK_S", 0.0)  # every step looks again
+    Operation.objects.all().delete()
+    computed.clear()
+    changed.clear()
+    loaded.clear()
+    deployment_set(model_name="rag_pipeline", version=1, node=node, actor="ops")
+    tasks.reconcile_node(node.pk)
+    statuses = list(Operation.objects.order_by("seq").values_list("status", flat=True))
+    assert statuses[0] == "succeeded" and set(statuses[1:]) == {"cancelled"}
+    assert len(computed) == 2  # the plan's, and the run's once the deployments changed
