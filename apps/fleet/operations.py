@@ -27,7 +27,7 @@ from apps.fleet.desired import (
 )
 from apps.fleet.models import Node, Operation
 from apps.fleet.planner import Observed, plan
-from apps.fleet.services import node_read_index
+from apps.fleet.polling import node_read_index
 from apps.fleet.triton import (
     TritonClient,
     TritonError,

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from apps.fleet.models import Heartbeat, Node
 from apps.fleet.operations import NodeBusy, Wanted, enqueue_run, node_reconcile, node_run
-from apps.fleet.services import node_poll
+from apps.fleet.polling import node_poll
 from apps.fleet.triton import TritonUnreachable
 
 

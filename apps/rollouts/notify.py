@@ -2,8 +2,12 @@
 causes them and delivered afterwards by a worker: a slow or broken receiver never holds a
 rollout up."""
 
+import json
+import urllib.request
+
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from apps.rollouts.models import Notification, Rollout
 from apps.rollouts.plans import parse_plan
@@ -24,7 +28,7 @@ def notify(rollout: Rollout, event: str) -> Notification | None:
     template = EVENTS.get(event)
     if template is None or not settings.ROLLOUT_WEBHOOK_URL:
         return None
-    from apps.rollouts.tasks import deliver_notification  # tasks import the controller
+    from apps.rollouts.tasks import deliver_notification  # the task delivers with this module
 
     link = f"{settings.SITE_URL}/rollouts/{rollout.pk}/"
     step = parse_plan(rollout.plan)[rollout.step]
@@ -45,3 +49,34 @@ def notify(rollout: Rollout, event: str) -> Notification | None:
     notification = Notification.objects.create(rollout=rollout, event=event, payload=payload)
     transaction.on_commit(lambda: deliver_notification.delay(notification.pk))
     return notification
+
+
+class DeliveryFailed(Exception):
+    """The receiver did not take the message; the task tries again later."""
+
+
+def notification_deliver(*, notification_id: int, last_try: bool) -> None:
+    """POST the message to the webhook once; a failure is recorded (as final on the last try)
+    and raised."""
+    notification = Notification.objects.get(pk=notification_id)
+    if notification.status == Notification.Status.SENT:
+        return
+    request = urllib.request.Request(  # noqa: S310 - the operator's configured webhook
+        settings.ROLLOUT_WEBHOOK_URL,
+        data=json.dumps(notification.payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    notification.attempts += 1
+    try:
+        with urllib.request.urlopen(request, timeout=5):  # noqa: S310
+            pass
+    except (OSError, ValueError) as exc:
+        notification.last_error = str(exc)
+        notification.status = (
+            Notification.Status.FAILED if last_try else Notification.Status.PENDING
+        )
+        notification.save()
+        raise DeliveryFailed(str(exc)) from exc
+    notification.status, notification.sent_at = Notification.Status.SENT, timezone.now()
+    notification.last_error = ""
+    notification.save()

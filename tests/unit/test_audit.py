@@ -241,6 +241,7 @@ def test_every_service_is_an_audited_action_and_is_in_a_table() -> None:
 SERVICE_MODULES = [
     *(f"apps.{app}.services" for app in ("accounts", "audit", "fleet", "registry", "rollouts")),
     "apps.rollouts.approvals",
+    "apps.fleet.polling",
     "apps.registry.imports",
     "apps.fleet.imports",
 ]

@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
-from apps.fleet.services import node_poll
+from apps.fleet.polling import node_poll
 from apps.fleet.triton import TritonClient, TritonUnreachable, read_metrics
 from apps.observability.prometheus import PrometheusUnavailable, instant_query
 from controlplane.guard import client_ip

@@ -1,0 +1,168 @@
+"""What the control plane sees of each node: polls of its health, metadata and repository
+index, and the up and down events they record (a flapping node folded into one)."""
+
+import dataclasses
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from apps.audit.models import AuditEvent
+from apps.audit.services import audit_record
+from apps.fleet.models import Node
+from apps.fleet.triton import (
+    IndexEntry,
+    ServerMetadata,
+    TritonClient,
+    TritonError,
+    parse_gpu_memory,
+    read_metrics,
+)
+
+POLLER = "system:poller"
+
+# What polling writes: never the lease fields, which a worker may be renewing at the same moment.
+_OBSERVED = [
+    "health",
+    "health_changed_at",
+    "unrecorded_transitions",
+    "failed_polls",
+    "last_seen",
+    "last_error",
+    "triton_version",
+    "extensions",
+    "index",
+    "gpus",
+]
+
+
+def node_poll(*, node_id: int) -> Node:
+    """Read the node's health, metadata and repository index; record what was seen."""
+    node = Node.objects.get(pk=node_id)
+    client = TritonClient(node.http_url, node=node.name)
+    try:
+        health = client.health()
+        metadata = client.server_metadata()
+        index = client.repository_index()
+        gpus = (
+            parse_gpu_memory(read_metrics(node.metrics_url, node=node.name))
+            if node.metrics_url
+            else []
+        )
+    except TritonError as exc:
+        return _node_poll_failed(node_id=node_id, error=str(exc))
+    return _node_poll_succeeded(
+        node_id=node_id,
+        health=health,
+        metadata=metadata,
+        index=index,
+        gpus=gpus,
+        seen=timezone.now(),
+    )
+
+
+def node_read_index(*, node_id: int) -> Node:
+    """Only the node's repository index, read now: what a reconcile plans from. Health and
+    metadata are the poller's; one HTTP call instead of a poll's four matters at 500 nodes."""
+    node = Node.objects.get(pk=node_id)
+    try:
+        index = TritonClient(node.http_url, node=node.name).repository_index()
+    except TritonError as exc:
+        return _node_poll_failed(node_id=node_id, error=str(exc))
+    node.index, node.last_seen = [dataclasses.asdict(entry) for entry in index], timezone.now()
+    Node.objects.filter(pk=node_id).update(index=node.index, last_seen=node.last_seen)
+    return node
+
+
+@transaction.atomic
+def _node_poll_succeeded(
+    *,
+    node_id: int,
+    health: str,
+    metadata: ServerMetadata,
+    index: list[IndexEntry],
+    gpus: list[dict],
+    seen: datetime,
+) -> Node:
+    node = Node.objects.select_for_update().get(pk=node_id)
+    previous = node.health
+    node.health = health
+    node.failed_polls = 0
+    node.last_seen = seen
+    node.last_error = ""
+    node.triton_version = metadata.version
+    node.extensions = metadata.extensions
+    node.index = [dataclasses.asdict(entry) for entry in index]
+    node.gpus = gpus
+    _note_health(node, before=previous, changed=previous == Node.Health.UNREACHABLE, now=seen)
+    node.save(update_fields=_OBSERVED)
+    return node
+
+
+@transaction.atomic
+def _node_poll_failed(*, node_id: int, error: str) -> Node:
+    node = Node.objects.select_for_update().get(pk=node_id)
+    node.failed_polls += 1
+    node.last_error = error
+    # One missed poll is noise; a few in a row is a node that is down.
+    previous = node.health
+    if node.failed_polls >= settings.FLEET_UNREACHABLE_AFTER:
+        node.health = Node.Health.UNREACHABLE
+    changed = node.health != previous
+    _note_health(node, before=previous, changed=changed, now=timezone.now(), message=error)
+    node.save(update_fields=_OBSERVED)
+    return node
+
+
+HEALTH_EVENTS = ("node.up", "node.down")
+
+
+def _note_health(
+    node: Node, *, before: str, changed: bool, now: datetime, message: str = ""
+) -> None:
+    """Up and down transitions as system events, a flapping node folded so that it cannot flood
+    the trail: past FLEET_FLAP_LIMIT recorded transitions within FLEET_FLAP_WINDOW_S, one
+    `node.flapping` event, then changes are only counted on the node; once it has held a state
+    for FLEET_FLAP_SETTLE_S, one event says where it settled and how many changes it folded."""
+    target = f"node:{node.name}"
+    if changed:
+        node.health_changed_at = now
+        recent = AuditEvent.objects.filter(
+            target=target,
+            action__in=HEALTH_EVENTS,
+            created_at__gte=now - timedelta(seconds=settings.FLEET_FLAP_WINDOW_S),
+        ).count()
+        if node.unrecorded_transitions or recent >= settings.FLEET_FLAP_LIMIT:
+            if not node.unrecorded_transitions:
+                audit_record(
+                    actor=POLLER,
+                    action="node.flapping",
+                    target=target,
+                    before={"health": before},
+                    after={"health": node.health},
+                    result=AuditEvent.Result.FAILED,
+                    message=f"{recent} up/down changes within {settings.FLEET_FLAP_WINDOW_S:g} s; "
+                    f"further changes are counted, not recorded, until it holds a state for "
+                    f"{settings.FLEET_FLAP_SETTLE_S:g} s",
+                )
+            node.unrecorded_transitions += 1
+            return
+    elif not (
+        node.unrecorded_transitions
+        and node.health_changed_at
+        and now - node.health_changed_at >= timedelta(seconds=settings.FLEET_FLAP_SETTLE_S)
+    ):
+        return
+    down = node.health == Node.Health.UNREACHABLE
+    folded = node.unrecorded_transitions
+    audit_record(
+        actor=POLLER,
+        action="node.down" if down else "node.up",
+        target=target,
+        before={"health": before},
+        after={"health": node.health} | ({"unrecorded_changes": folded} if folded else {}),
+        result=AuditEvent.Result.FAILED if down else AuditEvent.Result.OK,
+        message=message or (f"settled after {folded} unrecorded changes" if folded else ""),
+    )
+    node.unrecorded_transitions = 0
