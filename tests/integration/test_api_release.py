@@ -90,7 +90,11 @@ def test_a_pipeline_releases_v2_through_the_api_only(
     api.poll(f"/deployments/{deployment['id']}", lambda d: d["converged"])
 
     plan = {"model": "rag_pipeline", "pool": "trio", "canary_version": 2}
-    plan |= {"plan": "1 node, hold 6s\n100%", "analysis": ANALYSIS}
+    # The API's path is under test here, not the judge (tests/integration/test_rollouts.py): a
+    # canary's first requests after its load can be slow, and Triton's P99 summary keeps them
+    # for its whole age window (issue 17), which once rolled this healthy release back in CI.
+    analysis = {**ANALYSIS, "p99_margin_ms": 1000}
+    plan |= {"plan": "1 node, hold 6s\n100%", "analysis": analysis}
     with traffic_to(state):
         rollout = api("POST", "/rollouts", 201, json=plan)
         final = api.poll(
