@@ -68,6 +68,12 @@ def until_state(rollout: Rollout, *states: str, timeout: float = 150) -> Rollout
     return found
 
 
+# A healthy release's flow is under test, not the judge (the slow v3 below is): a fresh canary's
+# first requests can take 200 ms here, and Triton's P99 summary keeps them for its whole age
+# window, which rolled healthy releases back in CI (the judge's weakness, issue 17).
+HEALTHY = {"p99_margin_ms": 1000}
+
+
 def start(pool: NodePool, canary: int, plan: str, **analysis: object) -> Rollout:
     return rollout_start(
         model_name="rag_pipeline",
@@ -84,7 +90,7 @@ def test_a_better_release_rolls_out_by_itself(
 ) -> None:
     settings.ROLLOUT_WEBHOOK_URL = webhook.url  # type: ignore[attr-defined]
     webhook.failures = 1  # the first delivery fails and is retried
-    rollout = start(serving_v1, 2, "1 node, hold 6s\n100%")
+    rollout = start(serving_v1, 2, "1 node, hold 6s\n100%", **HEALTHY)
     rollout = until_state(rollout, State.SUCCEEDED, State.PAUSED, State.ROLLED_BACK)
     assert rollout.state == State.SUCCEEDED, rollout.reason
     wait_for("v2 alone on every node", converged(serving_v1, STEPS_V2), timeout=60)
@@ -109,7 +115,7 @@ def test_a_better_release_rolls_out_by_itself(
 def test_a_worker_killed_mid_step_resumes_without_repeating_it(
     serving_v1: NodePool, traffic: None, celery: Celery
 ) -> None:
-    rollout = start(serving_v1, 2, "1 node, hold 12s\n100%")
+    rollout = start(serving_v1, 2, "1 node, hold 12s\n100%", **HEALTHY)
     wait_for("step 1 is being judged", lambda: Rollout.objects.get(pk=rollout.pk).last_verdict)
     celery.kill_worker()  # SIGKILL, mid-step: the rollout row is all that is left
     celery.start_worker()
