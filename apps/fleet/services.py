@@ -266,38 +266,30 @@ def pool_set_queue(*, pool_name: str, queue: str, actor: Actor) -> NodePool:
     """Route the pool's node work (polls, reconciles, loads) to `queue`; empty: the default."""
     if queue and not QUEUE_NAME.fullmatch(queue):
         raise FleetError(f"queue {queue!r}: letters, digits, '_', '.' and '-', at most 60")
-    pool = NodePool.objects.select_for_update().filter(name=pool_name).first()
-    if pool is None:
-        raise FleetError(f"no pool {pool_name!r}")
-    if pool.queue != queue:
-        audit_record(
-            actor=actor,
-            action="pool.set_queue",
-            target=f"pool:{pool_name}",
-            before={"queue": pool.queue},
-            after={"queue": queue},
-        )
-        pool.queue = queue
-        pool.save(update_fields=["queue"])
-    return pool
+    return _pool_set(pool_name, "queue", queue, actor)
 
 
 @audited("pool.set_protected", lambda pool_name, **_: f"pool:{pool_name}", (FleetError,))
 def pool_set_protected(*, pool_name: str, protected: bool, actor: Actor) -> NodePool:
     """A protected pool's deployments, promotions and rollbacks need two people."""
+    return _pool_set(pool_name, "protected", protected, actor)
+
+
+def _pool_set(pool_name: str, field: str, value: object, actor: Actor) -> NodePool:
+    """One setting of a pool, audited as pool.set_<field> when it changes."""
     pool = NodePool.objects.select_for_update().filter(name=pool_name).first()
     if pool is None:
         raise FleetError(f"no pool {pool_name!r}")
-    if pool.protected != protected:
+    if getattr(pool, field) != value:
         audit_record(
             actor=actor,
-            action="pool.set_protected",
+            action=f"pool.set_{field}",
             target=f"pool:{pool_name}",
-            before={"protected": pool.protected},
-            after={"protected": protected},
+            before={field: getattr(pool, field)},
+            after={field: value},
         )
-        pool.protected = protected
-        pool.save(update_fields=["protected"])
+        setattr(pool, field, value)
+        pool.save(update_fields=[field])
     return pool
 
 
