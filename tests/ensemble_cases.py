@@ -2,8 +2,10 @@
 integration test that asks a real tritonserver to load each one (the oracle)."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
-# Step models (one version each, Python backend). `inner` is itself an ensemble.
+# Step models (one version each, Python backend; `dec` is decoupled). `inner`, `inner_flagged`
+# (which says it is decoupled, but no step of it is) and `inner_dec` are themselves ensembles.
 STEPS = {
     "tok": """
         name: "tok" backend: "python" max_batch_size: 8
@@ -46,6 +48,11 @@ STEPS = {
         name: "wide" backend: "python" max_batch_size: 8
         input [{ name: "VEC" data_type: TYPE_FP32 dims: [-1] }]
         output [{ name: "VEC2" data_type: TYPE_FP32 dims: [-1] }]""",
+    "dec": """
+        name: "dec" backend: "python" max_batch_size: 8
+        model_transaction_policy { decoupled: true }
+        input [{ name: "TEXT" data_type: TYPE_STRING dims: [1] }]
+        output [{ name: "IDS" data_type: TYPE_INT64 dims: [16] }]""",
     "inner": """
         name: "inner" platform: "ensemble" max_batch_size: 8
         input [{ name: "TEXT" data_type: TYPE_STRING dims: [1] }]
@@ -55,10 +62,30 @@ STEPS = {
             output_map { key: "IDS" value: "ids" } },
           { model_name: "enc" model_version: 1 input_map { key: "IDS" value: "ids" }
             output_map { key: "VEC" value: "VEC" } } ] }""",
+    "inner_flagged": """
+        name: "inner_flagged" platform: "ensemble" max_batch_size: 8
+        model_transaction_policy { decoupled: true }
+        input [{ name: "TEXT" data_type: TYPE_STRING dims: [1] }]
+        output [{ name: "VEC" data_type: TYPE_FP32 dims: [8] }]
+        ensemble_scheduling { step [
+          { model_name: "tok" model_version: 1 input_map { key: "TEXT" value: "TEXT" }
+            output_map { key: "IDS" value: "ids" } },
+          { model_name: "enc" model_version: 1 input_map { key: "IDS" value: "ids" }
+            output_map { key: "VEC" value: "VEC" } } ] }""",
+    "inner_dec": """
+        name: "inner_dec" platform: "ensemble" max_batch_size: 8
+        input [{ name: "TEXT" data_type: TYPE_STRING dims: [1] }]
+        output [{ name: "VEC" data_type: TYPE_FP32 dims: [8] }]
+        ensemble_scheduling { step [
+          { model_name: "dec" model_version: 1 input_map { key: "TEXT" value: "TEXT" }
+            output_map { key: "IDS" value: "ids" } },
+          { model_name: "enc" model_version: 1 input_map { key: "IDS" value: "ids" }
+            output_map { key: "VEC" value: "VEC" } } ] }""",
 }
 
 TEXT_IN = 'input [{ name: "TEXT" data_type: TYPE_STRING dims: [1] }]'
 LABEL_OUT = 'output [{ name: "LABEL" data_type: TYPE_STRING dims: [1] }]'
+C_IO = f'{TEXT_IN}\noutput [{{ name: "C" data_type: TYPE_FP32 dims: [8] }}]'
 
 
 def step(model: str, inputs: dict[str, str], outputs: dict[str, str], version: int = 1) -> str:
@@ -111,7 +138,7 @@ CASES = [
         "optional_input_unmapped",
         [CHAIN[0], CHAIN[1], step("opt_in", {"A": "vec"}, {"C": "C"})],
         ok=True,
-        io=f'{TEXT_IN}\noutput [{{ name: "C" data_type: TYPE_FP32 dims: [8] }}]',
+        io=C_IO,
     ),
     Case(
         "fan_out",
@@ -145,7 +172,7 @@ CASES = [
         [CHAIN[0], CHAIN[1], step("two_in", {"A": "vec"}, {"C": "C"})],
         ok=False,
         says="input 'B'",
-        io=f'{TEXT_IN}\noutput [{{ name: "C" data_type: TYPE_FP32 dims: [8] }}]',
+        io=C_IO,
     ),
     Case(
         "map_to_missing_input",
@@ -278,4 +305,125 @@ CASES = [
         extra="instance_group [{ kind: KIND_CPU count: 1 }]",
     ),
     Case("ensemble_without_steps", [], ok=False, says="at least one step"),
+    # Triton refuses a step fed by tensors that descend from different decoupled steps (or from a
+    # decoupled step and none): core's ensemble_utils.cc, ValidateEnsembleConfig.
+    Case("decoupled_chain", [step("dec", {"TEXT": "TEXT"}, {"IDS": "ids"}), *CHAIN[1:]], ok=True),
+    Case(
+        "decoupled_fan_in_from_one_step",
+        [
+            step("dec", {"TEXT": "TEXT"}, {"IDS": "ids"}),
+            CHAIN[1],
+            step("wide", {"VEC": "vec"}, {"VEC2": "vec2"}),
+            step("two_in", {"A": "vec", "B": "vec2"}, {"C": "C"}),
+        ],
+        ok=True,
+        io=C_IO,
+    ),
+    Case(
+        "decoupled_and_plain_inputs",
+        [
+            *CHAIN[:2],
+            step("dec", {"TEXT": "TEXT"}, {"IDS": "ids2"}),
+            step("enc", {"IDS": "ids2"}, {"VEC": "vec2"}),
+            step("two_in", {"A": "vec", "B": "vec2"}, {"C": "C"}),
+        ],
+        ok=False,
+        says="receives inputs originated from different decoupled models",
+        io=C_IO,
+    ),
+    Case(
+        "two_decoupled_steps_into_one",
+        [
+            step("dec", {"TEXT": "TEXT"}, {"IDS": "ids"}),
+            CHAIN[1],
+            step("dec", {"TEXT": "TEXT"}, {"IDS": "ids2"}),
+            step("enc", {"IDS": "ids2"}, {"VEC": "vec2"}),
+            step("two_in", {"A": "vec", "B": "vec2"}, {"C": "C"}),
+        ],
+        ok=False,
+        says="receives inputs originated from different decoupled models",
+        io=C_IO,
+    ),
+    Case(
+        "outputs_from_different_decoupled_models",
+        [
+            step("dec", {"TEXT": "TEXT"}, {"IDS": "ids"}),
+            *CHAIN[1:],
+            step("tok", {"TEXT": "TEXT"}, {"IDS": "ids2"}),
+            step("enc", {"IDS": "ids2"}, {"VEC": "C"}),
+        ],
+        ok=False,
+        says="ensemble outputs originate from different decoupled models",
+        io=f'{TEXT_IN}\n{LABEL_OUT[:-1]}, {{ name: "C" data_type: TYPE_FP32 dims: [8] }}]',
+    ),
+    Case(
+        "ensemble_flagged_decoupled_over_plain_steps",
+        [
+            step("inner_flagged", {"TEXT": "TEXT"}, {"VEC": "vec"}),
+            *CHAIN[:1],
+            step("enc", {"IDS": "ids"}, {"VEC": "vec2"}),
+            step("two_in", {"A": "vec", "B": "vec2"}, {"C": "C"}),
+        ],
+        ok=True,
+        io=C_IO,
+    ),
+    Case(
+        "decoupled_nested_ensemble_and_plain_inputs",
+        [
+            step("inner_dec", {"TEXT": "TEXT"}, {"VEC": "vec"}),
+            *CHAIN[:1],
+            step("enc", {"IDS": "ids"}, {"VEC": "vec2"}),
+            step("two_in", {"A": "vec", "B": "vec2"}, {"C": "C"}),
+        ],
+        ok=False,
+        says="receives inputs originated from different decoupled models",
+        io=C_IO,
+    ),
 ]
+
+# Ensembles imported together with STEPS as one repository (issue 15). `a_outer` uses `b_middle`,
+# itself over the ensemble `inner`: each is judged after the ensembles it uses, whatever the order
+# of their names. `loop_a` and `loop_b` use each other, a cycle Triton refuses. (An ensemble over
+# one of them is no case: tritonserver 2.51 dies loading it, so only the unit tests have one.)
+REPOSITORY_CASES = [
+    Case("a_outer", [step("b_middle", {"TEXT": "TEXT"}, {"VEC": "vec"}), CHAIN[2]], ok=True),
+    Case(
+        "b_middle",
+        [step("inner", {"TEXT": "TEXT"}, {"VEC": "VEC"})],
+        ok=True,
+        io=f'{TEXT_IN}\noutput [{{ name: "VEC" data_type: TYPE_FP32 dims: [8] }}]',
+    ),
+    Case(
+        "loop_a",
+        [step("loop_b", {"TEXT": "TEXT"}, {"LABEL": "LABEL"})],
+        ok=False,
+        says="ensemble cycle: loop_a -> loop_b -> loop_a",
+    ),
+    Case(
+        "loop_b",
+        [step("loop_a", {"TEXT": "TEXT"}, {"LABEL": "LABEL"})],
+        ok=False,
+        says="ensemble cycle: loop_b -> loop_a -> loop_b",
+    ),
+]
+
+# Loading is all the cases need: the steps never run.
+STEP_MODEL = """class TritonPythonModel:
+    def execute(self, requests):
+        return [None for _ in requests]
+"""
+
+
+def write_repository(repository: Path, configs: dict[str, str]) -> None:
+    """A Triton model repository: each model with its config and version 1 (with a model.py for
+    the Python steps)."""
+    for name, text in configs.items():
+        (repository / name / "1").mkdir(parents=True, exist_ok=True)
+        (repository / name / "config.pbtxt").write_text(text)
+        if 'platform: "ensemble"' not in text:
+            (repository / name / "1" / "model.py").write_text(STEP_MODEL)
+
+
+def repository_configs() -> dict[str, str]:
+    """STEPS and REPOSITORY_CASES, by model name."""
+    return STEPS | {case.id: case.config(case.id) for case in REPOSITORY_CASES}

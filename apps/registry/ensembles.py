@@ -12,6 +12,7 @@ from apps.registry.codec import model_config_pb2
 from apps.registry.validation import Problem, is_ensemble
 
 LATEST = -1
+NOT_DECOUPLED = "no decoupled model"
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ def validate_ensemble(
     }
     consumers: dict[str, list[str]] = {tensor: [] for tensor in produced}
     pending: list[tuple[str, Any, Any]] = []  # steps whose inputs are not all produced yet
+    decoupled: dict[int, bool] = {}  # per resolved step
 
     for index, step in enumerate(config.ensemble_scheduling.step):
         label = f"step[{index}] ({step.model_name} v{step.model_version})"
@@ -118,6 +120,7 @@ def validate_ensemble(
                 continue
             produced[tensor_name] = _Tensor.of(outputs[key], model.max_batch_size, label)
             consumers.setdefault(tensor_name, [])
+        decoupled[index] = _decoupled(model, resolve, path)
         pending.append((field, step, model))
 
     for field, step, model in pending:
@@ -150,6 +153,7 @@ def validate_ensemble(
                 )
 
     _check_order(config, error)
+    _check_decoupled(config, decoupled, error)
     for tensor_name, tensor in {t.name: t for t in config.output}.items():
         source = produced.get(tensor_name)
         if source is None:
@@ -195,4 +199,58 @@ def _check_order(config: Any, error: Callable[[str, str], None]) -> None:
         error(
             f"ensemble_scheduling.step[{index}]",
             f"step ({step.model_name}) waits on {waiting}, which depend on its outputs (a cycle)",
+        )
+
+
+def _decoupled(model: Any, resolve: Resolver, path: tuple[str, ...]) -> bool:
+    """Triton sets an ensemble's model_transaction_policy from its steps (ValidateEnsembleConfig),
+    whatever its config says: an ensemble over a decoupled step is a decoupled step."""
+    if not is_ensemble(model):
+        return bool(model.model_transaction_policy.decoupled)
+    if model.name in path:  # a cycle is reported on its own
+        return False
+    steps = model.ensemble_scheduling.step
+    inner = (resolve(s.model_name, s.model_version).config for s in steps)
+    return any(c is not None and _decoupled(c, resolve, (*path, model.name)) for c in inner)
+
+
+def _check_decoupled(
+    config: Any, decoupled: dict[int, bool], error: Callable[[str, str], None]
+) -> None:
+    """Triton's rule (core's ensemble_utils.cc, ValidateEnsembleConfig): every tensor descends
+    from the last decoupled step before it, or from none; a step, and the ensemble's outputs, may
+    only take tensors of one descent, as a decoupled step answers a request any number of times
+    and the responses of two could not be paired."""
+    steps = config.ensemble_scheduling.step
+    origin = {t.name: NOT_DECOUPLED for t in config.input}
+    waiting = set(decoupled)  # steps that resolved; the others are reported already
+    progress = True
+    while progress:
+        progress = False
+        for index in sorted(waiting):
+            step = steps[index]
+            tensors = sorted(set(step.input_map.values()))
+            if not all(t in origin for t in tensors):
+                continue
+            waiting.discard(index)
+            progress = True
+            label = f"step[{index}] ({step.model_name} v{step.model_version})"
+            origins = {origin[t] for t in tensors}
+            # Triton checks a step when it reaches its outputs: a step without any is never seen.
+            if len(origins) > 1 and step.output_map:
+                error(
+                    f"ensemble_scheduling.step[{index}]",
+                    f"{label} receives inputs originated from different decoupled models: "
+                    + ", ".join(f"'{t}' from {origin[t]}" for t in tensors),
+                )
+                continue
+            own = f"decoupled {label}" if decoupled[index] else next(iter(origins), NOT_DECOUPLED)
+            for tensor in step.output_map.values():
+                origin.setdefault(tensor, own)
+    outputs = sorted(t.name for t in config.output)
+    if all(t in origin for t in outputs) and len({origin[t] for t in outputs}) > 1:
+        error(
+            "output",
+            "ensemble outputs originate from different decoupled models: "
+            + ", ".join(f"'{t}' from {origin[t]}" for t in outputs),
         )

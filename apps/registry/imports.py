@@ -1,9 +1,12 @@
 """Import whole model repositories (a directory, or what a live node reports) into the registry.
 
-All models are validated together: an ensemble may use any model of the same import or one already
-registered. Valid models are stored as released versions; invalid ones are reported, never stored.
+All models are validated together, each after the models of the import its ensembles use (as Triton
+orders its dependency graph): an ensemble may use any model of the same import, ensembles included,
+or one already registered. Valid models are stored as released versions; invalid ones are reported,
+never stored.
 """
 
+import graphlib
 import hashlib
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -20,7 +23,7 @@ from apps.registry.models import ModelVersion
 from apps.registry.repository import read_model
 from apps.registry.selectors import registry_resolver
 from apps.registry.services import Actor, RegistryError, config_problems, version_create
-from apps.registry.validation import errors, is_ensemble
+from apps.registry.validation import Problem, errors
 
 
 @dataclass
@@ -105,9 +108,13 @@ def candidates_import(
     action, whose event lists every version it registered."""
     results = {c.name: ImportResult(c.name, versions=sorted(c.configs)) for c in candidates}
     valid: dict[str, dict[int, Any]] = {}
-    # Standalone models first, so that ensembles only resolve steps that are themselves valid.
-    ordered = sorted(candidates, key=lambda c: any(is_ensemble(x) for x in c.configs.values()))
+    # Steps first, so that ensembles only resolve steps that are themselves valid.
+    ordered, cycles = _dependency_order(candidates)
     for candidate in ordered:
+        if candidate.name in cycles:
+            cycle = Problem("error", candidate.name, "ensemble_scheduling", cycles[candidate.name])
+            results[candidate.name].errors.append(str(cycle))
+            continue
         resolve = registry_resolver(valid)
         for version, config in sorted(candidate.configs.items()):
             problems = errors(
@@ -125,6 +132,28 @@ def candidates_import(
         if imported:
             audit_record(actor=actor, action="registry.import", target="registry", after=imported)
     return [results[c.name] for c in candidates]
+
+
+def _dependency_order(candidates: list[Candidate]) -> tuple[list[Candidate], dict[str, str]]:
+    """The candidates, each after the candidates its ensembles use, and for each member of a cycle
+    of ensembles the cycle from it ("ensemble cycle: a -> b -> a"): Triton refuses all of them."""
+    by_name = {c.name: c for c in candidates}
+    uses = {
+        c.name: {s.model_name for x in c.configs.values() for s in x.ensemble_scheduling.step}
+        & by_name.keys()
+        for c in candidates
+    }
+    cycles: dict[str, str] = {}
+    while True:
+        try:
+            order = list(graphlib.TopologicalSorter(uses).static_order())
+        except graphlib.CycleError as exc:
+            cycle = exc.args[1][:0:-1]  # graphlib lists it from the used model to its user
+            for i, name in enumerate(cycle):
+                cycles[name] = "ensemble cycle: " + " -> ".join([*cycle[i:], *cycle[:i], name])
+            uses = {n: used - cycles.keys() for n, used in uses.items()}
+            continue
+        return [by_name[name] for name in order], cycles
 
 
 def _store(

@@ -1,5 +1,5 @@
 """A real tritonserver is the judge: each ensemble case must load exactly when the validator says
-it is valid."""
+it is valid, and each model of a repository exactly when its import says it is valid."""
 
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -9,16 +9,18 @@ import pytest
 
 from apps.fleet.devfleet import Devfleet
 from apps.fleet.triton import TritonClient, TritonRejected
-from tests.ensemble_cases import CASES, STEPS, Case
+from apps.registry.imports import candidates_import, read_candidates
+from tests.ensemble_cases import (
+    CASES,
+    REPOSITORY_CASES,
+    STEPS,
+    Case,
+    repository_configs,
+    write_repository,
+)
 from tests.unit.test_ensembles import verdict
 
 pytestmark = pytest.mark.integration
-
-# Loading is all the oracle needs: the steps never run.
-STEP_MODEL = """class TritonPythonModel:
-    def execute(self, requests):
-        return [None for _ in requests]
-"""
 
 
 @dataclass
@@ -30,11 +32,7 @@ class Oracle:
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Oracle]:
     repository = tmp_path_factory.mktemp("oracle-repository")
-    for name, text in STEPS.items():
-        (repository / name / "1").mkdir(parents=True)
-        (repository / name / "config.pbtxt").write_text(text)
-        if "ensemble" not in text:
-            (repository / name / "1" / "model.py").write_text(STEP_MODEL)
+    write_repository(repository, repository_configs())
     devfleet = Devfleet(home=tmp_path_factory.mktemp("oracle-fleet"), repository=repository)
     state = devfleet.up(nodes=1, pool="oracle", base_port=None, prometheus_port=None)
     try:
@@ -46,10 +44,7 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Oracle]:
         devfleet.down()
 
 
-def triton_loads(oracle: Oracle, case: Case) -> tuple[bool, str]:
-    name = f"ens_{case.id}"
-    (oracle.repository / name / "1").mkdir(parents=True, exist_ok=True)
-    (oracle.repository / name / "config.pbtxt").write_text(case.config(name))
+def triton_loads(oracle: Oracle, name: str) -> tuple[bool, str]:
     try:
         oracle.client.load(name)
     except TritonRejected as exc:
@@ -60,6 +55,20 @@ def triton_loads(oracle: Oracle, case: Case) -> tuple[bool, str]:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_validator_agrees_with_tritonserver(oracle: Oracle, case: Case) -> None:
-    loaded, message = triton_loads(oracle, case)
+    name = f"ens_{case.id}"
+    write_repository(oracle.repository, {name: case.config(name)})
+    loaded, message = triton_loads(oracle, name)
     ours = verdict(case)
     assert loaded == (not ours), f"triton: {loaded} {message!r}; validator: {ours}"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("case", REPOSITORY_CASES, ids=[c.id for c in REPOSITORY_CASES])
+def test_repository_import_agrees_with_tritonserver(oracle: Oracle, case: Case) -> None:
+    candidates, _ = read_candidates(oracle.repository)  # with the ens_* of the cases above
+    names = repository_configs().keys()
+    imported = [c for c in candidates if c.name in names]
+    results = candidates_import(candidates=imported, actor="system:test", dry_run=True)
+    (ours,) = [r for r in results if r.model == case.id]
+    loaded, message = triton_loads(oracle, case.id)
+    assert loaded == ours.ok, f"triton: {loaded} {message!r}; import: {ours.errors}"

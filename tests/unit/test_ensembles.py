@@ -46,3 +46,12 @@ def test_errors_name_the_ensemble_step_tensor_and_model() -> None:
         "ens_dtype_mismatch: ensemble_scheduling.step[2].input_map[VEC]: tensor 'vec' is TYPE_FP16 "
         "from step[1] (enc_fp16 v1) but input 'VEC' of step (head v1) expects TYPE_FP32"
     ]
+
+
+def test_a_step_fed_from_different_decoupled_models_names_each_tensor_and_its_origin() -> None:
+    (case,) = [c for c in CASES if c.id == "decoupled_and_plain_inputs"]
+    assert verdict(case) == [
+        "ens_decoupled_and_plain_inputs: ensemble_scheduling.step[4]: step[4] (two_in v1) "
+        "receives inputs originated from different decoupled models: 'vec' from no decoupled "
+        "model, 'vec2' from decoupled step[2] (dec v1)"
+    ]

@@ -22,6 +22,14 @@ from apps.registry.services import (
     version_create,
     version_set_status,
 )
+from tests.ensemble_cases import (
+    REPOSITORY_CASES,
+    STEPS,
+    Case,
+    repository_configs,
+    step,
+    write_repository,
+)
 
 REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 pytestmark = pytest.mark.django_db
@@ -81,6 +89,38 @@ def test_an_invalid_model_fails_the_import_and_the_ensembles_that_need_it(
     assert "model 'reranker' is not in the registry" in lines["rag_pipeline"]["errors"][0]
     assert lines["embedder"]["ok"]
     assert not Model.objects.filter(name__in=["reranker", "rag_pipeline"]).exists()
+
+
+def test_ensembles_import_after_the_ensembles_of_the_repository_they_use(tmp_path: Path) -> None:
+    """`a_outer` uses `b_middle`, which uses `inner`: alphabetical order would judge each first."""
+    write_repository(tmp_path, {n: t for n, t in repository_configs().items() if "loop" not in n})
+    results = repository_import(path=tmp_path, actor="system:test")
+    assert [r.errors for r in results if not r.ok] == []
+    assert (
+        ModelVersion.objects.filter(model__name__in=["a_outer", "b_middle", "inner"]).count() == 3
+    )
+
+
+def test_ensembles_that_use_each_other_are_a_cycle_and_none_of_it_is_imported(
+    tmp_path: Path,
+) -> None:
+    # tritonserver 2.51 dies loading an ensemble over a cycle; the import refuses it.
+    over_loop = Case("over_loop", [step("loop_a", {"TEXT": "TEXT"}, {"LABEL": "LABEL"})], ok=False)
+    write_repository(tmp_path, repository_configs() | {"over_loop": over_loop.config("over_loop")})
+    results = {r.model: r for r in repository_import(path=tmp_path, actor="system:test")}
+    assert {name: r.ok for name, r in results.items() if not r.ok} == {
+        "loop_a": False,
+        "loop_b": False,
+        "over_loop": False,
+    }
+    assert results["loop_a"].errors == [
+        "loop_a: ensemble_scheduling: ensemble cycle: loop_a -> loop_b -> loop_a"
+    ]
+    for case in REPOSITORY_CASES:
+        assert case.says in " ".join(results[case.id].errors)
+    assert "model 'loop_a' is not in the registry" in results["over_loop"].errors[0]
+    assert not Model.objects.filter(name__in=["loop_a", "loop_b", "over_loop"]).exists()
+    assert Model.objects.count() == len(STEPS) + 2
 
 
 def test_a_refused_version_stores_nothing_and_says_where() -> None:
