@@ -73,6 +73,7 @@ INSTALLED_APPS = [
     "apps.fleet",
     "apps.observability",
     "apps.rollouts",
+    "apps.incidents",
     "apps.api",
     "ninja",  # the API docs' own static files (Swagger UI): no CDN
 ]

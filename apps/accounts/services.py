@@ -8,10 +8,9 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from apps.accounts.models import ApiToken, PoolRole
+from apps.accounts.models import ApiToken
 from apps.accounts.roles import ROLE_ORDER, Role, role_permissions
 from apps.audit.services import audit_record, audited
-from apps.fleet.models import NodePool
 
 
 @transaction.atomic
@@ -55,35 +54,6 @@ def user_ensure(*, username: str, password: str, role: Role, actor: str = "syste
 
 class RoleError(Exception):
     pass
-
-
-@audited("user.pool_role_set", lambda username, **_: f"user:{username}", (RoleError,))
-def pool_role_set(*, username: str, pool_name: str, role: str, actor: User | str) -> None:
-    """Give `username` `role` (operator or release_manager) on one pool, or none ("")."""
-    user = User.objects.filter(username=username).first()
-    pool = NodePool.objects.filter(name=pool_name).first()
-    if user is None:
-        raise RoleError(f"no user named {username!r}")
-    if pool is None:
-        raise RoleError(f"no pool named {pool_name!r}")
-    if role and role not in PoolRole.Role.values:
-        raise RoleError(f"a pool role is one of {', '.join(PoolRole.Role.values)}, not {role!r}")
-    if user_role(user) is None:
-        raise RoleError(f"{username} has no role: give them one (viewer at least) first")
-    held = PoolRole.objects.filter(user=user, pool=pool).values_list("role", flat=True).first()
-    if (held or "") == role:
-        return
-    if role:
-        PoolRole.objects.update_or_create(user=user, pool=pool, defaults={"role": role})
-    else:
-        PoolRole.objects.filter(user=user, pool=pool).delete()
-    audit_record(
-        actor=actor,
-        action="user.pool_role_set",
-        target=f"user:{username}",
-        before={"pool": pool_name, "role": held or ""},
-        after={"pool": pool_name, "role": role},
-    )
 
 
 def user_role(user: User) -> Role | None:

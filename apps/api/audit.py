@@ -4,23 +4,20 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.http import HttpRequest
-from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from ninja import Router, Schema
 
 from apps.api.auth import Token
 from apps.api.errors import ERRORS, ApiError
 from apps.audit.models import AuditEvent
-from apps.audit.selectors import (
+from apps.audit.selectors import audit_event_list
+from apps.incidents.timeline import (
     MAX_WINDOW,
-    audit_event_list,
-    span_window,
+    span_of,
+    timeline_events,
     what_changed,
     window_valid,
 )
-from apps.fleet.models import Operation
-from apps.rollouts.models import Rollout
-from apps.rollouts.selectors import timeline_events
 
 router = Router(tags=["audit"], auth=Token())
 
@@ -108,12 +105,11 @@ def get_timeline(
     """What changed in a window, oldest first, with versions before and after per target: give
     `start` and `end`, or a `rollout` or an `operation` for its span; the last hour otherwise."""
     start, end = _utc("start", start), _utc("end", end)
-    if rollout is not None:
-        ran = get_object_or_404(Rollout, pk=rollout)
-        start, end = span_window(ran.created_at, ran.finished_at)
-    elif operation is not None:
-        done = get_object_or_404(Operation, pk=operation)
-        start, end = span_window(done.created_at, done.finished_at)
+    if rollout is not None or operation is not None:
+        ran = span_of(rollout=rollout or 0, operation=operation or 0)
+        if ran is None:
+            raise ApiError(404, "not_found", "no such rollout or operation")
+        start, end, _, _ = ran
     try:
         end = end or timezone.now()
         start = start or end - timedelta(hours=1)

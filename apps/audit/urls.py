@@ -7,7 +7,4 @@ urlpatterns = [
     path("", views.audit_list, name="audit_list"),
     path("export.csv", views.audit_export, {"fmt": "csv"}, name="audit_export_csv"),
     path("export.json", views.audit_export, {"fmt": "json"}, name="audit_export_json"),
-    path("timeline/", views.timeline, name="timeline"),
-    path("timeline/report.md", views.timeline_report, name="timeline_report"),
-    path("timeline/chart/", views.timeline_chart, name="timeline_chart"),
 ]

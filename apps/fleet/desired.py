@@ -4,12 +4,13 @@ the API and the reconciler all read it from here."""
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from django.db.models import Max, Q, QuerySet
+from django.db.models import Count, Max, Q, QuerySet
 
 from apps.fleet.models import Deployment, Node
 from apps.registry.codec import ensemble_steps, from_dict, pin_versions, to_dict
@@ -207,9 +208,47 @@ def targeting(node: Node) -> QuerySet[Deployment]:
     return Deployment.objects.filter(Q(pool_id=node.pool_id) | Q(node=node))
 
 
+def desired_inputs(node: Node) -> tuple:
+    """What a node's desired state is computed from, in two small queries: the deployments that
+    target it, each as of its last change, and a stamp of the registry's released versions (a
+    step pinned to the latest). A registered version's config never changes, and a version only
+    moves forward (draft, released, deprecated), so the stamp grows with every change: inputs
+    seen once never come back meaning something else."""
+    deployments = targeting(node).order_by("id")
+    stages = ModelVersion.objects.aggregate(
+        released=Count("id", filter=Q(status=ModelVersion.Status.RELEASED)),
+        deprecated=Count("id", filter=Q(status=ModelVersion.Status.DEPRECATED)),
+    )
+    return (
+        tuple(deployments.values_list("id", "version", "baseline_version", "updated_at")),
+        stages["released"] + 2 * stages["deprecated"],
+    )
+
+
+# Desired states lately computed, by their inputs: the nodes of a pool share one, so a worker
+# reconciling them one after another computes it once per change, not once per node.
+_COMPUTED: OrderedDict[tuple, Desired | DesiredStateError] = OrderedDict()
+_COMPUTED_MAX = 256
+
+
 def node_desired(node: Node) -> Desired:
-    """One node's desired state: the pool's deployments, with the node's own on top."""
-    return fleet_desired(pool_ids=[node.pool_id]).of(node)
+    """One node's desired state: the pool's deployments, with the node's own on top. Computed
+    again only when its inputs changed; they are read first, so a change made meanwhile shows
+    in the next call."""
+    key = desired_inputs(node)
+    if key in _COMPUTED:
+        _COMPUTED.move_to_end(key)
+    else:
+        try:
+            _COMPUTED[key] = fleet_desired(pool_ids=[node.pool_id]).of(node)
+        except DesiredStateError as exc:
+            _COMPUTED[key] = exc
+        if len(_COMPUTED) > _COMPUTED_MAX:
+            _COMPUTED.popitem(last=False)
+    found = _COMPUTED[key]
+    if isinstance(found, DesiredStateError):
+        raise found
+    return found
 
 
 def plan_digest(desired: Desired) -> str:

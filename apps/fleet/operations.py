@@ -12,7 +12,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Count, Max, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from apps.audit.context import REQUEST_ID
@@ -35,7 +35,7 @@ from apps.fleet.triton import (
     TritonTimeout,
     TritonUnreachable,
 )
-from apps.registry.models import Model, ModelVersion
+from apps.registry.models import Model
 
 log = logging.getLogger(__name__)
 OPEN = (Operation.Status.QUEUED, Operation.Status.RUNNING)
@@ -80,17 +80,14 @@ def observed_state(node: Node) -> dict[str, Observed]:
     }
 
 
-def node_reconcile(
-    *, node_id: int, enqueue: bool = True, wanted: "Wanted | None" = None
-) -> list[Operation]:
-    """Read the node, plan what is missing, queue it (and a run of it, unless the caller runs it
-    itself, handing `wanted` on to node_run: what the plan was made from, not computed twice).
-    Harmless to repeat: a node with queued or running operations is left to them, and a
-    converged node gets no operation at all."""
+def node_reconcile(*, node_id: int, wanted: "Wanted | None" = None) -> list[Operation]:
+    """Read the node and plan what is missing. Returns what the caller runs now (node_run,
+    handed `wanted`: what the plan was made from, not computed twice): the operations just
+    planned, or open ones whose run was lost. Harmless to repeat: a node with queued or running
+    operations is left to them, and a converged node gets no operation at all."""
     node = node_read_index(node_id=node_id)
     if node.health == Node.Health.UNREACHABLE or node.last_error:
         return []
-    inputs = Wanted.inputs_of(node)  # before the desired state: a change after them shows later
     try:
         desired = node_desired(node)
     except DesiredStateError as exc:
@@ -101,25 +98,26 @@ def node_reconcile(
         if locked.operations.filter(status__in=OPEN).exists():
             # Work is pending. If no worker has held the node for longer than a lease since it was
             # queued, its run was lost (a killed worker's unacknowledged task comes back only
-            # after the visibility timeout): kick it. Younger work is about to be taken; kicking
-            # it too would only queue runs that find the node busy.
+            # after the visibility timeout): hand it to the caller. Younger work is about to be
+            # taken; running it too would only find the node busy.
             now = timezone.now()
             stale = now - timedelta(seconds=settings.FLEET_LEASE_S)
             free = locked.lease_until is None or locked.lease_until < now
-            if free and locked.operations.filter(status__in=OPEN, created_at__lt=stale).exists():
-                transaction.on_commit(lambda: enqueue_run(node_id))
-            return []
+            lost = locked.operations.filter(status__in=OPEN, created_at__lt=stale)
+            return list(lost) if free else []
         observed = observed_state(node)
         owned = _drained(locked, desired, observed)
         # Only what this product owns may be unloaded: a model someone else loaded (even one we
         # loaded long ago and have since let go) stays until a person adopts it.
-        ensembles = Model.objects.filter(name__in=owned, kind=Model.Kind.ENSEMBLE)
-        kinds = set(ensembles.values_list("name", flat=True))
-        managed = {name: name in kinds for name in owned}
+        managed = {name: model.ensemble for name, model in desired.items()}
+        if drained := owned - set(desired):
+            ensembles = Model.objects.filter(name__in=drained, kind=Model.Kind.ENSEMBLE)
+            kinds = set(ensembles.values_list("name", flat=True))
+            managed |= {name: name in kinds for name in drained}
         actions = plan(desired, observed, managed)
         digest = plan_digest(desired)
         if wanted is not None:
-            wanted.seed(node, inputs, digest)
+            wanted.seed(node, digest)
         if actions and not REQUEST_ID.get():
             _follow_the_change(locked, digest)
         ops = Operation.objects.bulk_create(
@@ -138,8 +136,6 @@ def node_reconcile(
         )
         if ops:
             _record_drift(node, [str(op) for op in ops])
-            if enqueue:
-                transaction.on_commit(lambda: enqueue_run(node_id))
     return ops
 
 
@@ -182,12 +178,6 @@ def _record_drift(node: Node, operations: list[str]) -> None:
         audit_record(
             actor=RECONCILER, action="node.drift", target=target, after={"operations": operations}
         )
-
-
-def enqueue_run(node_id: int) -> None:
-    from apps.fleet.tasks import run_node, send_per_node  # tasks import this module
-
-    send_per_node(run_node, [node_id])
 
 
 class Lease:
@@ -257,11 +247,11 @@ def node_run(*, node_id: int, wanted: "Wanted | None" = None) -> None:
             finished_at=timezone.now(),
             error="the worker was lost mid-operation; the reconciler reads the node's state",
         )
-        node = Node.objects.get(pk=node_id)
-        queued = node.operations.filter(status=Operation.Status.QUEUED).select_related("node")
         if wanted is None or wanted.node is None:
             wanted = Wanted()
-            wanted.node = node
+            wanted.node = Node.objects.get(pk=node_id)
+        node = wanted.node
+        queued = node.operations.filter(status=Operation.Status.QUEUED).select_related("node")
         # A batch at a time: each claim is conditional (queued -> running), so an operation
         # cancelled since the batch was read is skipped; a cancel reads the queue afresh.
         while batch := list(queued.order_by("seq", "id")):
@@ -290,44 +280,30 @@ def _cancel_plan(op: Operation, why: str) -> None:
 
 
 class Wanted:
-    """The digest of the node's desired state, looked at again once a second at most (a load
-    takes longer than that on a real node; a plan's quick steps need not each pay for a look),
-    and recomputed (every deployment and config read and parsed) only when what it is computed
-    from changed: the deployments that target the node, and the registry's released versions (a
-    step pinned to the latest)."""
+    """The digest of the node's desired state, looked at again once a second at most: a load
+    takes longer than that on a real node, and a plan's quick steps need not each pay for a
+    look (`node_desired` recomputes only when what it is computed from changed)."""
 
     RECHECK_S = 1.0
 
     def __init__(self) -> None:
         self.node: Node | None = None
-        self.inputs: tuple | None = None
         self.value: str | None = None
         self.looked = -self.RECHECK_S
 
-    def seed(self, node: Node, inputs: tuple, digest: str) -> None:
-        """What a reconcile just planned from: the run starts from it instead of recomputing."""
-        self.node, self.inputs, self.value, self.looked = node, inputs, digest, time.monotonic()
-
-    @staticmethod
-    def inputs_of(node: Node) -> tuple:
-        released = ModelVersion.objects.filter(status=ModelVersion.Status.RELEASED)
-        return (
-            tuple(targeting(node).order_by("id").values_list("id", "version", "baseline_version")),
-            tuple(released.aggregate(count=Count("id"), last=Max("id")).values()),
-        )
+    def seed(self, node: Node, digest: str) -> None:
+        """What a reconcile just planned from: the run starts from it instead of looking again."""
+        self.node, self.value, self.looked = node, digest, time.monotonic()
 
     def digest(self) -> str | None:
         assert self.node is not None
         if time.monotonic() - self.looked < self.RECHECK_S:
             return self.value
         self.looked = time.monotonic()
-        inputs = self.inputs_of(self.node)
-        if inputs != self.inputs:
-            self.inputs = inputs
-            try:
-                self.value = plan_digest(node_desired(self.node))
-            except DesiredStateError:
-                self.value = None
+        try:
+            self.value = plan_digest(node_desired(self.node))
+        except DesiredStateError:
+            self.value = None
         return self.value
 
 

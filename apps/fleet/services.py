@@ -1,17 +1,19 @@
 import re
 from urllib.parse import urlsplit
 
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
+from apps.accounts.models import PoolRole
 from apps.accounts.permissions import authorize, second_person
+from apps.accounts.services import RoleError, user_role
 from apps.audit.context import REQUEST_ID
 from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet import addresses
 from apps.fleet.desired import node_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
-from apps.fleet.operations import enqueue_run
-from apps.fleet.tasks import reconcile_node, send_per_node
+from apps.fleet.tasks import enqueue_run, reconcile_node, send_per_node
 from apps.registry.models import Model, ModelVersion
 from apps.registry.services import Actor
 
@@ -305,3 +307,32 @@ def _target_nodes(pool: NodePool | None, node: Node | None) -> list[int]:
         return [node.pk]
     assert pool is not None
     return list(pool.nodes.values_list("id", flat=True))
+
+
+@audited("user.pool_role_set", lambda username, **_: f"user:{username}", (RoleError,))
+def pool_role_set(*, username: str, pool_name: str, role: str, actor: User | str) -> None:
+    """Give `username` `role` (operator or release_manager) on one pool, or none ("")."""
+    user = User.objects.filter(username=username).first()
+    pool = NodePool.objects.filter(name=pool_name).first()
+    if user is None:
+        raise RoleError(f"no user named {username!r}")
+    if pool is None:
+        raise RoleError(f"no pool named {pool_name!r}")
+    if role and role not in PoolRole.Role.values:
+        raise RoleError(f"a pool role is one of {', '.join(PoolRole.Role.values)}, not {role!r}")
+    if user_role(user) is None:
+        raise RoleError(f"{username} has no role: give them one (viewer at least) first")
+    held = PoolRole.objects.filter(user=user, pool=pool).values_list("role", flat=True).first()
+    if (held or "") == role:
+        return
+    if role:
+        PoolRole.objects.update_or_create(user=user, pool=pool, defaults={"role": role})
+    else:
+        PoolRole.objects.filter(user=user, pool=pool).delete()
+    audit_record(
+        actor=actor,
+        action="user.pool_role_set",
+        target=f"user:{username}",
+        before={"pool": pool_name, "role": held or ""},
+        after={"pool": pool_name, "role": role},
+    )

@@ -9,7 +9,7 @@ from celery import Task, shared_task
 from django.utils import timezone
 
 from apps.fleet.models import Heartbeat, Node
-from apps.fleet.operations import NodeBusy, Wanted, enqueue_run, node_reconcile, node_run
+from apps.fleet.operations import NodeBusy, Wanted, node_reconcile, node_run
 from apps.fleet.polling import node_poll
 from apps.fleet.triton import TritonUnreachable
 
@@ -51,13 +51,14 @@ def reconcile_all() -> None:
 
 # Planning is idempotent (a node with open operations is skipped), so a redelivery is harmless.
 # The plan runs in the same task: a release reaches each node without a second trip through a
-# queue that holds every other node's reconcile. Limits as for run_node, which it does.
+# queue that holds every other node's reconcile; so does work whose run was lost. Limits as for
+# run_node, which it does.
 @shared_task(
     name="fleet.reconcile_node", acks_late=True, expires=60, soft_time_limit=300, time_limit=330
 )
 def reconcile_node(node_id: int) -> None:
     wanted = Wanted()  # what the plan is made from, handed to its run
-    if node_reconcile(node_id=node_id, enqueue=False, wanted=wanted):
+    if node_reconcile(node_id=node_id, wanted=wanted):
         try:
             node_run(node_id=node_id, wanted=wanted)
         except (NodeBusy, TritonUnreachable):
@@ -80,3 +81,7 @@ def reconcile_node(node_id: int) -> None:
 )
 def run_node(node_id: int) -> None:
     node_run(node_id=node_id)
+
+
+def enqueue_run(node_id: int) -> None:
+    send_per_node(run_node, [node_id])

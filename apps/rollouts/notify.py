@@ -5,6 +5,7 @@ rollout up."""
 import json
 import urllib.request
 
+from celery import current_app
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
@@ -12,6 +13,7 @@ from django.utils import timezone
 from apps.rollouts.models import Notification, Rollout
 from apps.rollouts.plans import parse_plan
 
+DELIVER = "rollouts.deliver_notification"
 EVENTS = {
     "started": "started: v{baseline} → v{canary}, {share} first",
     "step": "moved to step {step}: v{canary} on {share}",
@@ -28,8 +30,6 @@ def notify(rollout: Rollout, event: str) -> Notification | None:
     template = EVENTS.get(event)
     if template is None or not settings.ROLLOUT_WEBHOOK_URL:
         return None
-    from apps.rollouts.tasks import deliver_notification  # the task delivers with this module
-
     link = f"{settings.SITE_URL}/rollouts/{rollout.pk}/"
     step = parse_plan(rollout.plan)[rollout.step]
     what = template.format(
@@ -47,7 +47,8 @@ def notify(rollout: Rollout, event: str) -> Notification | None:
         "rollout": {"id": rollout.pk, "state": rollout.state, "event": event, "url": link},
     }
     notification = Notification.objects.create(rollout=rollout, event=event, payload=payload)
-    transaction.on_commit(lambda: deliver_notification.delay(notification.pk))
+    # Addressed by name: the task (rollouts.tasks) wraps this module, not the other way round.
+    transaction.on_commit(lambda: current_app.send_task(DELIVER, (notification.pk,)))
     return notification
 
 

@@ -4,7 +4,7 @@ from celery import shared_task
 
 from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Rollout
-from apps.rollouts.notify import DeliveryFailed, notification_deliver
+from apps.rollouts.notify import DELIVER, DeliveryFailed, notification_deliver
 
 
 @shared_task(name="rollouts.advance_all", acks_late=True, expires=10)
@@ -21,7 +21,7 @@ def advance(rollout_id: int) -> None:
 
 
 @shared_task(
-    name="rollouts.deliver_notification",
+    name=DELIVER,
     acks_late=True,
     autoretry_for=(DeliveryFailed,),
     retry_backoff=2,

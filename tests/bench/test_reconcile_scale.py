@@ -183,7 +183,6 @@ def test_release_to_500_nodes_against_the_floor(
         assert not any(missing), [(u, m) for u, m in zip(urls, missing, strict=False) if m][:5]
 
         # One more node through the same code in this process, for the query count per node.
-        monkeypatch.setattr("apps.fleet.operations.enqueue_run", lambda node_id: None)
         probe = node_register(name="sim-probe", pool="bench", http_url=urls[NODES], **NO_URLS)
         with CaptureQueriesContext(connection) as reconcile_queries:
             assert len(node_reconcile(node_id=probe.pk)) == LOADS_PER_NODE

@@ -17,7 +17,6 @@ from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.fleet.devfleet import Devfleet, FleetState
 from apps.fleet.models import Node, NodePool, Operation
-from apps.fleet.operations import node_reconcile
 from apps.fleet.services import (
     FleetError,
     deployment_remove,
@@ -26,6 +25,7 @@ from apps.fleet.services import (
     operation_request,
     pool_set_queue,
 )
+from apps.fleet.tasks import reconcile_node
 from apps.fleet.triton import TritonClient
 from apps.registry.codec import parse_pbtxt
 from apps.registry.services import version_create
@@ -213,10 +213,11 @@ def unload_everything(nodes: list[Node]) -> None:
 
 
 def reconciled_twice(nodes: list[Node]) -> None:
-    """Two whole reconciles of each node, each one's operations run to their end."""
+    """Two whole reconciles of each node, each one's operations run to their end (here, or by
+    a worker that was at the node already)."""
     for _ in range(2):
         for node in nodes:
-            node_reconcile(node_id=node.pk)
+            reconcile_node(node.pk)
         wait_for(
             "no operation is open",
             lambda: not Operation.objects.filter(status__in=["queued", "running"]).exists(),

@@ -11,10 +11,10 @@ from django.utils import timezone
 
 from apps.accounts.permissions import ApprovalRequired
 from apps.accounts.roles import Role
-from apps.accounts.services import pool_role_set, user_ensure
+from apps.accounts.services import user_ensure
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, NodePool
-from apps.fleet.services import deployment_set
+from apps.fleet.services import deployment_set, pool_role_set
 from apps.registry.models import ModelVersion
 from apps.rollouts.approvals import ApprovalError, approval_approve, approval_request
 from apps.rollouts.models import Approval, Rollout

@@ -6,7 +6,6 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 
@@ -15,7 +14,6 @@ from django.contrib.auth.models import User
 from django.db import DatabaseError, connection, transaction
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver
-from django.utils import timezone
 
 from apps.accounts import services as accounts
 from apps.accounts.models import ApiToken
@@ -101,24 +99,6 @@ def test_a_bad_time_filter_says_what_it_expects(
     client.force_login(viewer)
     page = client.get("/audit/?since=yesterday").content.decode()
     assert "since: expected a date and time such as 2026-11-29T14:05 (UTC)" in page
-
-
-def test_the_timeline_sums_up_and_exports_a_markdown_report(
-    trail: list[AuditEvent], client: Client, viewer: User, settings: object
-) -> None:
-    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
-    client.force_login(viewer)
-    page = client.get("/audit/timeline/?window=1h").content.decode()
-    assert "<strong>pool:gpu:rag</strong>: v1 → v2" in page
-    report = client.get("/audit/timeline/report.md?window=1h")
-    text = report.content.decode()
-    assert report["Content-Type"].startswith("text/markdown")
-    assert "- `pool:gpu:rag`: v1 -> v2" in text
-    assert (
-        "| system:rollouts | `rollout.aborting` | `rollout:7:rag` | ok | failure: p99 \\| above threshold |"
-        in text
-    )
-    assert "/audit/timeline/?start=" in text  # the permalink to the same window
 
 
 def _guarded_urls() -> list[tuple[str, str]]:
@@ -249,7 +229,7 @@ FLEET_REGISTRY_SERVICES = {
     accounts.user_ensure,
     accounts.token_create,
     accounts.token_revoke,
-    accounts.pool_role_set,
+    fleet.pool_role_set,
     fleet.node_register,
     fleet.deployment_set,
     fleet.deployment_remove,
@@ -312,10 +292,10 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             lambda: accounts.token_revoke(token_id=ApiToken.objects.get().pk, actor="ops"),
         ),
         Case(
-            accounts.pool_role_set,
+            fleet.pool_role_set,
             "user.pool_role_set",
-            lambda: accounts.pool_role_set(username="ann", pool_name="gpu", role="x", actor="ops"),
-            lambda: accounts.pool_role_set(
+            lambda: fleet.pool_role_set(username="ann", pool_name="gpu", role="x", actor="ops"),
+            lambda: fleet.pool_role_set(
                 username="ann", pool_name="gpu", role="operator", actor="ops"
             ),
         ),
@@ -450,34 +430,3 @@ def test_an_event_carries_the_id_of_the_request_it_was_written_for(
         assert re.fullmatch(r"[0-9a-f]{32}", response["X-Request-ID"]), hostile
         assert AuditEvent.objects.first().request_id == response["X-Request-ID"]  # type: ignore[union-attr]
     assert not client.get("/audit/", {"request": "nobody"}).context["page"].object_list
-
-
-def test_the_timeline_charts_each_model_and_node_its_events_touched(
-    client: Client, viewer: User, settings: object
-) -> None:
-    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
-    for target in ["pool:gpu:rag", "node:gpu-2:ocr", "node:gpu-3", "model:asr:v4", "user:ops"]:
-        audit_record(actor="ops", action="some.change", target=target)
-    client.force_login(viewer)
-    page = client.get("/audit/timeline/?window=1h").content.decode()
-    urls = re.findall(r'hx-get="/audit/timeline/chart/\?([^"]+)"', page)
-    subjects = [re.sub(r"start=[^&]+&amp;end=[^&]+&amp;", "", url) for url in urls]
-    assert subjects == ["model=rag", "model=ocr", "model=asr", "node=gpu-2", "node=gpu-3"]
-    chart = client.get("/audit/timeline/chart/?" + urls[3].replace("&amp;", "&")).content.decode()
-    assert "P99 latency: node gpu-2" in chart and "did not answer" in chart
-    bad = client.get("/audit/timeline/chart/?start=2026-11-30T02:00&end=2026-11-30T01:00")
-    assert "needs a start before its end" in bad.content.decode()
-    # The window asked for by model puts that model first; an empty window charts the fleet.
-    now = timezone.now()
-    window = {
-        "start": f"{now - timedelta(days=10):%Y-%m-%dT%H:%M:%S}",
-        "end": f"{now + timedelta(days=1):%Y-%m-%dT%H:%M:%S}",
-    }
-    page = client.get("/audit/timeline/", {**window, "model": "asr"}).content.decode()
-    assert re.findall(r'hx-get="/audit/timeline/chart/\?[^"]+&amp;(\w+=[\w-]+)"', page)[:2] == [
-        "model=asr",
-        "model=rag",
-    ]
-    page = client.get("/audit/timeline/", {"start": "2026-01-01T00:00", "end": "2026-01-02T00:00"})
-    (url,) = re.findall(r'hx-get="/audit/timeline/chart/\?([^"]+)"', page.content.decode())
-    assert "model=" not in url and "node=" not in url

@@ -17,9 +17,10 @@ from django.utils import timezone
 
 from apps.accounts.models import ApiToken, PoolRole
 from apps.accounts.roles import Role
-from apps.accounts.services import pool_role_set, roles_sync, token_create
+from apps.accounts.services import roles_sync, token_create
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.services import pool_role_set
 from apps.registry.models import ModelVersion
 from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Approval, Rollout

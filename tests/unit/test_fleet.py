@@ -1,21 +1,27 @@
 import json
 import re
 from contextvars import copy_context
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.test import Client
+from django.utils import timezone
 
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.fleet import tasks
 from apps.fleet.desired import node_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.operations import enqueue_run, node_reconcile
+from apps.fleet.operations import node_reconcile
 from apps.fleet.services import FleetError, deployment_set, node_register, operation_request
+from apps.fleet.tasks import enqueue_run
 from apps.fleet.triton import IndexEntry, TritonClient, parse_gpu_memory
 from apps.registry.imports import repository_import
+from apps.registry.models import ModelVersion
+from apps.registry.services import version_set_status
 
 REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 pytestmark = pytest.mark.django_db
@@ -81,6 +87,35 @@ def test_a_node_deployment_overrides_the_pools(node: Node) -> None:
     deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
     deployment_set(model_name="embedder", version=2, node=node, actor="system:test")
     assert node_desired(node)["embedder"].versions == (2,)
+
+
+def test_a_pools_nodes_share_one_desired_state_computed_again_on_every_change(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from apps.fleet import desired
+
+    computed = []
+    original = desired.fleet_desired
+    monkeypatch.setattr(
+        desired, "fleet_desired", lambda **kw: computed.append(kw) or original(**kw)
+    )
+    other = node_register(
+        name="n2", pool="p", http_url="http://127.0.0.1:2", actor="system:test", **URLS
+    )
+    deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
+    assert node_desired(node) is node_desired(other)
+    assert len(computed) == 1
+    # A rollback to the earlier version is a change too, not the first state seen again.
+    for version in (2, 1):
+        deployment_set(model_name="embedder", version=version, pool=node.pool, actor="system:test")
+        assert node_desired(other)["embedder"].versions == (version,)
+    assert len(computed) == 3
+    # A step pinned to the latest follows the registry: every release or deprecation counts.
+    before = desired.desired_inputs(node)
+    released = ModelVersion.objects.filter(status=ModelVersion.Status.RELEASED).first()
+    assert released is not None
+    version_set_status(version_id=released.pk, status="deprecated", actor="system:test")
+    assert desired.desired_inputs(node) != before
 
 
 def test_a_double_click_deploys_once(
@@ -151,10 +186,6 @@ def test_an_operator_deploys_to_a_pool_from_the_page(
 
 
 def test_one_worker_at_a_time_holds_a_node_and_a_lapsed_lease_frees_it(node: Node) -> None:
-    from datetime import timedelta
-
-    from django.utils import timezone
-
     from apps.fleet.operations import Lease
 
     with Lease(node.pk).hold() as first:
@@ -202,6 +233,22 @@ def test_an_operation_left_running_by_a_dead_worker_becomes_unknown(node: Node) 
     node_run(node_id=node.pk)
     orphan.refresh_from_db()
     assert orphan.status == "unknown" and "worker was lost" in orphan.error
+
+
+def test_work_whose_run_was_lost_is_run_by_the_next_reconcile_and_young_work_is_not(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])
+    sent: list[str] = []
+    monkeypatch.setattr(TritonClient, "load", lambda self, model, **_: sent.append(model))
+    deployment_set(model_name="embedder", version=1, node=node, actor="ops")
+    person = operation_request(node_id=node.pk, model_name="embedder", kind="reload", actor="ops")
+    tasks.reconcile_node(node.pk)  # just queued: its own run is about to take it
+    assert sent == [] and Operation.objects.get().status == "queued"
+    long_ago = timezone.now() - timedelta(seconds=settings.FLEET_LEASE_S + 1)
+    Operation.objects.filter(pk=person.pk).update(created_at=long_ago)  # its run never came
+    tasks.reconcile_node(node.pk)
+    assert sent == ["embedder"]
 
 
 def test_a_refused_step_cancels_the_rest_of_its_plan_but_not_a_persons_operation(
@@ -338,7 +385,7 @@ def test_a_periodic_reconcile_records_the_change_under_the_request_that_made_it(
         """A reconcile from beat: no request of its own."""
 
         def run() -> str:
-            node_reconcile(node_id=node.pk, enqueue=False)
+            node_reconcile(node_id=node.pk)
             return REQUEST_ID.get()
 
         return copy_context().run(run)
@@ -355,11 +402,13 @@ def test_a_reconcile_hands_its_desired_state_to_the_run_and_a_change_still_stops
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The run used to compute the desired state again, its dearest step at 500 nodes."""
-    from apps.fleet import operations
+    from apps.fleet import desired, operations
 
     computed = []
-    original = operations.node_desired
-    monkeypatch.setattr(operations, "node_desired", lambda n: computed.append(n) or original(n))
+    original = desired.fleet_desired
+    monkeypatch.setattr(
+        desired, "fleet_desired", lambda **kw: computed.append(kw) or original(**kw)
+    )
     loaded: list[tuple[str, int]] = []
     monkeypatch.setattr(  # what was loaded reads back READY
         TritonClient,

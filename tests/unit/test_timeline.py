@@ -1,4 +1,5 @@
-"""The incident timeline's windows: around a given time, and an operation's span."""
+"""The incident timeline: its windows (around a given time, an operation's span), what changed
+in one, its charts and its Markdown report."""
 
 import re
 from datetime import timedelta
@@ -122,3 +123,65 @@ def test_a_window_out_of_range_or_too_long_shows_the_latest_and_says_why(
         hours=int(query.get("window", "1h")[:-1])
     )
     assert error in response.context["error"]
+
+
+def test_the_timeline_sums_up_and_exports_a_markdown_report(
+    client: Client, viewer: User, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    audit_record(
+        actor="ops",
+        action="deployment.set",
+        target="pool:gpu:rag",
+        before={"version": 1},
+        after={"version": 2},
+    )
+    audit_record(
+        actor="system:rollouts",
+        action="rollout.aborting",
+        target="rollout:7:rag",
+        message="failure: p99 | above\nthreshold",
+    )
+    client.force_login(viewer)
+    page = client.get("/audit/timeline/?window=1h").content.decode()
+    assert "<strong>pool:gpu:rag</strong>: v1 → v2" in page
+    report = client.get("/audit/timeline/report.md?window=1h")
+    text = report.content.decode()
+    assert report["Content-Type"].startswith("text/markdown")
+    assert "- `pool:gpu:rag`: v1 -> v2" in text
+    assert (
+        "| system:rollouts | `rollout.aborting` | `rollout:7:rag` | ok | failure: p99 \\| above threshold |"
+        in text
+    )
+    assert "/audit/timeline/?start=" in text  # the permalink to the same window
+
+
+def test_the_timeline_charts_each_model_and_node_its_events_touched(
+    client: Client, viewer: User, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    for target in ["pool:gpu:rag", "node:gpu-2:ocr", "node:gpu-3", "model:asr:v4", "user:ops"]:
+        audit_record(actor="ops", action="some.change", target=target)
+    client.force_login(viewer)
+    page = client.get("/audit/timeline/?window=1h").content.decode()
+    urls = re.findall(r'hx-get="/audit/timeline/chart/\?([^"]+)"', page)
+    subjects = [re.sub(r"start=[^&]+&amp;end=[^&]+&amp;", "", url) for url in urls]
+    assert subjects == ["model=rag", "model=ocr", "model=asr", "node=gpu-2", "node=gpu-3"]
+    chart = client.get("/audit/timeline/chart/?" + urls[3].replace("&amp;", "&")).content.decode()
+    assert "P99 latency: node gpu-2" in chart and "did not answer" in chart
+    bad = client.get("/audit/timeline/chart/?start=2026-11-30T02:00&end=2026-11-30T01:00")
+    assert "needs a start before its end" in bad.content.decode()
+    # The window asked for by model puts that model first; an empty window charts the fleet.
+    now = timezone.now()
+    window = {
+        "start": f"{now - timedelta(days=10):%Y-%m-%dT%H:%M:%S}",
+        "end": f"{now + timedelta(days=1):%Y-%m-%dT%H:%M:%S}",
+    }
+    page = client.get("/audit/timeline/", {**window, "model": "asr"}).content.decode()
+    assert re.findall(r'hx-get="/audit/timeline/chart/\?[^"]+&amp;(\w+=[\w-]+)"', page)[:2] == [
+        "model=asr",
+        "model=rag",
+    ]
+    page = client.get("/audit/timeline/", {"start": "2026-01-01T00:00", "end": "2026-01-02T00:00"})
+    (url,) = re.findall(r'hx-get="/audit/timeline/chart/\?([^"]+)"', page.content.decode())
+    assert "model=" not in url and "node=" not in url

@@ -1,7 +1,8 @@
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from apps.accounts.models import PoolRole
-from apps.accounts.services import RoleError, pool_role_set
+from apps.accounts.services import RoleError
+from apps.fleet.services import pool_role_set
 
 
 class Command(BaseCommand):

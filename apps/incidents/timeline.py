@@ -1,0 +1,150 @@
+"""The incident timeline's reads: its windows, the trail in one with the rollouts' verdict
+changes merged in, and what changed."""
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.utils import timezone
+
+from apps.audit.models import AuditEvent
+from apps.fleet.models import Operation
+from apps.rollouts.models import Measurement, Rollout
+
+# The longest timeline window a page, a report or the API reads: bounded work per request.
+MAX_WINDOW = timedelta(days=31)
+MARGIN = timedelta(minutes=5)
+Verdict = Measurement.Verdict
+# One analysis round's rows are written within one tick; rounds are a whole interval apart.
+ROUND_GAP = timedelta(seconds=0.5)
+WORST_FIRST = [Verdict.FAILURE, Verdict.ERROR, Verdict.INCONCLUSIVE, Verdict.SUCCESS]
+
+
+def window_valid(start: datetime, end: datetime) -> bool:
+    """A start before the end, MAX_WINDOW apart at most."""
+    try:
+        return start < end <= start + MAX_WINDOW
+    except OverflowError:  # a window reaching past year 9999
+        return False
+
+
+def around(at: datetime, span: timedelta) -> tuple[datetime, datetime] | None:
+    """`span` centred on `at`, or None where it would reach past year 1 or 9999."""
+    try:
+        return at - span / 2, at + span / 2
+    except OverflowError:
+        return None
+
+
+def span_of(*, rollout: int = 0, operation: int = 0) -> tuple[datetime, datetime, str, str] | None:
+    """(start, end, model, title) of the rollout with that id, or else the operation (no row
+    has id 0): the incident review window of its span, five minutes either side, never past
+    now; None where there is neither."""
+    ran = Rollout.objects.filter(pk=rollout).first()
+    if ran is not None:
+        title = f"rollout #{ran.pk}: {ran}"
+        return *_span(ran.created_at, ran.finished_at), ran.model.name, title
+    done = Operation.objects.filter(pk=operation).first()
+    if done is not None:
+        title = f"operation #{done.pk}: {done}"
+        return *_span(done.created_at, done.finished_at), done.model_name, title
+    return None
+
+
+def _span(begun: datetime, finished: datetime | None) -> tuple[datetime, datetime]:
+    now = timezone.now()
+    return begun - MARGIN, min(now, (finished or now) + MARGIN)
+
+
+def timeline_events(start: datetime, end: datetime) -> list[AuditEvent]:
+    """The trail in [start, end], oldest first, with the rollouts' verdict changes merged in."""
+    trail = AuditEvent.objects.filter(created_at__range=(start, end)).order_by("created_at", "id")
+    return sorted([*trail, *verdict_changes(start, end)], key=lambda e: e.created_at)
+
+
+def verdict_changes(start: datetime, end: datetime) -> list[AuditEvent]:
+    """Each rollout's analysis verdicts in [start, end], for the timeline: a round appears when
+    its verdict differs from the round before it in the same step, so that a steady rollout reads
+    as one line per step, and the round that turned it shows what failed. Derived from the
+    measurements, as unsaved `rollout.verdict` events; nothing is written."""
+    rows = Measurement.objects.filter(taken_at__range=(start, end)).select_related("rollout__model")
+    rounds: list[list[Measurement]] = []
+    for row in rows.order_by("rollout_id", "taken_at", "id"):
+        last = rounds[-1][-1] if rounds else row
+        same = (last.rollout_id, last.step) == (row.rollout_id, row.step)
+        if rounds and same and row.taken_at - last.taken_at <= ROUND_GAP:
+            rounds[-1].append(row)
+        else:
+            rounds.append([row])
+    changes: list[AuditEvent] = []
+    previous: tuple[int, int, str] | None = None
+    for found in rounds:
+        verdict = next(v for v in WORST_FIRST if any(m.verdict == v for m in found))
+        first = found[0]
+        key = (first.rollout_id, first.step, verdict)
+        if key != previous:
+            worst = [m for m in found if m.verdict == verdict != Verdict.SUCCESS]
+            changes.append(
+                AuditEvent(
+                    created_at=first.taken_at,
+                    actor="system:rollouts",
+                    action="rollout.verdict",
+                    target=f"rollout:{first.rollout_id}:{first.rollout.model.name}",
+                    result="ok" if verdict == Verdict.SUCCESS else "failed",
+                    message=f"step {first.step + 1}: {verdict}"
+                    + "".join(f"; {m.metric} {_values(m)}" for m in worst[:3]),
+                )
+            )
+        previous = key
+    return changes
+
+
+def _values(m: Measurement) -> str:
+    if m.detail or m.canary_value is None or m.threshold is None:
+        return m.detail
+    return f"{m.canary_value:.4g} (threshold {m.threshold:.4g})"
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a pool (or node) ran of a model before a window and after it."""
+
+    target: str  # pool:<pool>:<model> or node:<node>:<model>
+    before: int | None
+    after: int | None
+
+
+def what_changed(events: list[AuditEvent]) -> list[Change]:
+    """Versions before and after, per deployment target, from the deployments in `events`, and
+    in their parts (a rollback's own deployment changes)."""
+    first: dict[str, int | None] = {}
+    last: dict[str, int | None] = {}
+    for event in events:
+        if event.result != "ok":
+            continue
+        for change in [*event.after.get("parts", []), event.as_part()]:
+            if change["action"] in ("deployment.set", "deployment.remove"):
+                first.setdefault(change["target"], change.get("before", {}).get("version"))
+                last[change["target"]] = change.get("after", {}).get("version")
+    return [
+        Change(target, first[target], last[target])
+        for target in sorted(last)
+        if first[target] != last[target]
+    ]
+
+
+def affected(events: list[AuditEvent]) -> tuple[list[str], list[str]]:
+    """The models and nodes the events' targets name (`pool:<pool>:<model>`, `node:<node>`,
+    `node:<node>:<model>`, `model:<model>:v<n>`, `rollout:<id>:<model>`), in order of first
+    mention."""
+    models: dict[str, None] = {}
+    nodes: dict[str, None] = {}
+    for event in events:
+        kind, _, rest = event.target.partition(":")
+        name, _, model = rest.partition(":")
+        if kind == "node":
+            nodes[name] = None
+        if kind == "model":
+            models[name] = None
+        elif kind in ("pool", "node", "rollout") and model:
+            models[model] = None
+    return list(models), list(nodes)
