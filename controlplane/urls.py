@@ -16,9 +16,8 @@ urlpatterns = [
     path("models/", include("apps.registry.urls")),
     path("rollouts/", include("apps.rollouts.urls")),
     path("metrics/", include("apps.observability.urls")),
+    path("", include("apps.incidents.urls")),  # before audit/: the timeline is audit/timeline/
     path("audit/", include("apps.audit.urls")),
-    # The incident timeline keeps the address it had under audit: permalinks in postmortems.
-    path("audit/timeline/", include("apps.incidents.urls")),
     path("api/", api_urls()),
     path("admin/", admin.site.urls),
 ]

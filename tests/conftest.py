@@ -13,20 +13,12 @@ from django.contrib.auth.models import User
 from playwright.sync_api import Browser, Page, sync_playwright
 
 from apps.accounts.roles import Role
-
-PASSWORD = "correct-horse-battery"
+from tests.support.users import make_user
 
 
 @pytest.fixture(autouse=True)
 def fast_password_hashing(settings: object) -> None:
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # type: ignore[attr-defined]
-
-
-def make_user(role: Role) -> User:
-    from apps.accounts.services import roles_sync, user_ensure
-
-    roles_sync()
-    return user_ensure(username=f"{role.value}-user", password=PASSWORD, role=role)
 
 
 @pytest.fixture
@@ -50,7 +42,6 @@ def admin_user(db: None) -> User:
 # stay synchronous and safe.
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 
-SCREENSHOTS = Path(__file__).parents[1] / "var" / "screenshots"
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = [
     "--headless",
@@ -87,10 +78,3 @@ def page(browser: Browser) -> Iterator[Page]:
     page.on("console", lambda m: m.type == "error" and page.console_errors.append(m.text))  # type: ignore[attr-defined]
     yield page
     context.close()
-
-
-def screenshot(page: Page, name: str) -> Path:
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    path = SCREENSHOTS / f"{name}.png"
-    page.screenshot(path=path, full_page=True)
-    return path

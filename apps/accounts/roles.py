@@ -21,12 +21,14 @@ ROLE_GRANTS: dict[Role, list[str]] = {
         "registry.view_modelversion",
         "rollouts.view_rollout",
         "audit.view_auditevent",
+        "incidents.view_incident",
     ],
     Role.OPERATOR: [
         "fleet.operate_node",
         "fleet.add_node",
         "fleet.change_node",
         "rollouts.rollback_release",  # on-call rolls back without waiting for a release manager
+        "incidents.manage_incident",
     ],
     Role.RELEASE_MANAGER: [
         "registry.add_model",

@@ -12,7 +12,7 @@ from ninja import NinjaAPI
 
 from apps.accounts.permissions import ANY_ROLE
 from apps.accounts.services import token_authenticate
-from apps.api import audit, errors, fleet, registry, rollouts
+from apps.api import audit, errors, fleet, incidents, registry, rollouts
 
 
 def signed_in(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
@@ -48,7 +48,7 @@ api = NinjaAPI(
     docs_decorator=signed_in,
 )
 errors.install(api)
-for module in (registry, fleet, rollouts, audit):
+for module in (registry, fleet, rollouts, audit, incidents):
     api.add_router("", module.router)
 
 

@@ -13,7 +13,7 @@ from apps.api.errors import ERRORS, WAITS, ApiError
 from apps.api.paging import Limit, Offset
 from apps.fleet.desired import DesiredStateError, FleetDesired, fleet_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.selectors import Reading, drift_of, node_models, observed_many
+from apps.fleet.selectors import Reading, converged, drift_of, node_models, observed_many
 from apps.fleet.services import FleetError, deployment_remove, deployment_set, operation_request
 
 router = Router(tags=["fleet"], auth=Token())
@@ -112,25 +112,33 @@ def _nodes_of(deployment: Deployment) -> list[Node]:
 def _deployments_out(deployments: list[Deployment]) -> list[dict[str, Any]]:
     nodes = {node.pk: node for d in deployments for node in _nodes_of(d)}
     readings = observed_many(list(nodes.values()), {d.model.name for d in deployments})
-    return [_deployment_out(d, readings) for d in deployments]
+    desired = fleet_desired(pool_ids={node.pool_id for node in nodes.values()})
+    return [_deployment_out(d, readings, desired) for d in deployments]
+
+
+def _wanted(desired: FleetDesired, node: Node, model: str) -> tuple[int, ...] | None:
+    """The versions of `model` the node's desired state names; None when it cannot be resolved."""
+    try:
+        found = desired.of(node).get(model)
+    except DesiredStateError:
+        return None
+    return found.versions if found else None
 
 
 def _deployment_out(
-    deployment: Deployment, readings: dict[tuple[int, str], Reading]
+    deployment: Deployment, readings: dict[tuple[int, str], Reading], desired: FleetDesired
 ) -> dict[str, Any]:
-    """Desired state and, node by node, whether its index shows exactly that READY."""
-    wanted = {deployment.version} | (
-        {deployment.baseline_version} if deployment.baseline_version else set()
-    )
+    """Desired state and, node by node, whether the node has converged on the model."""
+    name = deployment.model.name
     progress = []
     for node in _nodes_of(deployment):
-        ready, _ = readings[(node.pk, deployment.model.name)]
+        ready, _ = readings[(node.pk, name)]
         progress.append(
             {
                 "node": node.name,
                 "health": node.health,
                 "ready": sorted(ready),
-                "converged": ready == wanted,
+                "converged": converged(ready, _wanted(desired, node, name)),
             }
         )
     return {

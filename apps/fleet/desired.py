@@ -14,7 +14,7 @@ from django.db.models import Count, Max, Q, QuerySet
 
 from apps.fleet.models import Deployment, Node
 from apps.registry.codec import ensemble_steps, from_dict, pin_versions, to_dict
-from apps.registry.ensembles import LATEST
+from apps.registry.ensembles import LATEST, Resolved, UnresolvedStep, pinned_steps
 from apps.registry.models import Model, ModelVersion
 from apps.registry.validation import is_ensemble
 
@@ -95,14 +95,15 @@ class _Registry:
         found = ModelVersion.objects.filter(query)
         return list(found.values_list("model__name", "version", "config"))
 
-    def resolve(self, name: str, version: int) -> tuple[int, Any]:
+    def resolve(self, name: str, version: int) -> Resolved:
+        """A step's pin, from what `fetch` read."""
         number = self.latest.get(name) if version == LATEST else version
         if number is not None and (name, number) in self.configs:
-            return number, self.configs[(name, number)]
+            return Resolved(self.configs[(name, number)], number)
         if name not in self.known:
-            raise DesiredStateError(f"model '{name}' is not in the registry")
+            return Resolved(None, reason=f"model '{name}' is not in the registry")
         wanted = "a released version" if version == LATEST else f"version v{version}"
-        raise DesiredStateError(f"model '{name}' has no {wanted}")
+        return Resolved(None, reason=f"model '{name}' has no {wanted}")
 
 
 def _compute(wanted: Wanted, registry: _Registry) -> Desired:
@@ -114,16 +115,13 @@ def _compute(wanted: Wanted, registry: _Registry) -> Desired:
             if (name, number) not in registry.configs:
                 raise DesiredStateError(f"{label}: {name} v{number} is not in the registry")
             configs.setdefault(name, {})[number] = registry.configs[(name, number)]
-        pending = [step for config in configs[name].values() for step in ensemble_steps(config)]
-        while pending:  # nested ensembles bring their own steps
-            step, pinned = pending.pop()
+        for release in list(configs[name].values()):
             try:
-                number, config = registry.resolve(step, pinned)
-            except DesiredStateError as exc:
+                steps = pinned_steps(release, registry.resolve, nested=True)
+            except UnresolvedStep as exc:
                 raise DesiredStateError(f"{label}: {exc}") from None
-            if number not in configs.setdefault(step, {}):
-                configs[step][number] = config
-                pending += ensemble_steps(config)
+            for (step, number), config in steps.items():
+                configs.setdefault(step, {}).setdefault(number, config)
 
     def depth(name: str) -> int:
         steps = [s for config in configs[name].values() for s, _ in ensemble_steps(config)]

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytriton
 
 from apps.fleet.triton import TritonClient, TritonError
-from apps.registry.codec import ensemble_steps, pin_versions, to_json
+from apps.registry.codec import pin_versions, to_json
+from apps.registry.ensembles import Resolved, pinned_steps
 from apps.registry.repository import read_model
 
 START_TIMEOUT_S = 60.0
@@ -371,11 +372,14 @@ class Devfleet:
             raise DevfleetError(
                 f"{model} has no version {version} in {self.repository} (has {release.versions})"
             )
-        loads = []
-        for name, pinned in ensemble_steps(release.configs[version]):
+
+        def resolve(name: str, pinned: int) -> Resolved:
             step = read_model(self.repository, name)
-            resolved = pinned if pinned > 0 else max(step.versions)
-            loads.append((name, resolved, step.configs[resolved]))
+            number = pinned if pinned > 0 else max(step.versions)
+            return Resolved(step.configs[number], number)
+
+        steps = pinned_steps(release.configs[version], resolve)
+        loads = [(name, number, config) for (name, number), config in steps.items()]
         loads.append((model, version, release.configs[version]))
         for name, each_version, config in loads:
             client.load(name, config_json=to_json(pin_versions(config, [each_version])))

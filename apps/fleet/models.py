@@ -5,8 +5,6 @@ from apps.registry.models import Model
 
 class NodePool(models.Model):
     name = models.SlugField(max_length=60, unique=True)
-    labels = models.JSONField(default=dict, blank=True)
-    traffic_strategy = models.CharField(max_length=30, default="nodes")
     queue = models.CharField(
         max_length=60,
         blank=True,
@@ -37,7 +35,6 @@ class Node(models.Model):
     http_url = models.URLField()
     grpc_url = models.CharField(max_length=200, blank=True)
     metrics_url = models.URLField(blank=True)
-    labels = models.JSONField(default=dict, blank=True)
     triton_version = models.CharField(max_length=30, blank=True)
     extensions = models.JSONField(default=list, blank=True)
     health = models.CharField(max_length=20, choices=Health.choices, default=Health.UNKNOWN)
@@ -67,15 +64,11 @@ class Node(models.Model):
         return self.name
 
     @property
-    def ready_models(self) -> list[dict]:
-        return [entry for entry in self.index if entry.get("state") == "READY"]
-
-    @property
     def ready_versions(self) -> dict[str, list[int]]:
         """Model -> its versions READY in the last index read, in order."""
         found: dict[str, list[int]] = {}
-        for entry in self.ready_models:
-            if entry.get("version"):
+        for entry in self.index:
+            if entry.get("state") == "READY" and entry.get("version"):
                 found.setdefault(entry["model"], []).append(int(entry["version"]))
         return {model: sorted(versions) for model, versions in found.items()}
 

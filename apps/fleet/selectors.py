@@ -44,7 +44,7 @@ def node_rows(filters: NodeFilters = NodeFilters()) -> list[NodeRow]:
         nodes = nodes.filter(found)
     rows = node_rows_of(nodes)
     if filters.model:
-        rows = [r for r in rows if any(e["model"] == filters.model for e in r.node.ready_models)]
+        rows = [r for r in rows if filters.model in r.node.ready_versions]
     if filters.drift:
         rows = [r for r in rows if r.drift]
     return rows
@@ -54,6 +54,13 @@ def node_rows_of(nodes: QuerySet[Node]) -> list[NodeRow]:
     found = list(nodes)
     desired = fleet_desired(pool_ids={node.pool_id for node in found})
     return [NodeRow(node, drift_of(node_models(node, desired))) for node in found]
+
+
+def converged(ready: Iterable[int], wanted: Iterable[int] | None) -> bool:
+    """What converged means on the pages and in the API alike: a node serves a model READY at
+    exactly the versions its desired state names (`wanted`), no more and no fewer; never while
+    that state cannot be resolved (None)."""
+    return wanted is not None and set(ready) == set(wanted)
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class FleetSummary:
 
     @property
     def converged(self) -> int:
+        """Nodes that drift on no model."""
         return self.nodes - self.drifted
 
 
@@ -75,7 +83,7 @@ def fleet_summary(rows: list[NodeRow]) -> FleetSummary:
         ready=sum(r.node.health == Node.Health.READY for r in rows),
         unreachable=sum(r.node.health == Node.Health.UNREACHABLE for r in rows),
         drifted=sum(bool(r.drift) for r in rows),
-        models_ready=sum(len(r.node.ready_models) for r in rows),
+        models_ready=sum(len(v) for r in rows for v in r.node.ready_versions.values()),
     )
 
 
@@ -91,7 +99,7 @@ class ModelRow:
 
     @property
     def drift(self) -> bool:
-        return self.managed and self.ready != self.desired
+        return self.managed and not converged(self.ready, self.desired)
 
 
 def node_models(node: Node, desired: FleetDesired | None = None) -> list[ModelRow]:

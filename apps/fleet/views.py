@@ -48,10 +48,11 @@ def overview(request: HttpRequest) -> HttpResponse:
 def serving(request: HttpRequest) -> HttpResponse:
     """Nodes whose index shows `model` at `version` READY (a fragment for other pages)."""
     model, version = request.GET.get("model", ""), request.GET.get("version", "")
+    number = int(version) if version.isascii() and version.isdecimal() else None
     found = [
         node
         for node in Node.objects.only("name", "index").order_by("name")
-        if any(e["model"] == model and str(e["version"]) == version for e in node.ready_models)
+        if number in node.ready_versions.get(model, [])
     ]
     return render(request, "fleet/partials/serving.html", {"nodes": found})
 

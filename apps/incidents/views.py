@@ -1,19 +1,33 @@
-"""The incident timeline: what changed in a window, with P99 charts around it, as a page and
-as a Markdown report."""
+"""Incident review: the timeline (what changed in a window, with P99 charts around it, as a page
+and as a Markdown report), and incidents with their ranked suspects."""
 
 import dataclasses
 from datetime import datetime, timedelta
 from typing import cast
 
+from django.contrib import messages
+from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.shortcuts import get_object_or_404, render
 from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import urlencode
 from django.utils.text import slugify
+from django.views.decorators.http import require_POST
 
+from apps.accounts.permissions import current_user, require
+from apps.audit.models import AuditEvent
 from apps.audit.views import event_row, utc_moment
+from apps.incidents.models import Incident
+from apps.incidents.services import (
+    MANAGE,
+    IncidentError,
+    incident_open,
+    incident_rollback,
+    incident_update,
+)
+from apps.incidents.suspects import suspects
 from apps.incidents.timeline import (
     MAX_WINDOW,
     affected,
@@ -24,6 +38,7 @@ from apps.incidents.timeline import (
     window_valid,
 )
 from apps.observability.charts import Chart, metric_chart
+from controlplane.htmx import back
 
 MAX_CHARTS = 8
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
@@ -140,3 +155,134 @@ def timeline_report(request: HttpRequest) -> HttpResponse:
     response = HttpResponse(text, content_type="text/markdown; charset=utf-8")
     response["Content-Disposition"] = 'attachment; filename="incident-timeline.md"'
     return response
+
+
+INCIDENTS_PER_PAGE = 25
+
+
+def incident_list(request: HttpRequest) -> HttpResponse:
+    incidents = Incident.objects.select_related("owner", "pool", "model")
+    page = Paginator(incidents, INCIDENTS_PER_PAGE).get_page(request.GET.get("page"))
+    return render(request, "incidents/incident_list.html", {"incidents": page})
+
+
+def _incident_context(incident: Incident) -> dict[str, object]:
+    start, end = incident.window
+    ranked, problem = suspects(incident)
+    actions = AuditEvent.objects.filter(target=f"incident:{incident.pk}").order_by("created_at")
+    window = {"start": f"{start:%Y-%m-%dT%H:%M:%S}", "end": f"{end:%Y-%m-%dT%H:%M:%S}"}
+    shown = {"model": incident.model.name} if incident.model else {}
+    return {
+        "incident": incident,
+        "suspects": ranked,
+        "prometheus_problem": problem,
+        "actions": actions,
+        "timeline": f"{reverse('incidents:timeline')}?{urlencode(window | shown)}",
+        "chart": f"{reverse('incidents:timeline_chart')}?{urlencode(_evidence(incident) | shown)}",
+        "durations": _durations(incident),
+    }
+
+
+def _evidence(incident: Incident) -> dict[str, str]:
+    """The evidence chart's window: a quarter of an hour before the onset, to now or the end."""
+    start, end = incident.window
+    return {
+        "start": f"{start - timedelta(minutes=15):%Y-%m-%dT%H:%M:%S}",
+        "end": f"{end + timedelta(seconds=1):%Y-%m-%dT%H:%M:%S}",
+    }
+
+
+def _durations(incident: Incident) -> list[tuple[str, str]]:
+    """Time to detect (onset to opened), to mitigate and to resolve, from the onset."""
+    marks = [
+        ("detect", incident.opened_at),
+        ("mitigate", incident.mitigated_at),
+        ("resolve", incident.resolved_at),
+    ]
+    return [(name, _spent(at - incident.started_at) if at else "not yet") for name, at in marks]
+
+
+def _spent(delta: timedelta) -> str:
+    seconds = max(0, int(delta.total_seconds()))
+    return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
+
+
+def incident_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    incident = get_object_or_404(Incident.objects.select_related("owner", "pool", "model"), pk=pk)
+    return render(request, "incidents/incident_detail.html", _incident_context(incident))
+
+
+def incident_report(request: HttpRequest, pk: int) -> HttpResponse:
+    """The post-mortem's facts, in order: the incident, its ranked suspects with their evidence,
+    what was done by whom and when, and the times to detect, mitigate and resolve."""
+    incident = get_object_or_404(Incident.objects.select_related("owner", "pool", "model"), pk=pk)
+    context = _incident_context(incident)
+    context["link"] = request.build_absolute_uri(reverse("incidents:incident_detail", args=[pk]))
+    text = render_to_string("incidents/incident_report.md", context, request)
+    response = HttpResponse(text, content_type="text/markdown; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="incident-{pk}.md"'
+    return response
+
+
+@require_POST
+@require(MANAGE, "incident.open")
+def incident_open_view(request: HttpRequest) -> HttpResponse:
+    """Open an incident over a window, from the timeline or a chart."""
+    post = request.POST.get
+    start, end = utc_moment(post("start", "")), utc_moment(post("end", ""))
+    try:
+        if start is None:
+            raise IncidentError("start: expected a date and time such as 2026-11-29T14:05 (UTC)")
+        incident = incident_open(
+            title=post("title", ""),
+            severity=post("severity", "warning"),
+            start=start,
+            end=end,
+            model=post("model", ""),
+            pool=post("pool", ""),
+            actor=current_user(request),
+        )
+    except IncidentError as exc:
+        messages.error(request, str(exc))
+        return back(request, reverse("incidents:incident_list"))
+    messages.success(request, f"Incident #{incident.pk} opened.")
+    return back(request, reverse("incidents:incident_detail", args=[incident.pk]))
+
+
+@require_POST
+@require(MANAGE, "incident.update")
+def incident_update_view(request: HttpRequest, pk: int) -> HttpResponse:
+    post = request.POST
+    try:
+        incident_update(
+            incident_id=pk,
+            status=post.get("status", ""),
+            owner=post.get("owner"),
+            notes=post.get("notes"),
+            actor=current_user(request),
+        )
+    except IncidentError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Incident #{pk} updated.")
+    return back(request, reverse("incidents:incident_detail", args=[pk]))
+
+
+@require_POST
+@require(MANAGE, "incident.rollback")
+def incident_rollback_view(request: HttpRequest, pk: int) -> HttpResponse:
+    """A suspect's one click: its rollout rolled back, or its pool to the last good release."""
+    post = request.POST.get
+    try:
+        done = incident_rollback(
+            incident_id=pk,
+            model=post("model", ""),
+            pool=post("pool", ""),
+            rollout=_number(post("rollout", "")),
+            actor=current_user(request),
+        )
+    except IncidentError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"{done[:1].upper()}{done[1:]}.")
+    return back(request, reverse("incidents:incident_detail", args=[pk]))

@@ -1,12 +1,10 @@
 """Each ensemble step's P99 next to its latency budget, and the end-to-end P99 against the total."""
 
 import math
-import re
 from dataclasses import dataclass
 
-from apps.observability.prometheus import escape_label, instant_query
-
-WINDOW = "5m"
+from apps.observability.catalog import worst_p99_query
+from apps.observability.prometheus import instant_query
 
 
 @dataclass(frozen=True)
@@ -25,14 +23,9 @@ class StepLatency:
 def worst_p99_ms(models: list[str]) -> dict[tuple[str, int], float]:
     """The worst P99 (ms) over the last few minutes and all nodes, per model and version, for all
     `models` in one query."""
-    pattern = escape_label("|".join(re.escape(m) for m in models))
-    query = (
-        f'max by (model, version) (max_over_time(nv_inference_request_summary_us{{quantile="0.99",'
-        f'model=~"{pattern}"}}[{WINDOW}])) / 1000'
-    )
     return {
         (labels["model"], int(labels["version"])): value
-        for labels, value in instant_query(query)
+        for labels, value in instant_query(worst_p99_query(models))
         if not math.isnan(value) and labels.get("version", "").isdecimal()
     }
 

@@ -1,5 +1,7 @@
-"""Named PromQL queries over Triton's own series (docs/user_guide/metrics.md), one per chart."""
+"""Every PromQL query over Triton's own series (docs/user_guide/metrics.md): one per chart, the
+overview's tiles, the step breakdown and a rollout's analysis."""
 
+import re
 from dataclasses import dataclass
 
 from apps.observability.prometheus import escape_label
@@ -69,17 +71,82 @@ METRICS = {
 }
 
 
-def build_query(
-    metric: Metric, *, model: str = "", pool: str = "", node: str = "", window_s: int = 30
-) -> str:
-    matchers = [
+def _selector(*, model: str = "", pool: str = "", node: str = "") -> str:
+    return ",".join(
         f'{name}="{escape_label(value)}"'
         for name, value in [("model", model), ("pool", pool), ("node", node)]
         if value
-    ]
-    return metric.template.format(selector=",".join(matchers), window=f"{window_s}s")
+    )
+
+
+def build_query(
+    metric: Metric, *, model: str = "", pool: str = "", node: str = "", window_s: int = 30
+) -> str:
+    selector = _selector(model=model, pool=pool, node=node)
+    return metric.template.format(selector=selector, window=f"{window_s}s")
 
 
 def step_for(seconds: float) -> int:
     """A step (s) that keeps a chart at a few hundred points at most."""
     return max(2, int(seconds // 300))
+
+
+# The overview's live tiles --------------------------------------------------------------------
+
+TILE_WINDOW = "1m"
+
+
+def _rate_by_model(counter: str) -> str:
+    return f"sum by (model) (rate({counter}[{TILE_WINDOW}]))"
+
+
+def served_rate_by_model() -> str:
+    """Requests per second that succeeded, per model."""
+    return _rate_by_model("nv_inference_request_success")
+
+
+def failed_rate_by_model() -> str:
+    """Requests per second that failed, per model."""
+    return _rate_by_model("nv_inference_request_failure")
+
+
+# The step breakdown ---------------------------------------------------------------------------
+
+BREAKDOWN_WINDOW = "5m"
+
+
+def worst_p99_query(models: list[str]) -> str:
+    """The worst P99 (ms) over the last few minutes and all nodes, per model and version, for all
+    `models` in one query."""
+    pattern = escape_label("|".join(re.escape(m) for m in models))
+    return (
+        f'max by (model, version) (max_over_time(nv_inference_request_summary_us{{quantile="0.99",'
+        f'model=~"{pattern}"}}[{BREAKDOWN_WINDOW}])) / 1000'
+    )
+
+
+# A rollout's analysis: the same queries for the canary and the baseline ---------------------
+
+
+def canary_queries(*, model: str, pool: str, window_s: int) -> dict[str, str]:
+    """Per node: requests that succeeded and failed in the window, worst P99 (ms)."""
+    selector, window = _selector(model=model, pool=pool), f"{window_s}s"
+    return {
+        "ok": f"sum by (node) (increase(nv_inference_request_success{{{selector}}}[{window}]))",
+        "failed": f"sum by (node) (increase(nv_inference_request_failure{{{selector}}}[{window}]))",
+        # The summary's P99 averaged over the window: one slow scrape does not decide alone.
+        "p99": "max by (node) (avg_over_time(nv_inference_request_summary_us"
+        f'{{quantile="0.99",{selector}}}[{window}])) / 1000',
+    }
+
+
+def step_mean_latency_query(*, step: str, pool: str, window_s: int) -> str:
+    """Mean latency (ms) per version over the window, from counters: unlike a summary's P99,
+    which keeps a freshly loaded version's first slow requests for as long as its own age window,
+    it forgets them with the window."""
+    selector, window = _selector(model=step, pool=pool), f"{window_s}s"
+    return (
+        f"sum by (version) (increase(nv_inference_request_duration_us{{{selector}}}[{window}]))"
+        f" / sum by (version) (increase(nv_inference_request_success{{{selector}}}[{window}]))"
+        " / 1000"
+    )

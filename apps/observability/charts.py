@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 from datetime import datetime
+from html import escape
 from typing import Any
 
 import orjson
@@ -31,14 +32,93 @@ def _iso(at: datetime) -> str:
     return at.isoformat()
 
 
+def _ms(at: datetime) -> int:
+    return int(at.timestamp() * 1000)
+
+
+COLOURS = {"change": "#b45309", "operation": "#667085", "down": "#b42318", "up": "#067647"}
+LABEL_ROWS = 3
+LABEL_ROW_PX = 14
+# Labels are laid out here, not measured in the browser: as if the plot were as narrow as any
+# chart gets (the timeline's grid), so that they do not overlap on the widest either.
+PLOT_PX = 480
+CHAR_PX = 5.5  # system-ui at 10 px, on average
+LABEL_CHARS = 28
+HOVER_STORIES = 6
+
+
+@dataclass
+class Label:
+    markers: list[Marker]
+    row: int
+    anchor: str  # the label's side at its line: left (it starts there) or right
+
+    @property
+    def text(self) -> str:
+        first = self.markers[0].label or self.markers[0].text.split("\n", 1)[0]
+        first = first if len(first) <= LABEL_CHARS else first[: LABEL_CHARS - 1] + "…"
+        return first + (f" +{len(self.markers) - 1}" if len(self.markers) > 1 else "")
+
+
+def place_labels(markers: list[Marker], *, start: datetime, end: datetime) -> list[Label]:
+    """One label per marker, in the first row above the plot where it overlaps nothing; one
+    with no room in any row joins the label before it (`deploy rag_pipeline v2 +3`)."""
+    span = (end - start).total_seconds() or 1.0
+    row_ends = [float("-inf")] * LABEL_ROWS  # in fractions of the plot's width
+    labels: list[Label] = []
+    for marker in markers:
+        x = (marker.at - start).total_seconds() / span
+        width = (min(len(marker.label or marker.text), LABEL_CHARS) + 4) * CHAR_PX / PLOT_PX
+        # A label starts at its line, like a flag; near the right edge it ends there instead.
+        anchor = "left" if x + width <= 1 else "right"
+        left = x if anchor == "left" else x - width
+        row = next((r for r, taken in enumerate(row_ends) if taken <= left), None)
+        if row is None:  # never the first: every row is free then
+            labels[-1].markers.append(marker)
+            continue
+        row_ends[row] = left + width
+        labels.append(Label([marker], row, anchor))
+    return labels
+
+
+def _hover(markers: list[Marker]) -> str:
+    """Stories for a hover box: Plotly reads its text as HTML, `<br>` breaking lines."""
+    stories = [escape(m.text, quote=False).replace("\n", "<br>") for m in markers[:HOVER_STORIES]]
+    if len(markers) > HOVER_STORIES:
+        stories.append(f"… and {len(markers) - HOVER_STORIES} more changes")
+    return "<br><br>".join(stories)
+
+
+def _hover_trace(markers: list[Marker], series: list[Series]) -> dict[str, Any]:
+    """Invisible points up each marker's line (at the bottom, middle and top of the data, so as
+    not to stretch the axis) that tell the marker's story on hover."""
+    values = [v for each in series for v in each.values if v is not None]
+    low, high = min(values), max(values)
+    heights = [low, (low + high) / 2, high]
+    return {
+        "type": "scatter",
+        "mode": "markers",
+        "x": [_ms(m.at) for m in markers for _ in heights],
+        "y": heights * len(markers),
+        "text": [_hover([m]) for m in markers for _ in heights],
+        "marker": {"size": 10, "opacity": 0},
+        "hovertemplate": "%{text}<extra>%{x|%H:%M:%S} UTC</extra>",
+        "hoverlabel": {
+            "align": "left",
+            "bgcolor": [COLOURS[m.kind] for m in markers for _ in heights],
+        },
+        "name": "changes",
+        "showlegend": False,
+    }
+
+
 def figure(
     series: list[Series], *, unit: str, markers: list[Marker], start: datetime, end: datetime
 ) -> dict[str, Any]:
     """A Plotly figure spec (what plotly.js draws), written directly: building it through
     plotly.graph_objects validates every value and cost several times the Prometheus query
     itself (tests/bench/test_chart_overhead.py)."""
-    colour = "#b45309"
-    traces = [
+    traces: list[dict[str, Any]] = [
         {
             "type": "scatter",
             "x": [int(t * 1000) for t in each.times],  # a date axis reads Unix milliseconds
@@ -50,39 +130,47 @@ def figure(
         }
         for each in series
     ]
+    # Thin, faint and under the series: a line says when, its label above the plot says what,
+    # and the whole story is on hover, over the line or over the label.
     shapes = [
         {
             "type": "line",
             "xref": "x",
             "yref": "paper",
-            "x0": _iso(m.at),
-            "x1": _iso(m.at),
+            "x0": _ms(m.at),
+            "x1": _ms(m.at),
             "y0": 0,
             "y1": 1,
-            "line": {"dash": "dot", "color": colour, "width": 1.5},
+            "layer": "below",
+            "opacity": 0.5,
+            "line": {"dash": "dot", "color": COLOURS[m.kind], "width": 1},
         }
         for m in markers
     ]
-    # Labels stand upright along their line so that close changes do not overwrite each other.
+    if markers:
+        traces.append(_hover_trace(markers, series))
+    labels = place_labels(markers, start=start, end=end)
     annotations = [
         {
-            "x": _iso(m.at),
+            "x": _ms(label.markers[0].at),
             "y": 1,
             "xref": "x",
             "yref": "paper",
-            "text": m.label or m.text,
-            "hovertext": m.text,
+            "yanchor": "bottom",
+            "yshift": 2 + LABEL_ROW_PX * label.row,
+            "xanchor": label.anchor,
+            "textangle": 0,
+            "text": escape(label.text, quote=False),
+            "hovertext": _hover(label.markers),
             "showarrow": False,
-            "textangle": -90,
-            "xanchor": "right",
-            "yanchor": "top",
-            "font": {"size": 10, "color": colour},
+            "font": {"size": 10, "color": COLOURS[label.markers[0].kind]},
         }
-        for m in markers
+        for label in labels
     ]
+    rows = max((label.row + 1 for label in labels), default=0)
     axis = {"gridcolor": "#eef0f3", "zerolinecolor": "#e4e7ec", "linecolor": "#e4e7ec"}
     layout = {
-        "margin": {"l": 56, "r": 16, "t": 24, "b": 40},
+        "margin": {"l": 56, "r": 16, "t": 20 + LABEL_ROW_PX * rows, "b": 40},
         "height": 300,
         "paper_bgcolor": "#ffffff",
         "plot_bgcolor": "#ffffff",
@@ -107,8 +195,8 @@ def metric_chart(
     pool: str = "",
     node: str = "",
 ) -> Chart:
-    """One metric over [start, end], every change to `model` or `node` (or to anything, when
-    neither is given) marked on it."""
+    """One metric over [start, end], every change to `model`, `pool` or `node` (or to anything,
+    when none is given) marked on it."""
     metric = METRICS[key]
     step = step_for((end - start).total_seconds())
     query = build_query(metric, model=model, pool=pool, node=node, window_s=max(30, 4 * step))
@@ -120,7 +208,7 @@ def metric_chart(
     series = [s for s in series if any(v is not None for v in s.values)]
     if not series:
         return Chart(title=metric.title, message="No data in this range.")
-    markers = change_markers(start=start, end=end, model=model, node=node)
+    markers = change_markers(start=start, end=end, model=model, pool=pool, node=node)
     fig = figure(series, unit=metric.unit, markers=markers, start=start, end=end)
     # Escaped so that no label value can close the <script type="application/json"> it sits in.
     safe_json = (

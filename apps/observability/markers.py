@@ -1,29 +1,34 @@
-"""What changed, from the audit trail, as vertical markers on charts."""
+"""What changed, from the audit trail, as markers on charts: one per change (a deployment, a
+rollout's step, a rollback), the node operations that carried it out told in its story rather
+than drawn, and one per node health event or operation that no change explains."""
 
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Protocol, cast
 
-from django.db.models import Q
+from django.db.models import Count, F, Q, QuerySet, Subquery, Value, Window
+from django.db.models.functions import Coalesce, Concat, RowNumber, StrIndex, Substr
 
 from apps.audit.models import AuditEvent
+from apps.fleet.models import Node
 
 
 @dataclass(frozen=True)
 class Marker:
     at: datetime
-    text: str  # the whole story, on hover
-    label: str = ""  # a few words on the chart
+    text: str  # the whole story, on hover; one line per line
+    label: str = ""  # a few words above the chart
+    kind: str = "change"  # change, operation, down or up: how the line is drawn
 
 
 HEALTH = ["node.down", "node.up", "node.flapping"]
+OPERATIONS = ["operation.load", "operation.unload", "operation.reload"]
 # What changes what a node serves. Listed, not matched by prefix: one IN is several times
 # cheaper to build than ORed LIKEs, and a chart pays it on every refresh.
 CHANGES = [
     "deployment.set",
     "deployment.remove",
-    "operation.load",
-    "operation.unload",
-    "operation.reload",
     "rollout.step",
     "rollout.promoting",
     "rollout.succeeded",
@@ -31,37 +36,264 @@ CHANGES = [
     "rollout.rolled_back",
     "release.rollback",
     "release.fallback",
-    *HEALTH,
 ]
 MAX_MARKERS = 60
+MAX_EVENTS = 5000  # per chart, newest first: a deployment to 500 nodes and its operations
+# Without a request id to link them (a rollout's tick runs from the beat), a change's events are
+# those of its model within one tick, and an operation belongs to the change it soon follows.
+SAME_TICK = timedelta(seconds=5)
+FOLLOWS = timedelta(minutes=10)
+LISTED_NODES = 6
+LISTED_PER_NODE = 6
+# A deployment to 500 nodes is a few thousand operations: the database counts them, and only the
+# first few of each request are read, those its marker lists.
+LISTED_OPERATIONS = LISTED_NODES * LISTED_PER_NODE
+
+
+class _Event(Protocol):
+    created_at: datetime
+    actor: str
+    action: str
+    target: str
+    after: dict[str, Any]
+    result: str
+    message: str
+    request_id: str
+    in_group: int  # an operation's: how many of its request, action and result there are
 
 
 def change_markers(
-    *, start: datetime, end: datetime, model: str = "", node: str = ""
+    *, start: datetime, end: datetime, model: str = "", pool: str = "", node: str = ""
 ) -> list[Marker]:
-    """Deployments, operations, rollout steps and nodes going down or up in [start, end]; only
-    `model`'s or `node`'s when given. Targets name both (`pool:demo:rag_pipeline`,
-    `node:demo-1:embedder`, `node:demo-1`)."""
-    events = AuditEvent.objects.filter(
-        Q(result="ok") | Q(action__in=HEALTH),  # a node going down is recorded as a failure
-        action__in=CHANGES,
+    """What changed in [start, end]; only what touched `model`, `pool` or `node` when given.
+    Targets name them (`pool:demo:rag_pipeline`, `node:demo-1:embedder`, `node:demo-1`,
+    `rollout:7:rag_pipeline`); a node's events are its pool's too. Rollout events name no pool:
+    the model's charts show them, a pool's shows the deployments they made. One query, whatever
+    the number of events or markers."""
+    # Bounded: the newest MAX_EVENTS events, found by the created_at index, never the whole
+    # window (a week at 500 nodes is a million operations). Of those, a request's operations
+    # are counted by the database and only the first few read: those its marker lists.
+    events = _events(start=start, end=end, model=model, pool=pool, node=node)
+    oldest = events.order_by("-created_at").values("created_at")[MAX_EVENTS - 1 : MAX_EVENTS]
+    group = [F("request_id"), F("action"), F("result")]
+    rows = (
+        events.filter(created_at__gte=Coalesce(Subquery(oldest), Value(start)))
+        .annotate(
+            rank=Window(RowNumber(), partition_by=group, order_by=[F("created_at"), F("id")]),
+            in_group=Window(Count("id"), partition_by=group),
+        )
+        .filter(Q(rank__lte=LISTED_OPERATIONS) | Q(request_id="") | ~Q(action__in=OPERATIONS))
+        .order_by("-created_at", "-id")
+    )
+    fields = ["created_at", "actor", "action", "target", "after", "result", "message"]
+    named = rows.values_list(*fields, "request_id", "in_group", named=True)
+    return fold(reversed(cast(list[_Event], list(named))))[-MAX_MARKERS:]
+
+
+def _events(
+    *, start: datetime, end: datetime, model: str, pool: str, node: str
+) -> QuerySet[AuditEvent]:
+    window = AuditEvent.objects.filter(
+        Q(result="ok") | Q(action__in=HEALTH + OPERATIONS),  # what failed on a node is news too
+        action__in=CHANGES + OPERATIONS + HEALTH,
         created_at__range=(start, end),
     )
-    if model:
-        events = events.filter(target__endswith=f":{model}")
+    of_model = Q(target__endswith=f":{model}") if model else Q()
+    at = Q()
+    if pool:  # its nodes' events too, by a subquery of this one query: not a query per node
+        rest = Substr("target", len("node:") + 1)
+        window = window.alias(
+            node_name=Substr(rest, 1, StrIndex(Concat(rest, Value(":")), Value(":")) - 1)
+        )
+        nodes = Node.objects.filter(pool__name=pool).values("name")
+        at &= Q(target__startswith=f"pool:{pool}:") | Q(
+            target__startswith="node:", node_name__in=nodes
+        )
     if node:
-        events = events.filter(Q(target=f"node:{node}") | Q(target__startswith=f"node:{node}:"))
-    latest = events.order_by("-created_at")[:MAX_MARKERS]
-    return [
-        Marker(at=event.created_at, text=f"{event.action} {event.target}", label=_label(event))
-        for event in reversed(latest)
-    ]
+        at &= Q(target=f"node:{node}") | Q(target__startswith=f"node:{node}:")
+    scoped = window.filter(of_model & at)
+    linked = Q()
+    if model:  # the operations of its changes, on its steps too: a request id links them
+        changes = scoped.filter(action__in=CHANGES).exclude(request_id="")
+        linked |= at & Q(action__in=OPERATIONS, request_id__in=changes.values("request_id"))
+    if node:  # the pool's changes that its operations carried out
+        operations = scoped.filter(action__in=OPERATIONS).exclude(request_id="")
+        named = Q(action__in=CHANGES, request_id__in=operations.values("request_id"))
+        linked |= of_model & named & Q(target__startswith="pool:")
+    return window.filter((of_model & at) | linked) if linked else scoped
 
 
-def _label(event: AuditEvent) -> str:
+@dataclass
+class _Marker:
+    events: list[_Event]  # a change's own (a rollout step, its canary's deployments); or none
+    operations: list[_Event] = field(default_factory=list)  # those read: the first of each request
+    counted: dict[tuple[str, str, str], int] = field(default_factory=dict)  # see _Event.in_group
+
+    @property
+    def last(self) -> datetime:
+        return self.events[-1].created_at
+
+    @property
+    def request_id(self) -> str:
+        return self.events[0].request_id
+
+    def add(self, operation: _Event) -> None:
+        self.operations.append(operation)
+        if operation.request_id:
+            key = (operation.request_id, operation.action, operation.result)
+            self.counted[key] = operation.in_group
+
+    def totals(self) -> tuple[int, int]:
+        """Operations and failed ones: counted by the database for a request, else here."""
+        alone = [op for op in self.operations if not op.request_id]
+        failed = sum(n for (_, _, result), n in self.counted.items() if result != "ok")
+        return (
+            sum(self.counted.values()) + len(alone),
+            failed + sum(op.result != "ok" for op in alone),
+        )
+
+
+def fold(events: Iterable[_Event]) -> list[Marker]:
+    """Events, oldest first, as markers: one per change, its node operations folded into it."""
+    markers: list[_Marker] = []
+    by_request: dict[str, _Marker] = {}
+    by_model: dict[str, _Marker] = {}
+    last_change: _Marker | None = None
+    unexplained: dict[str, _Marker] = {}
+    for event in events:
+        model = _model(event.target)
+        if event.action in CHANGES:
+            found = by_request.get(event.request_id) if event.request_id else None
+            same = by_model.get(model)
+            if not event.request_id and same and not same.request_id:
+                # Two rollout transitions are two changes, however close; its deployments not.
+                apart = _rank(event) > 0 and any(_rank(e) > 0 for e in same.events)
+                found = same if event.created_at - same.last <= SAME_TICK and not apart else None
+            if found is None:
+                found = _Marker([])
+                markers.append(found)
+            found.events.append(event)
+            if event.request_id:
+                by_request[event.request_id] = found
+            by_model[model] = last_change = found
+        elif event.action in OPERATIONS:
+            owner = _owner(event, by_request, by_model.get(model), last_change)
+            if owner is None and event.request_id:
+                # A person's reload; or the rest of a change made before the window, one marker
+                # for all of them, not a wall.
+                owner = unexplained.get(event.request_id)
+                if owner is None:
+                    owner = unexplained[event.request_id] = _Marker([])
+                    markers.append(owner)
+            if owner is None:
+                owner = _Marker([])
+                markers.append(owner)
+            owner.add(event)
+        else:
+            markers.append(_Marker([event]))
+    return [_marker(each) for each in markers]
+
+
+def _owner(
+    event: _Event,
+    by_request: dict[str, _Marker],
+    same_model: _Marker | None,
+    last_change: _Marker | None,
+) -> _Marker | None:
+    """The change an operation carried out. Its request id says so when it has one. Without one
+    (a rollout's tick runs from the beat), the latest change of its model, or else of any (an
+    ensemble's steps), that it follows closely enough."""
+    if event.request_id:
+        return by_request.get(event.request_id)
+    for change in (same_model, last_change):
+        if change is not None and event.created_at - change.last <= FOLLOWS:
+            return change
+    return None
+
+
+def _marker(folded: _Marker) -> Marker:
+    if not folded.events:  # node operations that no change here explains
+        first = folded.operations[0]
+        total, _ = folded.totals()
+        if total == 1:
+            return Marker(first.created_at, _story(first), _label(first), "operation")
+        head, *per_node = _operations(folded)
+        text = "\n".join([f"{head[:-1]} by {first.actor}:", *per_node])
+        return Marker(first.created_at, text, f"{total} node operations", "operation")
+    events = folded.events
+    main = max(events, key=_rank)  # the first of the most telling
+    lines = [_story(main)]
+    lines += [f"also {_story(e)}" for e in events if e is not main][:LISTED_NODES]
+    if folded.operations:
+        head, *per_node = _operations(folded)
+        if len(lines) == 1:
+            lines[0] += f" — {head}"
+        else:  # after the rest of the change, which they carried out too
+            lines.append(head)
+        lines += per_node
+    return Marker(
+        at=events[0].created_at, text="\n".join(lines), label=_label(main), kind=_kind(main)
+    )
+
+
+def _rank(event: _Event) -> int:
+    """A release (a person's rollback) tells more than the rollout it aborted, and a rollout's
+    step more than the deployments it made."""
+    return {"rollout": 1, "release": 2}.get(event.action.split(".", 1)[0], 0)
+
+
+def _kind(event: _Event) -> str:
+    if event.action in HEALTH:
+        return "up" if event.action == "node.up" else "down"
+    return "operation" if event.action in OPERATIONS else "change"
+
+
+def _model(target: str) -> str:
+    return target.split(":")[2] if target.count(":") >= 2 else ""
+
+
+def _label(event: _Event) -> str:
     """`deployment.set pool:demo:rag_pipeline {version: 2}` reads `deploy rag_pipeline v2`."""
     verb = {"deployment.set": "deploy", "deployment.remove": "remove"}.get(event.action)
     verb = verb or event.action.split(".", 1)[-1]
     versions = event.after.get("versions") or [event.after.get("version")]
     subject = event.target.rsplit(":", 1)[-1]
     return f"{verb} {subject}" + (f" v{versions[-1]}" if versions[-1] else "")
+
+
+def _story(event: _Event) -> str:
+    """`deploy rag_pipeline v2 on pool demo by ops`, and why, when the event says."""
+    kind, _, rest = event.target.partition(":")
+    name, _, model = rest.partition(":")
+    story = _label(event)
+    if model:  # a node's own events name it in their label already
+        where = {"pool": f"pool {name}", "rollout": f"rollout #{name}"}.get(kind, name)
+        removed = event.action == "deployment.remove"
+        story += f" {'in' if kind == 'rollout' else 'from' if removed else 'on'} {where}"
+    story += f" by {event.actor}"
+    if event.result != "ok" and event.action not in HEALTH:
+        story += " (failed)"
+    why = " ".join(event.message.split())
+    return story + (f": {why[:200]}" if why else "")
+
+
+def _operations(folded: _Marker) -> list[str]:
+    """`9 node operations on 3 nodes:` then a line per node (`demo-1: load embedder, load
+    retriever`), as many as fit in a hover box."""
+    total, failed = folded.totals()
+    per_node: dict[str, list[str]] = {}
+    for op in folded.operations:
+        node, _, model = op.target.partition(":")[2].partition(":")
+        verb = op.action.split(".", 1)[1]
+        per_node.setdefault(node, []).append(
+            f"{verb} {model}" + (" (failed)" if op.result != "ok" else "")
+        )
+    head = f"{total} node operation{'s' if total > 1 else ''}"
+    if total == len(folded.operations) and len(per_node) > 1:  # all of them read
+        head += f" on {len(per_node)} nodes"
+    lines = [head + (f", {failed} failed" if failed else "") + ":"]
+    shown = [(node, done[:LISTED_PER_NODE]) for node, done in list(per_node.items())[:LISTED_NODES]]
+    lines += [f"{node}: {', '.join(done)}" for node, done in shown]
+    if more := total - sum(len(done) for _, done in shown):
+        lines.append(f"… and {more} more")
+    return lines

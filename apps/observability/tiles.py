@@ -3,11 +3,10 @@
 from dataclasses import dataclass
 
 from apps.observability.breakdown import worst_p99_ms
+from apps.observability.catalog import failed_rate_by_model, served_rate_by_model
 from apps.observability.prometheus import instant_query
 from apps.registry.codec import step_names
 from apps.registry.models import Model, ModelVersion
-
-WINDOW = "1m"
 
 
 @dataclass(frozen=True)
@@ -41,8 +40,7 @@ def _steps() -> set[str]:
     return {name for config in configs for name in step_names(config)}
 
 
-def _rate_by_model(counter: str) -> dict[str, float]:
-    query = f"sum by (model) (rate({counter}[{WINDOW}]))"
+def _by_model(query: str) -> dict[str, float]:
     return {labels["model"]: value for labels, value in instant_query(query) if "model" in labels}
 
 
@@ -50,8 +48,8 @@ def fleet_tiles() -> Tiles:
     """Entry points only (ensembles, and models no ensemble calls): a request through a
     four-step pipeline counts once. Raises PrometheusUnavailable."""
     steps = _steps()
-    success = _rate_by_model("nv_inference_request_success")
-    failure = _rate_by_model("nv_inference_request_failure")
+    success = _by_model(served_rate_by_model())
+    failure = _by_model(failed_rate_by_model())
     served = sum(v for m, v in success.items() if m not in steps)
     failed = sum(v for m, v in failure.items() if m not in steps)
     budgets = dict(Model.objects.values_list("name", "latency_budget_ms"))

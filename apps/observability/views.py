@@ -11,7 +11,8 @@ from apps.observability.catalog import METRICS
 from apps.observability.charts import Chart, metric_chart
 from apps.observability.prometheus import PrometheusUnavailable
 from apps.observability.tiles import fleet_tiles
-from apps.registry.codec import ensemble_steps, from_dict
+from apps.registry.codec import from_dict, step_names
+from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.models import Model, ModelVersion
 from apps.registry.selectors import registry_resolver
 from controlplane.htmx import HtmxHttpRequest
@@ -54,7 +55,7 @@ def chart_window(params: dict[str, str]) -> tuple[datetime, datetime] | str:
 
 def metrics(request: HtmxHttpRequest) -> HttpResponse:
     """Metrics explorer; an htmx request gets only the chart (`#chart`), with every change to the
-    chosen model drawn as a marker."""
+    chosen model, pool or node drawn as a marker."""
     metric = request.GET.get("metric", "p99")
     metric = metric if metric in METRICS else "p99"
     model = request.GET.get("model", "")
@@ -106,8 +107,7 @@ def breakdown(request: HttpRequest, name: str) -> HttpResponse:
     versions = {v.version: v for v in ModelVersion.objects.filter(model__name=name)}
     context: dict[str, object] = {}
     try:
-        steps_of = {n: ensemble_steps(from_dict(v.config)) for n, v in versions.items()}
-        models = sorted({name} | {step for steps in steps_of.values() for step, _ in steps})
+        models = sorted({name}.union(*(step_names(v.config) for v in versions.values())))
         p99 = worst_p99_ms(models)
     except PrometheusUnavailable as exc:
         return render(request, "observability/partials/breakdown.html", {"error": str(exc)})
@@ -117,11 +117,11 @@ def breakdown(request: HttpRequest, name: str) -> HttpResponse:
             request, "observability/partials/breakdown.html", {"error": f"{name} has no version"}
         )
     budgets = dict(Model.objects.filter(name__in=models).values_list("name", "latency_budget_ms"))
-    resolve = registry_resolver()
-    steps = []
-    for step, pinned in steps_of[number]:
-        resolved = resolve(step, pinned)
-        steps.append((step, resolved.version or pinned))
+    try:
+        steps = list(pinned_steps(from_dict(versions[number].config), registry_resolver()))
+    except UnresolvedStep as exc:
+        error = f"{name} v{number}: {exc}"
+        return render(request, "observability/partials/breakdown.html", {"error": error})
     context["version"] = number
     context["rows"] = step_breakdown((name, number), steps, budgets, p99)
     return render(request, "observability/partials/breakdown.html", context)

@@ -27,6 +27,31 @@ class Resolved:
 Resolver = Callable[[str, int], Resolved]
 
 
+class UnresolvedStep(ValueError):
+    """A step whose pin resolves to no version; the message says why."""
+
+
+def pinned_steps(
+    config: Any, resolve: Resolver, *, nested: bool = False
+) -> dict[tuple[str, int], Any]:
+    """(model, version) -> config of each step an ensemble pins, a pin to the latest (-1)
+    resolved through `resolve`: each once, in pipeline order, and with `nested` the steps of the
+    ensembles among them after them. Empty for any other model. Raises UnresolvedStep."""
+    found: dict[tuple[str, int], Any] = {}
+    pending = [config]
+    while pending:
+        for step in pending.pop(0).ensemble_scheduling.step:
+            resolved = resolve(step.model_name, step.model_version)
+            if resolved.config is None or resolved.version is None:
+                raise UnresolvedStep(resolved.reason)
+            key = (step.model_name, resolved.version)
+            if key not in found:  # also ends a cycle, which validation reports on its own
+                found[key] = resolved.config
+                if nested:
+                    pending.append(resolved.config)
+    return found
+
+
 @dataclass(frozen=True)
 class _Tensor:
     data_type: int

@@ -11,6 +11,7 @@ from apps.registry.archives import ArchiveError, release_archive
 from apps.registry.codec import ensemble_steps, from_dict, to_pbtxt, without_version_policy
 from apps.registry.dag import ensemble_graph
 from apps.registry.diff import config_diff
+from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.forms import ImportForm, VersionForm
 from apps.registry.highlight import highlight_pbtxt
 from apps.registry.imports import archive_import
@@ -93,13 +94,13 @@ def version_archive(request: HttpRequest, name: str, version: int) -> HttpRespon
     found = _version(name, version)
     config = from_dict(found.config)
     members = [(name, version, config, found.artifact)]
-    resolve = registry_resolver()
-    for step, pinned in ensemble_steps(config):
-        resolved = resolve(step, pinned)
-        if resolved.config is None or resolved.version is None:
-            raise Http404(resolved.reason)
-        artifact = ModelVersion.objects.get(model__name=step, version=resolved.version).artifact
-        members.append((step, resolved.version, resolved.config, artifact))
+    try:
+        steps = pinned_steps(config, registry_resolver())
+    except UnresolvedStep as exc:
+        raise Http404(str(exc)) from None
+    for (step, number), step_config in steps.items():
+        artifact = ModelVersion.objects.get(model__name=step, version=number).artifact
+        members.append((step, number, step_config, artifact))
     roots = [Path(root) for root in settings.REGISTRY_ARTIFACT_ROOTS]
     response = HttpResponse(release_archive(members, roots=roots), content_type="application/zip")
     response["Content-Disposition"] = f'attachment; filename="{name}-v{version}-repository.zip"'

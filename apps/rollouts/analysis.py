@@ -13,6 +13,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from apps.observability.catalog import canary_queries, step_mean_latency_query
 from apps.observability.prometheus import escape_label, instant_query
 from apps.rollouts.models import Measurement
 from apps.rollouts.plans import Analysis
@@ -39,34 +40,6 @@ class ChangedStep:
     budget_ms: int | None
 
 
-def _selector(model: str, pool: str) -> str:
-    return f'model="{escape_label(model)}",pool="{escape_label(pool)}"'
-
-
-def model_queries(model: str, pool: str, window_s: int) -> dict[str, str]:
-    """Per node: requests that succeeded and failed in the window, worst P99 (ms)."""
-    selector, window = _selector(model, pool), f"{window_s}s"
-    return {
-        "ok": f"sum by (node) (increase(nv_inference_request_success{{{selector}}}[{window}]))",
-        "failed": f"sum by (node) (increase(nv_inference_request_failure{{{selector}}}[{window}]))",
-        # The summary's P99 averaged over the window: one slow scrape does not decide alone.
-        "p99": "max by (node) (avg_over_time(nv_inference_request_summary_us"
-        f'{{quantile="0.99",{selector}}}[{window}])) / 1000',
-    }
-
-
-def step_query(step: str, pool: str, window_s: int) -> str:
-    """Mean latency (ms) per version over the window, from counters: unlike a summary's P99,
-    which keeps a freshly loaded version's first slow requests for as long as its own age window,
-    it forgets them with the window."""
-    selector, window = _selector(step, pool), f"{window_s}s"
-    return (
-        f"sum by (version) (increase(nv_inference_request_duration_us{{{selector}}}[{window}]))"
-        f" / sum by (version) (increase(nv_inference_request_success{{{selector}}}[{window}]))"
-        " / 1000"
-    )
-
-
 def _by(label: str, query: str) -> dict[str, float]:
     return {
         labels[label]: value
@@ -88,7 +61,7 @@ def measure(
     """One round of analysis. `compare` is False when no node serves the baseline any more (a
     100% step): the canary is then held to the budget and the error allowance alone. Raises
     PrometheusUnavailable."""
-    text = model_queries(model, pool, spec.window_s)
+    text = canary_queries(model=model, pool=pool, window_s=spec.window_s)
     per_node = {name: _by("node", query) for name, query in text.items()}
     canary_set = set(canary_nodes)
 
@@ -154,7 +127,7 @@ def measure(
         )
     )
     for step in steps:
-        query = step_query(step.model, pool, spec.window_s)
+        query = step_mean_latency_query(step=step.model, pool=pool, window_s=spec.window_s)
         by_version = _by("version", query)
         c, b = by_version.get(str(step.canary)), by_version.get(str(step.baseline))
         label = f"mean latency {step.model} v{step.canary} vs v{step.baseline}"

@@ -19,7 +19,8 @@ from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.selectors import observed_many
 from apps.fleet.services import FleetError, deployment_remove, deployment_set
 from apps.observability.prometheus import PrometheusUnavailable
-from apps.registry.codec import ensemble_steps, from_dict
+from apps.registry.codec import from_dict
+from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.models import Model
 from apps.registry.selectors import registry_resolver
 from apps.rollouts.analysis import ChangedStep, measure, overall
@@ -293,16 +294,21 @@ def changed_steps(rollout: Rollout) -> list[ChangedStep]:
     )
     resolve = registry_resolver()
 
-    def pins(version: int) -> dict[str, int | None]:
-        steps = ensemble_steps(from_dict(configs[version])) if version in configs else []
-        return {name: resolve(name, pinned).version for name, pinned in steps}
+    def pins(version: int) -> dict[str, int]:
+        if version not in configs:
+            return {}
+        try:
+            steps = pinned_steps(from_dict(configs[version]), resolve)
+        except UnresolvedStep:  # no longer loadable: nothing to compare
+            return {}
+        return {name: number for name, number in steps}
 
     canary, baseline = pins(rollout.canary_version), pins(rollout.baseline_version)
     budgets = dict(Model.objects.filter(name__in=canary).values_list("name", "latency_budget_ms"))
     return [
         ChangedStep(name, version, before, budgets.get(name))
         for name, version in sorted(canary.items())
-        if version is not None and (before := baseline.get(name)) is not None and before != version
+        if (before := baseline.get(name)) is not None and before != version
     ]
 
 

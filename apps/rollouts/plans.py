@@ -91,10 +91,6 @@ def _step(nodes: object, percent: object, hold_s: int, where: str) -> Step:
     return step
 
 
-def plan_text(steps: list[Step]) -> str:
-    return "\n".join(s.share + (f", hold {s.hold_s}s" if s.hold_s else "") for s in steps)
-
-
 @dataclass(frozen=True)
 class Analysis:
     """How each step is judged: every `interval_s`, over the last `window_s`, canary against

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
+from apps.observability.catalog import canary_queries
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Measurement, Rollout
 
@@ -179,7 +180,9 @@ def seed_fleet(*, size: Size, prefix: str = "") -> None:
             rollout=rollout,
             step=0,
             metric=metric,
-            query="max(nv_inference_request_summary_us)",
+            query=canary_queries(model=rollout.model.name, pool=rollout.pool.name, window_s=60)[
+                "p99"
+            ],
             canary_value=100.0,
             baseline_value=90.0,
             threshold=120.0,

@@ -11,7 +11,8 @@ from apps.accounts.permissions import authorize, second_person
 from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet.models import Deployment, NodePool, Release
 from apps.fleet.services import FleetError, deployment_set
-from apps.registry.codec import ensemble_steps, from_dict
+from apps.registry.codec import from_dict
+from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.models import Model, ModelVersion
 from apps.registry.selectors import registry_resolver
 from apps.rollouts import controller
@@ -67,10 +68,10 @@ def rollout_propose(
         raise RolloutError(f"{model_name} v{canary_version} is {canary.status}, not released")
     if canary_version == deployed.version:
         raise RolloutError(f"pool {pool_name} already runs {model_name} v{canary_version}")
-    resolve = registry_resolver()
-    for step, pinned in ensemble_steps(from_dict(canary.config)):
-        if resolve(step, pinned).config is None:
-            raise RolloutError(f"{model_name} v{canary_version}: {resolve(step, pinned).reason}")
+    try:
+        pinned_steps(from_dict(canary.config), registry_resolver())
+    except UnresolvedStep as exc:
+        raise RolloutError(f"{model_name} v{canary_version}: {exc}") from None
     steps = parse_plan(plan)
     counts = [s.canary_count(len(nodes)) for s in steps]
     shrinking = next((i for i in range(1, len(counts)) if counts[i] < counts[i - 1]), None)
@@ -200,6 +201,23 @@ def rollout_abort(*, rollout_id: int, actor: Actor, reason: str = "") -> Rollout
     rollout = _locked(rollout_id, "abort", allowed, actor)
     why = f"aborted by {actor_name(actor)}" + (f": {reason}" if reason.strip() else "")
     controller.begin_abort(rollout, why, actor=actor)
+    return rollout
+
+
+@audited("rollout.roll_back", _rollout_target, (RolloutError, PlanError))
+def rollout_roll_back(*, rollout_id: int, actor: Actor, reason: str) -> Rollout:
+    """On-call's undo of a rollout under way: its canary aborted, the pool kept on the release
+    the rollout started from. A rollback, so on-call's permission on the pool is enough; steering
+    a rollout (pause, promote, abort) stays the release manager's."""
+    pool = Rollout.objects.filter(pk=rollout_id).values_list("pool", flat=True).first()
+    if pool is None:
+        raise RolloutError(f"there is no rollout #{rollout_id}")
+    authorize(actor, "rollouts.rollback_release", NodePool.objects.get(pk=pool))
+    rollout = _locked(rollout_id, "roll back", Rollout.ACTIVE, None)  # authorized above
+    if rollout.state != State.ABORTING:
+        controller.begin_abort(
+            rollout, f"rolled back by {actor_name(actor)}: {reason}", actor=actor
+        )
     return rollout
 
 

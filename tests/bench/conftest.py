@@ -14,13 +14,7 @@ from tests.integration.conftest import (  # noqa: F401
     trio,
     webhook,
 )
-
-ROWS: list[tuple[str, str, str, str]] = []
-
-
-class Report:
-    def add(self, benchmark: str, measure: str, value: str, target: str = "") -> None:
-        ROWS.append((benchmark, measure, value, target))
+from tests.support.bench import ROWS, Report
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from django.test import Client
 from django.utils import timezone
 
 from apps.observability.catalog import METRICS, build_query, step_for
-from tests.backfill import backfilled_prometheus
+from tests.support.backfill import backfilled_prometheus
 
 MODELS = ["rag_pipeline", "embedder", "retriever", "reranker", "generator"]
 NODES = [f"node-{i}" for i in range(10)]

@@ -32,14 +32,9 @@ from apps.fleet.services import deployment_set, node_register
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
 from controlplane.celery import app as celery_app
-from tests.bench.conftest import Report
-from tests.integration.conftest import (
-    STEPS_V1,
-    STEPS_V2,
-    Celery,
-    ready_on,
-    wait_for,
-)
+from tests.support.bench import Report
+from tests.support.fleet import STEPS_V1, STEPS_V2, ready_on, wait_for
+from tests.support.services import Celery
 
 ROUNDS = 3
 WORKERS = 3  # the integration worker's --concurrency

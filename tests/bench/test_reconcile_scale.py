@@ -39,8 +39,9 @@ from apps.fleet.simulator import FLOOR_TIMEOUT_S, floor_load
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
 from controlplane.celery import app as celery_app
-from tests.bench.conftest import Report
-from tests.integration.conftest import REPOSITORY, ROOT, _database_url
+from tests.support import REPOSITORY, ROOT
+from tests.support.bench import Report
+from tests.support.services import database_url
 
 NODES = 500
 LOAD_MS = 20.0
@@ -87,7 +88,7 @@ def celery_worker(workers: int, redis: str, log: Path) -> Iterator[Path]:
     """A prefork worker with `workers` processes (the integration `Celery` hard-codes 3); no beat:
     the benchmark triggers the reconcile itself."""
     hostname = f"bench{workers}@{socket.gethostname()}"
-    env = {**os.environ, "DATABASE_URL": _database_url(), "CELERY_BROKER_URL": redis}
+    env = {**os.environ, "DATABASE_URL": database_url(), "CELERY_BROKER_URL": redis}
     command = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--pool=prefork"]
     command += [f"--concurrency={workers}", "--without-mingle", "--without-gossip"]
     command += [f"--hostname={hostname}", "--loglevel=INFO"]

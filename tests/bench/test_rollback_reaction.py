@@ -26,16 +26,9 @@ from apps.fleet.services import deployment_set
 from apps.registry.services import model_set_budget
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import rollout_start
-from tests.bench.conftest import Report
-from tests.integration.conftest import (
-    ANALYSIS,
-    STEPS_V1,
-    Celery,
-    converged,
-    ready_on,
-    traffic_to,
-    wait_for,
-)
+from tests.support.bench import Report
+from tests.support.fleet import ANALYSIS, STEPS_V1, converged, ready_on, traffic_to, wait_for
+from tests.support.services import Celery
 
 ROUNDS = 3
 TARGET_S = 5.0

@@ -8,8 +8,8 @@ from apps.accounts.services import user_ensure
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services import deployment_set, pool_set_protected
 from apps.registry.imports import repository_import
-from tests.conftest import PASSWORD, make_user, screenshot
-from tests.e2e.test_login import sign_in
+from tests.support.browser import screenshot, sign_in
+from tests.support.users import PASSWORD, make_user
 
 REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]

@@ -5,20 +5,12 @@ from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.fleet.models import Node, NodePool
-from tests.conftest import PASSWORD, make_user, screenshot
+from tests.support.browser import screenshot, sign_in
+from tests.support.users import make_user
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 NAVIGATION = ["Overview", "Nodes", "Models", "Rollouts", "Metrics", "Timeline", "Audit"]
-
-
-def sign_in(page: Page, base: str, username: str) -> None:
-    page.goto(base + "/nodes/")
-    expect(page).to_have_url(re.compile(r"/accounts/login/\?next=/nodes/"))
-    page.get_by_label("Username").fill(username)
-    page.get_by_label("Password").fill(PASSWORD)
-    page.get_by_role("button", name="Sign in").click()
-    expect(page).to_have_url(base + "/nodes/")
 
 
 def test_anonymous_visitor_lands_on_the_login_page(page: Page, live_server: object) -> None:

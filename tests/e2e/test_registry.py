@@ -6,8 +6,8 @@ from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.registry.imports import repository_import
-from tests.conftest import make_user, screenshot
-from tests.e2e.test_login import sign_in
+from tests.support.browser import screenshot, sign_in
+from tests.support.users import make_user
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 

@@ -8,8 +8,8 @@ from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services import deployment_set
 from apps.registry.imports import repository_import
 from apps.registry.models import Model
-from tests.conftest import make_user, screenshot
-from tests.e2e.test_login import sign_in
+from tests.support.browser import screenshot, sign_in
+from tests.support.users import make_user
 
 REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]

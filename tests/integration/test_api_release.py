@@ -17,15 +17,9 @@ from apps.audit.models import AuditEvent
 from apps.fleet.devfleet import Devfleet, FleetState
 from apps.fleet.models import NodePool
 from apps.fleet.services import node_register
-from tests.conftest import make_user
-from tests.integration.conftest import (
-    ANALYSIS,
-    STEPS_V2,
-    Celery,
-    converged,
-    traffic_to,
-    wait_for,
-)
+from tests.support.fleet import ANALYSIS, STEPS_V2, converged, traffic_to, wait_for
+from tests.support.services import Celery
+from tests.support.users import make_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

@@ -15,11 +15,12 @@ from django.test import Client
 
 from apps.fleet.traffic import send_traffic
 from apps.fleet.triton import TritonClient
+from apps.observability.catalog import TILE_WINDOW
 from apps.observability.prometheus import instant_query
-from apps.observability.tiles import WINDOW as TILE_WINDOW
 from apps.observability.tiles import fleet_tiles
 from apps.registry.imports import repository_import
-from tests.integration.conftest import REPOSITORY, Fleet
+from tests.support import REPOSITORY
+from tests.support.fleet import Fleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 

@@ -10,15 +10,15 @@ import pytest
 from apps.fleet.devfleet import Devfleet
 from apps.fleet.triton import TritonClient, TritonRejected
 from apps.registry.imports import candidates_import, read_candidates
-from tests.ensemble_cases import (
+from tests.support.ensemble_cases import (
     CASES,
     REPOSITORY_CASES,
     STEPS,
     Case,
     repository_configs,
+    verdict,
     write_repository,
 )
-from tests.unit.test_ensembles import verdict
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,5 @@
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,10 +11,10 @@ from apps.fleet.devfleet import DevfleetError
 from apps.fleet.traffic import send_traffic
 from apps.fleet.triton import TritonClient, TritonRejected
 from apps.observability.prometheus import range_query
-from tests.integration.conftest import Fleet
+from tests.support import REPOSITORY
+from tests.support.fleet import Fleet
 
 pytestmark = pytest.mark.integration
-REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 
 QUESTION = np.array([[b"When do I get my refund?"]], dtype=np.object_)
 

@@ -11,8 +11,8 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from apps.fleet.models import Node, NodePool
-from tests.backfill import backfilled_prometheus
-from tests.integration.conftest import Fleet
+from tests.support.backfill import backfilled_prometheus
+from tests.support.fleet import Fleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 

@@ -1,7 +1,6 @@
 """The Metrics page in Chromium over real Triton nodes, real traffic and a real Prometheus."""
 
 import threading
-from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, expect
@@ -11,12 +10,13 @@ from apps.fleet.services import node_register
 from apps.fleet.traffic import send_traffic
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
-from tests.conftest import make_user, screenshot
-from tests.e2e.test_login import sign_in
-from tests.integration.conftest import Celery, Fleet
+from tests.support import REPOSITORY
+from tests.support.browser import screenshot, sign_in
+from tests.support.fleet import Fleet
+from tests.support.services import Celery
+from tests.support.users import make_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
-REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 
 
 def test_p99_chart_draws_redraws_and_marks_a_deployment_made_in_the_product(

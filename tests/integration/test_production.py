@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import ROOT, _database_url, _free_port, wait_for
+from tests.support import ROOT
+from tests.support.fleet import wait_for
+from tests.support.services import database_url, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -59,8 +61,8 @@ def get(url: str) -> tuple[int, str]:
 
 
 def test_the_documented_production_stack_serves_and_reports_readiness(tmp_path: Path) -> None:
-    web, broker = _free_port(), _free_port()
-    database = _database_url()
+    web, broker = free_port(), free_port()
+    database = database_url()
     env = {
         **os.environ,
         "DEBUG": "false",

@@ -11,8 +11,8 @@ from django.test import Client
 
 from apps.fleet.models import Node, NodePool
 from apps.registry.imports import repository_import
-from tests.backfill import backfilled_prometheus
-from tests.integration.conftest import REPOSITORY
+from tests.support import REPOSITORY
+from tests.support.backfill import backfilled_prometheus
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 

@@ -29,16 +29,10 @@ from apps.fleet.tasks import reconcile_node
 from apps.fleet.triton import TritonClient
 from apps.registry.codec import parse_pbtxt
 from apps.registry.services import version_create
-from tests.conftest import make_user, screenshot
-from tests.e2e.test_login import sign_in
-from tests.integration.conftest import (
-    STEPS_V1,
-    STEPS_V2,
-    Celery,
-    converged,
-    ready_on,
-    wait_for,
-)
+from tests.support.browser import screenshot, sign_in
+from tests.support.fleet import STEPS_V1, STEPS_V2, converged, ready_on, wait_for
+from tests.support.services import Celery
+from tests.support.users import make_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

@@ -8,7 +8,7 @@ import pytest
 
 from apps.fleet.devfleet import Devfleet
 from apps.fleet.triton import TritonClient, TritonRejected
-from tests.integration.conftest import REPOSITORY
+from tests.support import REPOSITORY
 
 pytestmark = pytest.mark.integration
 

@@ -18,12 +18,12 @@ from apps.accounts.models import ApiToken
 from apps.accounts.roles import Role
 from apps.accounts.services import token_create
 from apps.fleet.models import Node, NodePool
-from tests.conftest import make_user
+from tests.support.users import make_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -67,7 +67,7 @@ def test_prometheus_scrapes_self_metrics_with_a_token_from_a_file(
         ],
     }
     (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is valid YAML
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = (tmp_path / "prometheus.log").open("wb")
     proc = subprocess.Popen(

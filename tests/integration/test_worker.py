@@ -5,7 +5,8 @@ import pytest
 from apps.fleet.models import Node
 from apps.fleet.services import node_register
 from apps.fleet.tasks import poll_nodes
-from tests.integration.conftest import Celery, Fleet
+from tests.support.fleet import Fleet
+from tests.support.services import Celery
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

@@ -6,7 +6,6 @@ import io
 import json
 import zipfile
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,15 +22,10 @@ from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
 from apps.fleet.services import deployment_set
 from apps.registry.imports import repository_import
-from tests.conftest import make_user
+from tests.support import REPOSITORY
+from tests.support.users import bearer, make_user
 
-REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 pytestmark = pytest.mark.django_db
-
-
-def bearer(user: User) -> dict[str, str]:
-    _, value = token_create(user=user, name="ci", actor="system:test")
-    return {"Authorization": f"Bearer {value}"}
 
 
 def post(client: Client, path: str, body: object, headers: dict[str, str]) -> object:
@@ -174,6 +168,30 @@ def test_a_repository_layout_imports_from_an_archive(client: Client, admin_user:
     assert response.status_code == 200, response.content
     (result,) = response.json()
     assert result["model"] == "embedder" and result["ok"] and result["versions"]
+
+
+def test_a_canary_node_has_converged_for_the_api_as_for_the_pages(
+    client: Client, admin_user: User
+) -> None:
+    """Converged means one thing: the node serves what its own desired state names (a canary
+    node's override included), not what one deployment row says."""
+    headers = bearer(admin_user)
+    client.force_login(admin_user)
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
+    pool = NodePool.objects.create(name="gpu")
+    node = Node.objects.create(name="gpu-1", pool=pool, http_url="http://127.0.0.1:1")
+    deployment_set(model_name="embedder", version=1, pool=pool, actor="system:test")
+    deployment_set(model_name="embedder", version=2, baseline=1, node=node, actor="system:test")
+
+    def verdicts(versions: list[int]) -> tuple[list[bool], bool]:
+        index = [{"model": "embedder", "version": v, "state": "READY"} for v in versions]
+        Node.objects.filter(pk=node.pk).update(index=index)
+        found = client.get("/api/deployments", headers=headers).json()
+        page = client.get("/deployments/").content.decode()
+        return [p["converged"] for d in found for p in d["nodes"]], "1 / 1 nodes converged" in page
+
+    assert verdicts([1, 2]) == ([True, True], True)
+    assert verdicts([1]) == ([False, False], False)
 
 
 def test_nodes_deployments_and_the_timeline_read_back(client: Client, admin_user: User) -> None:

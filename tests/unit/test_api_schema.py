@@ -3,7 +3,6 @@ registry and fleet with data in it: no 5xx, every response as the schema says, a
 refused every mutation."""
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import schemathesis
@@ -24,9 +23,9 @@ from apps.fleet.models import Node, NodePool
 from apps.fleet.services import deployment_set
 from apps.registry.imports import repository_import
 from apps.rollouts.services import rollout_start
-from tests.conftest import make_user
+from tests.support import REPOSITORY
+from tests.support.users import make_user
 
-REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 CHECKS = [
     not_a_server_error,
     status_code_conformance,

@@ -19,9 +19,8 @@ from apps.registry.models import ModelVersion
 from apps.rollouts.approvals import ApprovalError, approval_approve, approval_request
 from apps.rollouts.models import Approval, Rollout
 from apps.rollouts.services import release_rollback, rollout_promote
-from tests.conftest import PASSWORD, make_user
-from tests.unit.test_api import bearer
-from tests.unit.test_registry import import_demo
+from tests.support.registry import import_demo
+from tests.support.users import PASSWORD, bearer, make_user
 
 pytestmark = pytest.mark.django_db
 

@@ -5,8 +5,6 @@ import io
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -28,9 +26,10 @@ from apps.registry import services as registry
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts import approvals
 from apps.rollouts.models import Approval
+from tests.support import REPOSITORY
+from tests.support.audit import ROLLOUT_SERVICES, Case, assert_one_event_each
 
 CONFIG = {"name": "rag", "backend": "python", "max_batch_size": 8}
-REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 
 
 @pytest.fixture
@@ -138,38 +137,6 @@ def test_every_guarded_endpoint_refuses_and_records_exactly_one_event(
         )
 
 
-@dataclass(frozen=True)
-class Case:
-    """A mutating service, a call it refuses and a call it accepts, and the event each records."""
-
-    service: Callable[..., object]
-    action: str  # the refusal's event; the accepted call's too unless `done` says otherwise
-    refused: Callable[[], object] | None  # None: nothing makes it refuse
-    accepted: Callable[[], object]
-    done: str = ""  # the accepted call's event when it is named after the state reached
-
-
-def assert_one_event_each(cases: list[Case]) -> None:
-    for case in cases:
-        calls = [
-            (case.refused, case.action, "failed"),
-            (case.accepted, case.done or case.action, "ok"),
-        ]
-        for call, action, result in calls:
-            if call is None:
-                continue
-            before = AuditEvent.objects.count()
-            if result == "ok":
-                call()
-            else:
-                with pytest.raises(Exception):  # noqa: B017 - each service has its own refusal
-                    call()
-            new = list(AuditEvent.objects.all()[: AuditEvent.objects.count() - before])
-            assert [(e.action, e.result) for e in new] == [(action, result)], case.service
-            if result == "failed":
-                assert new[0].message, f"{action}: a refusal says why"
-
-
 def _public_functions(module: ModuleType) -> dict[str, Callable[..., object]]:
     return {
         name: value
@@ -206,8 +173,6 @@ NOT_ACTIONS = {
 
 def test_every_service_is_an_audited_action_and_is_in_a_table() -> None:
     """A new service fails here until it is audited and has a row in the tables below."""
-    from tests.unit.test_rollouts import ROLLOUT_SERVICES
-
     actions = {}
     for module in SERVICE_MODULES:
         for name, function in _public_functions(importlib.import_module(module)).items():

@@ -24,8 +24,8 @@ from apps.fleet.services import pool_role_set
 from apps.registry.models import ModelVersion
 from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Approval, Rollout
-from tests.conftest import make_user
-from tests.unit.test_registry import import_demo
+from tests.support.registry import import_demo
+from tests.support.users import make_user
 
 pytestmark = pytest.mark.django_db
 

@@ -1,5 +1,8 @@
+import ast
 import json
+import re
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import User
@@ -10,6 +13,13 @@ from apps.observability.catalog import METRICS, build_query, step_for
 from apps.observability.charts import metric_chart
 from apps.observability.prometheus import escape_label
 from apps.registry.models import Model
+
+APPS = Path(__file__).parents[2] / "apps"
+# A metric name, not a pattern such as `nv_gpu_*` in prose.
+METRIC_NAME = re.compile(r"\bnv_[a-z0-9_]*[a-z0-9]\b")
+# The simulator writes a node's own /metrics text (Triton's exposition format, not PromQL), and
+# names its series as Triton does.
+SIMULATOR = "fleet/simulator.py"
 
 
 def test_label_values_cannot_break_out_of_their_quotes() -> None:
@@ -76,3 +86,15 @@ def test_an_ensembles_version_overlay_says_how_triton_labels_it(
     assert "version 1 whatever version served" in page("p99", "rag")
     assert "whatever version" not in page("p99_nodes", "rag")  # by node: nothing to warn of
     assert "whatever version" not in page("p99", "embedder")  # a model is labelled right
+
+
+def test_every_query_over_tritons_series_lives_in_the_catalog() -> None:
+    found = []
+    for path in sorted(APPS.glob("**/*.py")):
+        where = path.relative_to(APPS).as_posix()
+        if where in {"observability/catalog.py", SIMULATOR} or "/migrations/" in where:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found += [f"{where}:{node.lineno} {m}" for m in METRIC_NAME.findall(node.value)]
+    assert not found, "\n".join(found)

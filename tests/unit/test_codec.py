@@ -12,8 +12,7 @@ from apps.registry.codec import (
     to_pbtxt,
 )
 from apps.registry.repository import read_model, read_repository
-
-REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
+from tests.support import REPOSITORY
 
 
 def test_pbtxt_and_json_round_trip_exactly() -> None:

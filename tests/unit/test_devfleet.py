@@ -6,8 +6,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from apps.fleet.devfleet import Devfleet, DevfleetError, FleetState, Proc, _ports
-
-REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
+from tests.support import REPOSITORY
 
 
 def test_a_taken_port_is_a_one_line_error() -> None:

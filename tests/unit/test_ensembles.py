@@ -1,27 +1,10 @@
+from typing import Any
+
 import pytest
 
-from apps.registry.codec import parse_pbtxt
-from apps.registry.ensembles import Resolved, validate_ensemble
-from apps.registry.validation import errors, validate_config
-from tests.ensemble_cases import CASES, STEPS, Case
-
-STEP_CONFIGS = {name: parse_pbtxt(text) for name, text in STEPS.items()}
-
-
-def verdict(case: Case) -> list[str]:
-    name = f"ens_{case.id}"
-    config = parse_pbtxt(case.config(name))
-
-    def resolve(model: str, version: int) -> Resolved:
-        found = STEP_CONFIGS.get(model) or (config if model == name else None)
-        if found is None:
-            return Resolved(None, reason=f"model '{model}' is not in the registry")
-        if version not in (-1, 1):
-            return Resolved(None, reason=f"{model} has no version v{version} (it has [1])")
-        return Resolved(found, 1)
-
-    problems = validate_config(config) + validate_ensemble(config, resolve)
-    return [str(p) for p in errors(problems)]
+from apps.registry.codec import from_dict
+from apps.registry.ensembles import Resolved, UnresolvedStep, pinned_steps
+from tests.support.ensemble_cases import CASES, Case, verdict
 
 
 def test_there_are_thirty_cases_or_more_covering_both_verdicts() -> None:
@@ -55,3 +38,29 @@ def test_a_step_fed_from_different_decoupled_models_names_each_tensor_and_its_or
         "receives inputs originated from different decoupled models: 'vec' from no decoupled "
         "model, 'vec2' from decoupled step[2] (dec v1)"
     ]
+
+
+def test_pinned_steps_resolve_the_latest_and_with_nested_the_inner_ensembles_steps() -> None:
+    def ensemble(name: str, steps: list[tuple[str, int]]) -> Any:
+        scheduling = {"step": [{"model_name": m, "model_version": v} for m, v in steps]}
+        return from_dict({"name": name, "platform": "ensemble", "ensemble_scheduling": scheduling})
+
+    inner = ensemble("inner", [("tokenizer", 1)])
+    registry = {("inner", 2): inner, ("tokenizer", 1): from_dict({"name": "tokenizer"})}
+    registry |= {("tokenizer", 3): from_dict({"name": "tokenizer"})}
+    latest = {"inner": 2, "tokenizer": 3}
+
+    def resolve(model: str, version: int) -> Resolved:
+        number = latest.get(model, 0) if version == -1 else version
+        if (model, number) not in registry:
+            return Resolved(None, reason=f"model '{model}' has no version v{version}")
+        return Resolved(registry[(model, number)], number)
+
+    outer = ensemble("outer", [("tokenizer", -1), ("inner", -1), ("tokenizer", 3)])
+    assert list(pinned_steps(outer, resolve)) == [("tokenizer", 3), ("inner", 2)]
+    nested = pinned_steps(outer, resolve, nested=True)
+    assert list(nested) == [("tokenizer", 3), ("inner", 2), ("tokenizer", 1)]
+    assert nested[("inner", 2)] is inner
+    assert pinned_steps(from_dict({"name": "tokenizer"}), resolve) == {}
+    with pytest.raises(UnresolvedStep, match="model 'llm' has no version v4"):
+        pinned_steps(ensemble("broken", [("tokenizer", 1), ("llm", 4)]), resolve)

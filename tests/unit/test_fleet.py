@@ -2,7 +2,6 @@ import json
 import re
 from contextvars import copy_context
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from django.conf import settings
@@ -22,8 +21,8 @@ from apps.fleet.triton import IndexEntry, TritonClient, parse_gpu_memory
 from apps.registry.imports import repository_import
 from apps.registry.models import ModelVersion
 from apps.registry.services import version_set_status
+from tests.support import REPOSITORY
 
-REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 pytestmark = pytest.mark.django_db
 URLS = {"grpc_url": "127.0.0.1:8101", "metrics_url": "http://127.0.0.1:8102/metrics"}
 

@@ -11,8 +11,7 @@ from django.test import Client
 
 from apps.accounts.roles import Role
 from controlplane.guard import MAX_JSON_DEPTH
-from tests.conftest import make_user
-from tests.unit.test_api import bearer
+from tests.support.users import bearer, make_user
 
 pytestmark = pytest.mark.django_db
 

@@ -22,7 +22,8 @@ from apps.registry.services import (
     version_create,
     version_set_status,
 )
-from tests.ensemble_cases import (
+from tests.support import REPOSITORY
+from tests.support.ensemble_cases import (
     REPOSITORY_CASES,
     STEPS,
     Case,
@@ -30,14 +31,9 @@ from tests.ensemble_cases import (
     step,
     write_repository,
 )
+from tests.support.registry import import_demo
 
-REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 pytestmark = pytest.mark.django_db
-
-
-def import_demo() -> None:
-    results = repository_import(path=REPOSITORY, actor="system:test")
-    assert all(r.ok for r in results), [r.errors for r in results]
 
 
 def test_import_repository_json_says_ok_for_every_demo_model(
@@ -218,7 +214,7 @@ def test_an_archive_with_one_top_directory_is_the_repository(tmp_path: Path) -> 
 @pytest.fixture
 def release_manager(db: None) -> User:
     from apps.accounts.roles import Role
-    from tests.conftest import make_user
+    from tests.support.users import make_user
 
     return make_user(Role.RELEASE_MANAGER)
 

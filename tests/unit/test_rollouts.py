@@ -37,10 +37,11 @@ from apps.rollouts.services import (
     rollout_promote,
     rollout_resume,
     rollout_retry,
+    rollout_roll_back,
     rollout_start,
 )
-from tests.conftest import make_user
-from tests.unit.test_audit import Case, assert_one_event_each
+from tests.support.audit import ROLLOUT_SERVICES, Case, assert_one_event_each
+from tests.support.users import make_user
 
 State = Rollout.State
 PLAN = "1 node, hold 0s\n100%"
@@ -352,18 +353,6 @@ def test_release_history_is_its_own_table_and_last_good_reads_only_it(fleet: Fle
     assert last_good_version(Model.objects.get(name="rag"), fleet.pool) == 1  # never v3 again
 
 
-ROLLOUT_SERVICES = {
-    rollout_start,
-    rollout_pause,
-    rollout_resume,
-    rollout_promote,
-    rollout_abort,
-    rollout_retry,
-    release_rollback,
-    release_fallback,
-}
-
-
 def test_every_rollout_service_records_one_event_refused_or_done(fleet: Fleet) -> None:
     """One event per action, a composite one included: a rollback's deployment changes and the
     rollout it aborts are parts of its event."""
@@ -377,7 +366,7 @@ def test_every_rollout_service_records_one_event_refused_or_done(fleet: Fleet) -
 
     def retried() -> Rollout:
         Rollout.objects.filter(pk=rollout()).update(state=State.ROLLED_BACK)
-        return rollout_retry(rollout_id=rollout(), actor="ops")
+        return made.setdefault("retried", rollout_retry(rollout_id=rollout(), actor="ops"))
 
     cases = [
         Case(
@@ -431,6 +420,15 @@ def test_every_rollout_service_records_one_event_refused_or_done(fleet: Fleet) -
             "rollout.retry",
             lambda: rollout_retry(rollout_id=rollout(), actor="ops"),  # still aborting
             retried,
+        ),
+        Case(
+            rollout_roll_back,
+            "rollout.roll_back",
+            lambda: rollout_roll_back(rollout_id=0, actor="oncall", reason="incident #1"),
+            lambda: rollout_roll_back(
+                rollout_id=made["retried"].pk, actor="oncall", reason="incident #1"
+            ),
+            done="rollout.aborting",
         ),
     ]
     assert {case.service for case in cases} == ROLLOUT_SERVICES

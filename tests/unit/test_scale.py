@@ -1,6 +1,8 @@
 """Costs flat in fleet size: each page and API list sends as many queries for a big fleet as for
 a small one, and the desired state of a whole pool costs as much as one node's."""
 
+from datetime import timedelta
+
 from django.contrib.auth.models import User
 from django.db import connection
 from django.test import Client
@@ -10,6 +12,8 @@ from django.utils import timezone
 from apps.accounts.services import token_create
 from apps.fleet.desired import fleet_desired
 from apps.fleet.models import Node, NodePool
+from apps.incidents.models import Incident
+from apps.registry.models import Model
 from apps.rollouts.models import Approval, Rollout
 from apps.rollouts.seed import Size, seed_fleet
 
@@ -20,7 +24,8 @@ BIGGER = Size(nodes=60, pools=3, models=15, versions=4, operations=300, rollouts
 def pages() -> list[str]:
     node = Node.objects.order_by("name").first()
     rollout = Rollout.objects.order_by("id").first()
-    assert node and rollout
+    incident = Incident.objects.order_by("id").first()
+    assert node and rollout and incident
     return [
         "/",
         "/nodes/",
@@ -34,6 +39,9 @@ def pages() -> list[str]:
         "/rollouts/approvals/",
         "/audit/",
         "/audit/timeline/",
+        "/incidents/",
+        f"/incidents/{incident.pk}/",
+        f"/incidents/{incident.pk}/report.md",
         "/api/nodes",
         "/api/deployments",
         "/api/rollouts",
@@ -60,6 +68,16 @@ def approvals(n: int, prefix: str) -> None:
         )
 
 
+def incidents(n: int, prefix: str) -> None:
+    """`n` incidents over the last hour, every one in the same pool and model."""
+    pool, model = NodePool.objects.order_by("id").first(), Model.objects.order_by("id").first()
+    for i in range(n):
+        start = timezone.now() - timedelta(minutes=i)
+        Incident.objects.create(
+            title=f"{prefix}{i}", started_at=start, opened_by="t", pool=pool, model=model
+        )
+
+
 def count(client: Client, url: str, token: str) -> int:
     headers = {"Authorization": f"Bearer {token}"} if url.startswith("/api/") else {}
     with CaptureQueriesContext(connection) as captured:
@@ -76,9 +94,11 @@ def test_every_page_and_api_list_costs_the_same_queries_at_any_fleet_size(
     _, token = token_create(user=admin_user, name="ci", actor="system:test")
     seed_fleet(size=SMALL, prefix="a-")
     approvals(2, "a-")
+    incidents(2, "a-")
     small = {url: count(client, url, token) for url in pages()}
     seed_fleet(size=BIGGER, prefix="b-")
     approvals(20, "b-")
+    incidents(30, "b-")
     big = {url: count(client, url, token) for url in pages()}
     assert big == small
 

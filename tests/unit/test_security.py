@@ -25,7 +25,7 @@ from apps.fleet.polling import node_poll
 from apps.fleet.triton import TritonClient, TritonUnreachable, read_metrics
 from apps.observability.prometheus import PrometheusUnavailable, instant_query
 from controlplane.guard import client_ip
-from tests.conftest import PASSWORD
+from tests.support.users import PASSWORD
 
 pytestmark = pytest.mark.django_db
 

@@ -156,7 +156,8 @@ class Command(BaseCommand):
                 ports = f"{len(proc.ports)} nodes on ports {_port_span(proc)}"
             self.stdout.write(f"{proc.name:<12} pid {proc.pid:<8} {status:<8} {ports}")
         for node in node_list():
-            models = ", ".join(f"{e['model']} v{e['version']}" for e in node.ready_models) or "-"
+            ready = node.ready_versions.items()
+            models = ", ".join(f"{m} v{v}" for m, versions in ready for v in versions) or "-"
             self.stdout.write(f"node {node.name:<12} {node.health:<12} {node.http_url}  {models}")
 
     def _traffic(

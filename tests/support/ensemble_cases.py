@@ -4,6 +4,10 @@ integration test that asks a real tritonserver to load each one (the oracle)."""
 from dataclasses import dataclass
 from pathlib import Path
 
+from apps.registry.codec import parse_pbtxt
+from apps.registry.ensembles import Resolved, validate_ensemble
+from apps.registry.validation import errors, validate_config
+
 # Step models (one version each, Python backend; `dec` is decoupled). `inner`, `inner_flagged`
 # (which says it is decoupled, but no step of it is) and `inner_dec` are themselves ensembles.
 STEPS = {
@@ -427,3 +431,23 @@ def write_repository(repository: Path, configs: dict[str, str]) -> None:
 def repository_configs() -> dict[str, str]:
     """STEPS and REPOSITORY_CASES, by model name."""
     return STEPS | {case.id: case.config(case.id) for case in REPOSITORY_CASES}
+
+
+STEP_CONFIGS = {name: parse_pbtxt(text) for name, text in STEPS.items()}
+
+
+def verdict(case: Case) -> list[str]:
+    """The validator's errors for `case`, its steps resolved from STEPS."""
+    name = f"ens_{case.id}"
+    config = parse_pbtxt(case.config(name))
+
+    def resolve(model: str, version: int) -> Resolved:
+        found = STEP_CONFIGS.get(model) or (config if model == name else None)
+        if found is None:
+            return Resolved(None, reason=f"model '{model}' is not in the registry")
+        if version not in (-1, 1):
+            return Resolved(None, reason=f"{model} has no version v{version} (it has [1])")
+        return Resolved(found, 1)
+
+    problems = validate_config(config) + validate_ensemble(config, resolve)
+    return [str(p) for p in errors(problems)]

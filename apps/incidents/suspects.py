@@ -1,0 +1,192 @@
+"""Suspect changes: for an incident, every change in the hour before its onset, ranked by how
+likely it caused the symptom. A change scores for its scope (the incident's model, its pool),
+for how shortly it came before the onset, and for how much the model's P99 moved across it;
+each suspect carries that evidence, and the pool and model a rollback would switch back."""
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from apps.audit.models import AuditEvent
+from apps.fleet.models import Node
+from apps.incidents.models import Incident
+from apps.observability.catalog import METRICS, build_query, step_for
+from apps.observability.prometheus import PrometheusUnavailable, Series, range_query
+from apps.rollouts.models import Rollout
+
+LOOKBACK = timedelta(hours=1)
+AROUND = timedelta(minutes=1)  # the P99 before a change is compared with the P99 after it
+MAX_SUSPECTS = 10
+# Changes of what the fleet serves, and the registry's (a config or a status).
+ACTIONS = [
+    "deployment.set",
+    "deployment.remove",
+    "rollout.start",
+    "rollout.step",
+    "rollout.progressing",
+    "rollout.promoting",
+    "rollout.succeeded",
+    "release.rollback",
+    "release.fallback",
+    "operation.request_reload",
+    "operation.request_unload",
+    "registry.version_create",
+    "registry.version_status",
+]
+ROLLOUTS = "system:rollouts"  # the rollout controller: its deployments are its rollout's steps
+
+
+@dataclass
+class Suspect:
+    at: datetime
+    action: str
+    target: str
+    model: str
+    pool: str
+    title: str
+    score: float = 0.0
+    evidence: list[str] = field(default_factory=list)
+    p99: tuple[float, float] | None = None  # mean P99 (ms) before and after the change
+    parts: list[str] = field(default_factory=list)  # the changes folded into this one
+    rollout: int = 0  # the rollout it is, if it is one
+
+    @property
+    def rollback(self) -> bool:
+        """Whether one click can undo it: the pool back to its last good release."""
+        return bool(self.model and self.pool)
+
+
+def suspects(incident: Incident) -> tuple[list[Suspect], str]:
+    """The ranked suspects, most likely first, and what went wrong reading Prometheus ("" when
+    nothing did: the ranking then leaves the series out and says so)."""
+    onset = incident.started_at
+    events = AuditEvent.objects.filter(
+        action__in=ACTIONS, result="ok", created_at__range=(onset - LOOKBACK, onset)
+    ).order_by("-created_at", "-id")
+    found = _group(list(events[: MAX_SUSPECTS * 5]))[:MAX_SUSPECTS]
+    problem = ""
+    try:
+        _measure(found, onset)
+    except PrometheusUnavailable as exc:
+        problem = str(exc)
+    model = incident.model.name if incident.model else ""
+    pool = incident.pool.name if incident.pool else ""
+    for suspect in found:
+        _score(suspect, onset, model, pool)
+    return sorted(found, key=lambda s: (-s.score, -s.at.timestamp())), problem
+
+
+def _group(events: list[AuditEvent]) -> list[Suspect]:
+    """One suspect per change, newest first: a rollout's events are one change (its latest step
+    before the onset), and so are the deployments its controller made for it."""
+    rollouts = {
+        r.pk: r
+        for r in Rollout.objects.filter(
+            pk__in=[_number(e.target) for e in events if e.target.startswith("rollout:")]
+        ).select_related("pool", "model")
+    }
+    names = {e.target.split(":")[1] for e in events if e.target.startswith("node:")}
+    pools = dict(Node.objects.filter(name__in=names).values_list("name", "pool__name"))
+    found: dict[tuple, Suspect] = {}
+    for event in events:  # newest first: the first seen of a change is its latest event
+        kind, _, rest = event.target.partition(":")
+        subject, _, model = rest.rpartition(":")
+        if kind == "rollout" and (rollout := rollouts.get(_number(event.target))):
+            key: tuple = ("rollout", rollout.pk)
+            pool = rollout.pool.name
+            versions = f"v{rollout.baseline_version} → v{rollout.canary_version}"
+            title = f"rollout #{rollout.pk}: {model} {versions} on {pool}"
+        elif kind in ("pool", "node"):
+            pool = subject if kind == "pool" else pools.get(subject, "")
+            rollout_key = next(
+                (
+                    k
+                    for k, s in found.items()
+                    if k[0] == "rollout" and (s.model, s.pool) == (model, pool)
+                ),
+                None,
+            )
+            if event.actor == ROLLOUTS and rollout_key is not None:
+                found[rollout_key].parts.append(f"{event.action} {event.target}")
+                continue
+            key, title = ("event", event.pk), f"{event.action} {event.target}"
+        else:  # the registry's: a model, whichever pools run it
+            pool, model = "", rest.split(":")[0] if kind == "model" else model
+            key, title = ("event", event.pk), f"{event.action} {event.target}"
+        if key in found:
+            found[key].parts.append(f"{event.action} at {event.created_at:%H:%M:%S}")
+            continue
+        found[key] = Suspect(event.created_at, event.action, event.target, model, pool, title)
+        found[key].rollout = key[1] if key[0] == "rollout" else 0
+    return list(found.values())
+
+
+def _number(target: str) -> int:
+    part = target.split(":")[1]
+    return int(part) if part.isdecimal() else 0
+
+
+def _measure(found: list[Suspect], onset: datetime) -> None:
+    """Each suspect's model P99 (in its pool) just before and just after it: one range query per
+    model and pool, whatever the number of suspects."""
+    if not found:
+        return
+    start = min(s.at for s in found) - AROUND
+    end = onset + AROUND
+    series: dict[tuple[str, str], list[Series]] = {}
+    for suspect in found:
+        pair = (suspect.model, suspect.pool)
+        if suspect.model and pair not in series:
+            query = build_query(METRICS["p99"], model=suspect.model, pool=suspect.pool)
+            step = step_for((end - start).total_seconds())
+            series[pair] = range_query(query, start=start, end=end, step_s=step)
+        if suspect.model:
+            before = _median(series[pair], suspect.at - AROUND, suspect.at)
+            after = _median(series[pair], suspect.at, min(suspect.at + AROUND, end))
+            if before is not None and after is not None:
+                suspect.p99 = (before, after)
+
+
+def _median(found: list[Series], start: datetime, end: datetime) -> float | None:
+    """The worst series' median over [start, end): the P99 bound a user saw, one outlier
+    (a cold start's first requests) left out."""
+    medians = []
+    for one in found:
+        values = sorted(
+            v
+            for t, v in zip(one.times, one.values, strict=True)
+            if v is not None and start.timestamp() <= t < end.timestamp()
+        )
+        if values:
+            medians.append(values[len(values) // 2])
+    return max(medians, default=None)
+
+
+def _score(suspect: Suspect, onset: datetime, model: str, pool: str) -> None:
+    lead = (onset - suspect.at).total_seconds()
+    time = 1 / (1 + lead / 600)  # ten minutes before the onset: half as likely
+    scope = 1.0
+    if model:
+        scope *= 3 if suspect.model == model else 0.5
+    if pool:
+        scope *= 2 if suspect.pool == pool else (1 if not suspect.pool else 0.5)
+    shift = 1.0
+    evidence = []
+    if model and suspect.model == model:
+        evidence.append(f"changes {model}, the model alerting")
+    if pool and suspect.pool == pool:
+        evidence.append(f"in pool {pool}, where it alerts")
+    evidence.append(f"{_duration(lead)} before the onset")
+    if suspect.p99 is not None:
+        before, after = suspect.p99
+        ratio = after / before if before > 0 else 1.0
+        shift = 1 + max(0.0, math.log2(max(ratio, 1e-9)))
+        evidence.append(f"P99 {before:.0f} ms → {after:.0f} ms across it (x{ratio:.2f})")
+    suspect.score = round(scope * time * shift, 3)
+    suspect.evidence = evidence
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min"

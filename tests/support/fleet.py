@@ -1,0 +1,88 @@
+"""The fleet the integration tests drive: real nodes, what they serve, traffic to them."""
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from apps.fleet.devfleet import Devfleet, FleetState
+from apps.fleet.models import Node, NodePool
+from apps.fleet.traffic import send_traffic
+from apps.fleet.triton import TritonClient
+
+
+@dataclass
+class Fleet:
+    devfleet: Devfleet
+    state: FleetState
+
+
+STEPS_V1 = {
+    ("embedder", 1),
+    ("retriever", 1),
+    ("reranker", 1),
+    ("generator", 1),
+    ("rag_pipeline", 1),
+}
+# Short, so that a whole rollout fits in a test: judged every 2 s over the last 10 s, once 5 s of
+# warm-up and a whole window have passed since the canary was READY. Everything (3 nodes, traffic, Prometheus, worker) shares 2 cores
+# here, so latencies are noisy: a release passes unless 100 ms and 2x worse than its baseline;
+# the slow v3 adds 250 ms to every request.
+ANALYSIS = {
+    "interval_s": 2,
+    "window_s": 10,
+    "warmup_s": 5,
+    "min_requests": 5,
+    "p99_tolerance": 1.0,
+    "p99_margin_ms": 100,
+}
+
+STEPS_V2 = {
+    ("embedder", 2),
+    ("retriever", 2),
+    ("reranker", 2),
+    ("generator", 2),
+    ("rag_pipeline", 2),
+}
+
+
+def ready_on(node: Node) -> set[tuple[str, int]]:
+    client = TritonClient(node.http_url, node=node.name)
+    return {
+        (e.model, e.version) for e in client.repository_index() if e.state == "READY" and e.version
+    }
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.5)
+
+
+def converged(pool: NodePool, expected: set[tuple[str, int]]) -> Callable[[], bool]:
+    def check() -> bool:
+        return all(ready_on(node) == expected for node in pool.nodes.all())
+
+    return check
+
+
+@contextmanager
+def traffic_to(state: FleetState) -> Iterator[None]:
+    """Unversioned rag_pipeline requests to every node, 8 per second, while it lasts; it starts
+    once the pipeline is served."""
+    clients = [TritonClient(state.node_urls(p)["http_url"], node=p.name) for p in state.nodes]
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            send_traffic(clients, model="rag_pipeline", rps=8, seconds=2)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)

@@ -1,0 +1,184 @@
+"""Real services for the integration tests and benchmarks, outside pytest's fixtures: a free port,
+the test database's URL for other processes, a webhook receiver, and Celery worker and beat."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+from controlplane.celery import app as celery_app
+from tests.support import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Webhook(ThreadingHTTPServer):
+    """A Slack-like receiver: keeps every JSON body; answers 500 while `failures` is positive."""
+
+    def __init__(self) -> None:
+        self.received: list[dict] = []
+        self.failures = 0
+        super().__init__(("127.0.0.1", 0), _WebhookHandler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/hooks/rollouts"
+
+
+class _WebhookHandler(BaseHTTPRequestHandler):
+    server: Webhook
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.server.failures > 0:
+            self.server.failures -= 1
+            self.send_response(500)
+        else:
+            self.server.received.append(json.loads(body))
+            self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def database_url() -> str:
+    """The URL of the test database pytest-django created, for processes outside this one."""
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+    return f"postgres://{auth}@{db['HOST'] or 'localhost'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+class Celery:
+    """Real `celery worker` (prefork, 3 processes) and `celery beat` processes on the test database
+    and a private Redis, with short intervals so that periodic work shows up within seconds."""
+
+    def __init__(self, root: Path, database_url: str, redis_url: str, webhook_url: str) -> None:
+        self.root = root
+        self.env = {
+            **os.environ,
+            "DATABASE_URL": database_url,
+            "CELERY_BROKER_URL": redis_url,
+            "FLEET_POLL_INTERVAL_S": "1",
+            "FLEET_RECONCILE_INTERVAL_S": "2",
+            "FLEET_LEASE_S": "6",
+            "ROLLOUT_TICK_S": "1",
+            "ROLLOUT_WEBHOOK_URL": webhook_url,
+        }
+        self.worker: subprocess.Popen[bytes] | None = None
+        self.beat: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def _spawn(self, *args: str, log: str) -> subprocess.Popen[bytes]:
+        with (self.root / log).open("ab") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "controlplane", *args, "--loglevel=INFO"],
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def start_worker(self) -> None:
+        self.starts += 1
+        self.worker = self._spawn(
+            "worker",
+            "--pool=prefork",
+            "--concurrency=3",
+            "--without-mingle",
+            "--without-gossip",
+            f"--hostname=test{self.starts}@%h",
+            log="worker.log",
+        )
+        deadline = time.monotonic() + 60
+        while not celery_app.control.ping(timeout=0.5, destination=[self.hostname]):
+            if self.worker.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"celery worker did not start; see {self.root / 'worker.log'}")
+
+    def start_worker_for(self, queue: str) -> subprocess.Popen[bytes]:
+        """A second worker that takes tasks from `queue` only, as one in a pool's own region
+        would; the caller stops it. Its log is `worker-<queue>.log`."""
+        worker = self._spawn(
+            "worker",
+            "--pool=prefork",
+            "--concurrency=2",
+            "--without-mingle",
+            "--without-gossip",
+            f"--queues={queue}",
+            f"--hostname={queue}@%h",
+            log=f"worker-{queue}.log",
+        )
+        deadline = time.monotonic() + 60
+        hostname = f"{queue}@{socket.gethostname()}"
+        while not celery_app.control.ping(timeout=0.5, destination=[hostname]):
+            if worker.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"celery worker for {queue} did not start; see {self.root}")
+        return worker
+
+    @property
+    def hostname(self) -> str:
+        return f"test{self.starts}@{socket.gethostname()}"
+
+    def pause(self) -> None:
+        """Stop taking tasks and wait for the running ones, so that the test database can be
+        emptied (TRUNCATE) without racing the worker: waiting on each other's locks deadlocks."""
+        control = celery_app.control
+        control.cancel_consumer("celery", destination=[self.hostname], reply=True, timeout=5)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            active = control.inspect(destination=[self.hostname], timeout=1).active() or {}
+            if not active.get(self.hostname):
+                return
+            time.sleep(0.2)
+
+    def resume(self) -> None:
+        celery_app.control.add_consumer(
+            "celery", destination=[self.hostname], reply=True, timeout=5
+        )
+
+    def start_beat(self) -> None:
+        self.beat = self._spawn(
+            "beat",
+            "--scheduler=celery.beat:PersistentScheduler",
+            f"--schedule={self.root / 'beat-schedule'}",
+            log="beat.log",
+        )
+
+    def use_prometheus(self, url: str) -> None:
+        """Point the worker (rollout analysis) at `url`: restarts worker and beat if it changes."""
+        if self.env.get("PROMETHEUS_URL") == url:
+            return
+        self.env["PROMETHEUS_URL"] = url
+        self.stop()
+        self.start_worker()
+        self.start_beat()
+
+    def kill_worker(self) -> None:
+        """SIGKILL the whole worker (main process and its children), as an OOM killer would."""
+        assert self.worker is not None
+        os.killpg(self.worker.pid, signal.SIGKILL)
+        self.worker.wait(10)
+
+    def stop(self) -> None:
+        for proc in (self.worker, self.beat):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
