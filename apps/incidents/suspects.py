@@ -1,7 +1,8 @@
 """Suspect changes: for an incident, every change in the hour before its onset, ranked by how
 likely it caused the symptom. A change scores for its scope (the incident's model, its pool),
-for how shortly it came before the onset, and for how much the model's P99 moved across it;
-each suspect carries that evidence, and the pool and model a rollback would switch back."""
+for how shortly it came before the onset, and for how much the model's P99 and error ratio moved
+across it; each suspect carries that evidence, and the pool and model a rollback would switch
+back."""
 
 import math
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from datetime import datetime, timedelta
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node
 from apps.incidents.models import Incident
-from apps.observability.catalog import METRICS, build_query, step_for
+from apps.observability.catalog import step_for, suspect_queries
 from apps.observability.prometheus import PrometheusUnavailable, Series, range_query
 from apps.rollouts.models import Rollout
 
@@ -46,7 +47,8 @@ class Suspect:
     title: str
     score: float = 0.0
     evidence: list[str] = field(default_factory=list)
-    p99: tuple[float, float] | None = None  # mean P99 (ms) before and after the change
+    p99: tuple[float, float] | None = None  # P99 (ms) before and after the change
+    errors: tuple[float, float] | None = None  # error ratio before and after it
     parts: list[str] = field(default_factory=list)  # the changes folded into this one
     rollout: int = 0  # the rollout it is, if it is one
 
@@ -127,24 +129,30 @@ def _number(target: str) -> int:
 
 
 def _measure(found: list[Suspect], onset: datetime) -> None:
-    """Each suspect's model P99 (in its pool) just before and just after it: one range query per
-    model and pool, whatever the number of suspects."""
+    """Each suspect's model P99 and error ratio (in its pool) just before and just after it: two
+    range queries per model and pool, whatever the number of suspects."""
     if not found:
         return
     start = min(s.at for s in found) - AROUND
     end = onset + AROUND
-    series: dict[tuple[str, str], list[Series]] = {}
+    step = step_for((end - start).total_seconds())
+    series: dict[tuple[str, str], dict[str, list[Series]]] = {}
     for suspect in found:
+        if not suspect.model:
+            continue
         pair = (suspect.model, suspect.pool)
-        if suspect.model and pair not in series:
-            query = build_query(METRICS["p99"], model=suspect.model, pool=suspect.pool)
-            step = step_for((end - start).total_seconds())
-            series[pair] = range_query(query, start=start, end=end, step_s=step)
-        if suspect.model:
-            before = _median(series[pair], suspect.at - AROUND, suspect.at)
-            after = _median(series[pair], suspect.at, min(suspect.at + AROUND, end))
-            if before is not None and after is not None:
-                suspect.p99 = (before, after)
+        if pair not in series:
+            queries = suspect_queries(model=suspect.model, pool=suspect.pool)
+            series[pair] = {
+                name: range_query(query, start=start, end=end, step_s=step)
+                for name, query in queries.items()
+            }
+        after = min(suspect.at + AROUND, end)
+        for name, found_series in series[pair].items():
+            before_value = _median(found_series, suspect.at - AROUND, suspect.at)
+            after_value = _median(found_series, suspect.at, after)
+            if before_value is not None and after_value is not None:
+                setattr(suspect, name, (before_value, after_value))
 
 
 def _median(found: list[Series], start: datetime, end: datetime) -> float | None:
@@ -182,6 +190,11 @@ def _score(suspect: Suspect, onset: datetime, model: str, pool: str) -> None:
         ratio = after / before if before > 0 else 1.0
         shift = 1 + max(0.0, math.log2(max(ratio, 1e-9)))
         evidence.append(f"P99 {before:.0f} ms → {after:.0f} ms across it (x{ratio:.2f})")
+    if suspect.errors is not None:
+        before, after = suspect.errors
+        shift *= 1 + 20 * max(0.0, after - before)  # 5 more failures in 100 count as a doubling
+        if after > before:
+            evidence.append(f"errors {before:.1%} → {after:.1%} of requests across it")
     suspect.score = round(scope * time * shift, 3)
     suspect.evidence = evidence
 

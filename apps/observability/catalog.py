@@ -150,3 +150,17 @@ def step_mean_latency_query(*, step: str, pool: str, window_s: int) -> str:
         f" / sum by (version) (increase(nv_inference_request_success{{{selector}}}[{window}]))"
         " / 1000"
     )
+
+
+# An incident's suspects: the series each change is judged by ----------------------------------
+
+
+def suspect_queries(*, model: str, pool: str) -> dict[str, str]:
+    """A model's worst P99 (ms) and its error ratio (failed / all requests), in a pool."""
+    selector = _selector(model=model, pool=pool)
+    failed = f"sum(rate(nv_inference_request_failure{{{selector}}}[30s]))"
+    served = f"sum(rate(nv_inference_request_success{{{selector}}}[30s]))"
+    return {
+        "p99": f'max(nv_inference_request_summary_us{{quantile="0.99",{selector}}}) / 1000',
+        "errors": f"{failed} / ({served} + {failed})",
+    }

@@ -142,11 +142,13 @@ def test_the_rollout_step_before_the_onset_is_ranked_first_on_its_evidence(
     queried: list[str] = []
 
     def range_query(query: str, *, start: datetime, end: datetime, step_s: int) -> list[Series]:
-        """P99 of rag_pipeline: 40 ms, then 300 ms from the rollout's step on; others flat."""
+        """rag_pipeline: P99 40 ms and no errors, then 300 ms and 10% failing from the rollout's
+        step on; others flat."""
         queried.append(query)
         times = [start.timestamp() + s for s in range(0, int((end - start).total_seconds()), 5)]
-        slow = "rag_pipeline" in query
-        values = [300.0 if slow and t >= step.timestamp() else 40.0 for t in times]
+        worse = "rag_pipeline" in query
+        normal, bad = (0.0, 0.1) if "failure" in query else (40.0, 300.0)
+        values = [bad if worse and t >= step.timestamp() else normal for t in times]
         return [Series(labels={}, times=times, values=list(values))]
 
     monkeypatch.setattr(suspects_module, "range_query", range_query)
@@ -159,9 +161,12 @@ def test_the_rollout_step_before_the_onset_is_ranked_first_on_its_evidence(
     assert first.title == f"rollout #{rollout.pk}: rag_pipeline v1 → v3 on demo"
     assert "deployment.set node:demo-1:rag_pipeline" in first.parts  # its controller's, folded
     assert first.p99 == (40.0, 300.0) and "P99 40 ms → 300 ms across it (x7.50)" in first.evidence
+    assert (
+        first.errors == (0.0, 0.1) and "errors 0.0% → 10.0% of requests across it" in first.evidence
+    )
     assert first.rollback and (first.model, first.pool) == ("rag_pipeline", "demo")
     assert len(ranked) == 4 and ranked[-1].title == "deployment.set pool:other:embedder"
-    assert len(queried) == 3  # one per model and pool (rag_pipeline's twice), not per change
+    assert len(queried) == 6  # two per model and pool (rag_pipeline's twice), not per change
 
     # Prometheus down: still ranked, by scope and time, and the page says why.
     settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
