@@ -2,10 +2,11 @@
 rollout's step, a rollback), the node operations that carried it out told in its story rather
 than drawn, and one per node health event or operation that no change explains."""
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 from django.db.models import Count, F, Q, QuerySet, Subquery, Value, Window
 from django.db.models.functions import Coalesce, Concat, RowNumber, StrIndex, Substr
@@ -68,12 +69,54 @@ def change_markers(
     """What changed in [start, end]; only what touched `model`, `pool` or `node` when given.
     Targets name them (`pool:demo:rag_pipeline`, `node:demo-1:embedder`, `node:demo-1`,
     `rollout:7:rag_pipeline`); a node's events are its pool's too. Rollout events name no pool:
-    the model's charts show them, a pool's shows the deployments they made. One query, whatever
-    the number of events or markers."""
-    # Bounded: the newest MAX_EVENTS events, found by the created_at index, never the whole
-    # window (a week at 500 nodes is a million operations). Of those, a request's operations
-    # are counted by the database and only the first few read: those its marker lists.
+    the model's charts show them, a pool's shows the deployments they made. One query in the
+    common case, two when the window holds more than FEW events, whatever their number."""
     events = _events(start=start, end=end, model=model, pool=pool, node=node)
+    newest = events.order_by("-created_at", "-id").values_list(*FIELDS)
+    rows = [_Row._make((*row, 0)) for row in newest[: FEW + 1]]
+    # Few: counted here, as a query with window functions costs more to build than this.
+    rows = _counted_by_the_database(events, start) if len(rows) > FEW else _counted(rows)
+    return fold(reversed(cast(list[_Event], rows)))[-MAX_MARKERS:]
+
+
+FIELDS = ["created_at", "actor", "action", "target", "after", "result", "message", "request_id"]
+FEW = 300  # events a chart reads as they are; past them, the database counts and picks
+
+
+class _Row(NamedTuple):
+    created_at: datetime
+    actor: str
+    action: str
+    target: str
+    after: dict[str, Any]
+    result: str
+    message: str
+    request_id: str
+    in_group: int
+
+
+def _groups(row: _Row) -> tuple[str, str, str]:
+    return (row.request_id, row.action, row.result)
+
+
+def _counted(rows: list[_Row]) -> list[_Row]:
+    """Newest first: each row's `in_group`, and only the first LISTED_OPERATIONS operations of
+    each request kept, as the database's query below does."""
+    sizes = Counter(map(_groups, rows))
+    seen: Counter[tuple[str, str, str]] = Counter()
+    kept = []
+    for row in reversed(rows):
+        seen[_groups(row)] += 1
+        listed = seen[_groups(row)] <= LISTED_OPERATIONS
+        if listed or not row.request_id or row.action not in OPERATIONS:
+            kept.append(row._replace(in_group=sizes[_groups(row)]))
+    return kept[::-1]
+
+
+def _counted_by_the_database(events: QuerySet[AuditEvent], start: datetime) -> list[_Row]:
+    """Bounded: the newest MAX_EVENTS events, found by the created_at index, never the whole
+    window (a week at 500 nodes is a million operations). Of those, a request's operations
+    are counted by the database and only the first few read: those its marker lists."""
     oldest = events.order_by("-created_at").values("created_at")[MAX_EVENTS - 1 : MAX_EVENTS]
     group = [F("request_id"), F("action"), F("result")]
     rows = (
@@ -85,9 +128,7 @@ def change_markers(
         .filter(Q(rank__lte=LISTED_OPERATIONS) | Q(request_id="") | ~Q(action__in=OPERATIONS))
         .order_by("-created_at", "-id")
     )
-    fields = ["created_at", "actor", "action", "target", "after", "result", "message"]
-    named = rows.values_list(*fields, "request_id", "in_group", named=True)
-    return fold(reversed(cast(list[_Event], list(named))))[-MAX_MARKERS:]
+    return [_Row._make(row) for row in rows.values_list(*FIELDS, "in_group")]
 
 
 def _events(

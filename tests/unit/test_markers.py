@@ -124,7 +124,7 @@ def test_a_node_chart_tells_the_pool_change_its_operations_carried_out() -> None
     ]
 
 
-def test_markers_cost_one_query_however_many_events() -> None:
+def test_markers_cost_the_same_queries_however_many_events() -> None:
     demo = NodePool.objects.create(name="demo")
     Node.objects.create(name="demo-1", pool=demo, http_url="http://10.0.0.1:8000")
 
@@ -163,7 +163,7 @@ def test_a_deployment_to_500_nodes_counts_its_operations_and_lists_the_first() -
     )
     with CaptureQueriesContext(connection) as done:
         (marker,) = change_markers(**window(), model="rag_pipeline")
-    assert len(done) == 1
+    assert len(done) == 2  # past FEW events, the database counts them
     lines = marker.text.splitlines()
     assert lines[0] == "deploy rag_pipeline v2 on pool big by ops — 1500 node operations, 1 failed:"
     assert lines[1] == "big-0: load embedder, load retriever, load rag_pipeline"
