@@ -15,6 +15,9 @@ from playwright.sync_api import Browser, Page, sync_playwright
 from apps.accounts.roles import Role
 from tests.support.users import make_user
 
+# Real Triton nodes, Prometheus, Redis and Celery: for integration, browser and benchmark tests.
+pytest_plugins = ["tests.support.services_fixtures"]
+
 
 @pytest.fixture(autouse=True)
 def fast_password_hashing(settings: object) -> None:

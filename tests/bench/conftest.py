@@ -4,16 +4,6 @@ from collections.abc import Iterator
 
 import pytest
 
-# The real components the benchmarks run on: the integration tests' fixtures.
-from tests.integration.conftest import (  # noqa: F401
-    celery,
-    celery_processes,
-    pool,
-    redis_url,
-    repository,
-    trio,
-    webhook,
-)
 from tests.support.bench import ROWS, Report
 
 

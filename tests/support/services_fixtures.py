@@ -1,5 +1,7 @@
-"""Real services for integration tests: tritonserver nodes, Prometheus, Redis and a Celery worker,
-each on free ports, each stopped at the end of the session whatever happens."""
+"""Real services for the integration, browser and benchmark tests: tritonserver nodes,
+Prometheus, Redis and a Celery worker, each on free ports, each stopped at the end of the
+session whatever happens. A plugin of the root conftest: one of each per session, whichever
+directories run."""
 
 import shutil
 import socket
@@ -20,8 +22,6 @@ from controlplane.celery import app as celery_app
 from tests.support import REPOSITORY, ROOT
 from tests.support.fleet import Fleet, traffic_to
 from tests.support.services import Celery, Webhook, database_url, free_port
-
-pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="session")
