@@ -136,7 +136,8 @@ def timeline_chart(request: HttpRequest) -> HttpResponse:
     else:
         chart = metric_chart("p99", start=start, end=end, model=model, node=node)
     subject = f"model {model}" if model else f"node {node}" if node else "the fleet"
-    chart = dataclasses.replace(chart, title=f"{chart.title}: {subject}")
+    # The timeline of its window is where it is shown: no link to itself.
+    chart = dataclasses.replace(chart, title=f"{chart.title}: {subject}", window="")
     figure_id = "figure-" + slugify(f"{model or '-'} {node or '-'}")
     return render(request, "partials/chart.html", {"chart": chart, "id": figure_id})
 

@@ -6,6 +6,7 @@ from html import escape
 from typing import Any
 
 import orjson
+from django.utils.http import urlencode
 
 from apps.observability.catalog import METRICS, build_query, step_for
 from apps.observability.markers import Marker, change_markers
@@ -18,6 +19,7 @@ class Chart:
     figure_json: str = ""
     message: str = ""  # shown instead of the figure: no data, Prometheus down...
     note: str = ""  # shown under the figure: how to read it
+    window: str = ""  # its window and model as a query string: the timeline of what it shows
 
 
 def series_name(labels: dict[str, str]) -> str:
@@ -218,4 +220,6 @@ def metric_chart(
         .replace(">", "\\u003e")
         .replace("&", "\\u0026")
     )
-    return Chart(title=metric.title, figure_json=safe_json)
+    window = {"start": f"{start:%Y-%m-%dT%H:%M:%S}", "end": f"{end:%Y-%m-%dT%H:%M:%S}"}
+    window |= {"model": model} if model else {}
+    return Chart(title=metric.title, figure_json=safe_json, window=urlencode(window))

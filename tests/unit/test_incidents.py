@@ -1,8 +1,10 @@
 """Incidents: Alertmanager's webhook opens, updates and resolves them; suspects are ranked with
 their evidence; a suspect's rollback is audited under its incident; the page and the report."""
 
+import re
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from html import unescape
 from pathlib import Path
 
 import pytest
@@ -277,3 +279,20 @@ def test_an_incident_needs_a_title_and_a_viewer_cannot_open_one(
     client.force_login(viewer)
     response = client.post("/incidents/open/", {"title": "x", "start": "2026-11-30T10:00"})
     assert response.status_code == 403 and not Incident.objects.exists()
+
+
+def test_any_chart_leads_to_its_window_where_an_incident_opens(
+    client: Client, operator: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def range_query(query: str, *, start: datetime, end: datetime, step_s: int) -> list[Series]:
+        return [Series({"model": "rag_pipeline", "version": "1"}, [start.timestamp()], [12.0])]
+
+    monkeypatch.setattr("apps.observability.charts.range_query", range_query)
+    client.force_login(operator)
+    fragment = client.get(
+        "/metrics/?metric=p99&range=1h&model=rag_pipeline", headers={"HX-Request": "true"}
+    ).content.decode()
+    link = re.search(r'href="(/audit/timeline/\?[^"]+)">What changed in this window', fragment)
+    assert link and "model=rag_pipeline" in link[1]
+    timeline = client.get(unescape(link[1])).content.decode()
+    assert 'id="open-incident"' in timeline and 'name="model" value="rag_pipeline"' in timeline
