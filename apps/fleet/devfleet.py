@@ -58,6 +58,7 @@ class FleetState:
     nodes: list[Proc] = field(default_factory=list)
     prometheus: Proc | None = None
     simulator: Proc | None = None  # its ports: one per simulated node, by node name
+    alertmanager: Proc | None = None
 
     def node_urls(self, node: Proc) -> dict[str, str]:
         return {
@@ -80,8 +81,9 @@ class FleetState:
 
     @property
     def processes(self) -> list[Proc]:
-        """Everything this fleet started: the nodes, the simulator, then Prometheus."""
-        extra = [proc for proc in (self.simulator, self.prometheus) if proc is not None]
+        """Everything this fleet started: the nodes, the simulator, Prometheus, Alertmanager."""
+        started = (self.simulator, self.prometheus, self.alertmanager)
+        extra = [proc for proc in started if proc is not None]
         return [*self.nodes, *extra]
 
     @property
@@ -102,11 +104,10 @@ class Devfleet:
         if not self.state_file.exists():
             return FleetState()
         raw = json.loads(self.state_file.read_text())
-        prometheus, simulator = raw.get("prometheus"), raw.get("simulator")
+        one = {name: raw.get(name) for name in ("prometheus", "simulator", "alertmanager")}
         return FleetState(
             nodes=[Proc(**node) for node in raw["nodes"]],
-            prometheus=Proc(**prometheus) if prometheus else None,
-            simulator=Proc(**simulator) if simulator else None,
+            **{name: Proc(**proc) if proc else None for name, proc in one.items()},  # type: ignore[arg-type]
         )
 
     def _save(self, state: FleetState) -> None:
@@ -115,6 +116,7 @@ class Devfleet:
             "nodes": [asdict(n) for n in state.nodes],
             "prometheus": asdict(state.prometheus) if state.prometheus else None,
             "simulator": asdict(state.simulator) if state.simulator else None,
+            "alertmanager": asdict(state.alertmanager) if state.alertmanager else None,
         }
         self.state_file.write_text(json.dumps(data, indent=2))
 
@@ -176,6 +178,56 @@ class Devfleet:
             self.down()
             raise
         return state
+
+    def alerting(self, *, receiver: str, token: str, rules: Path) -> Proc:
+        """An Alertmanager posting every alert group to `receiver` (the control plane's
+        /api/alertmanager) with `token`, and the fleet's Prometheus evaluating `rules` and
+        sending to it: its configuration rewritten and reloaded (SIGHUP)."""
+        state = self.state()
+        if state.prometheus is None or not state.prometheus.running:
+            raise DevfleetError("start the fleet first: its Prometheus evaluates the rules")
+        binary = _require_binary(
+            "prometheus-alertmanager", "apt-get install -y prometheus-alertmanager"
+        )
+        self.alerting_stop()
+        port = _ports(1, None)[0]
+        route = {"receiver": "controlplane", "group_by": ["alertname", "pool", "model"]}
+        route |= {"group_wait": "1s", "group_interval": "5s", "repeat_interval": "1h"}
+        webhook = {"url": receiver, "send_resolved": True}
+        webhook["http_config"] = {"authorization": {"credentials": token}}
+        config = {
+            "route": route,
+            "receivers": [{"name": "controlplane", "webhook_configs": [webhook]}],
+        }
+        (self.home / "alertmanager.yml").write_text(json.dumps(config))  # JSON is valid YAML
+        argv = [binary, f"--config.file={self.home / 'alertmanager.yml'}"]
+        argv += [f"--storage.path={self.home / 'alertmanager-data'}"]
+        argv += [f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="]
+        state.alertmanager = self._spawn("alertmanager", argv, {"web": port})
+        self._save(state)
+        _wait_http(f"http://127.0.0.1:{port}/-/ready", state.alertmanager)
+        alerting = {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}]}
+        self._reload_prometheus(state, {"rule_files": [str(rules.resolve())], "alerting": alerting})
+        return state.alertmanager
+
+    def alerting_stop(self) -> None:
+        """Alertmanager stopped, and Prometheus back to scraping only."""
+        state = self.state()
+        if state.alertmanager is not None:
+            if state.alertmanager.running:
+                os.killpg(state.alertmanager.pid, signal.SIGTERM)
+                _wait_gone(state.alertmanager, 15.0)
+            state.alertmanager = None
+            self._save(state)
+        if state.prometheus is not None and state.prometheus.running:
+            self._reload_prometheus(state, {"rule_files": [], "alerting": {}})
+
+    def _reload_prometheus(self, state: FleetState, changes: dict[str, object]) -> None:
+        assert state.prometheus is not None
+        config = self.home / "prometheus.yml"
+        wanted = {k: v for k, v in (json.loads(config.read_text()) | changes).items() if v}
+        config.write_text(json.dumps(wanted, indent=2))
+        os.kill(state.prometheus.pid, signal.SIGHUP)
 
     def up_simulated(
         self,

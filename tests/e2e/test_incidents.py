@@ -5,14 +5,9 @@ the browser rolls it back, the alert resolves and the incident follows."""
 
 import json
 import math
-import os
 import re
-import signal
-import socket
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from urllib.parse import quote
 
 import pytest
@@ -36,7 +31,6 @@ from tests.support.users import make_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
-ALERTMANAGER = "/usr/bin/prometheus-alertmanager"
 BUDGET_MS = 200  # v1 answers in a few ms here; v3's reranker sleeps 250 ms on every batch
 RULES = {
     "groups": [
@@ -61,12 +55,6 @@ RULES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _get(url: str) -> dict:
     return requests.get(url, timeout=2).json()
 
@@ -74,42 +62,16 @@ def _get(url: str) -> dict:
 @contextmanager
 def alerting(devfleet: Devfleet, state: FleetState, receiver: str, token: str) -> Iterator[None]:
     """A real Alertmanager posting to `receiver`, and the fleet's Prometheus evaluating RULES and
-    sending to it (its configuration reloaded with SIGHUP, and restored afterwards)."""
-    if not Path(ALERTMANAGER).exists():
-        pytest.fail("Alertmanager is not installed: apt-get install -y prometheus-alertmanager")
-    home = devfleet.home / "alertmanager"
-    home.mkdir(exist_ok=True)
-    port = free_port()
-    route = {"receiver": "controlplane", "group_by": ["alertname", "pool", "model"]}
-    route |= {"group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"}
-    webhook = {"url": receiver, "send_resolved": True}
-    webhook["http_config"] = {"authorization": {"credentials": token}}
-    config = {"route": route, "receivers": [{"name": "controlplane", "webhook_configs": [webhook]}]}
-    (home / "alertmanager.yml").write_text(json.dumps(config))
-    argv = [ALERTMANAGER, f"--config.file={home / 'alertmanager.yml'}"]
-    argv += [f"--storage.path={home / 'data'}", f"--web.listen-address=127.0.0.1:{port}"]
-    argv += ["--cluster.listen-address="]
-    with (home / "alertmanager.log").open("ab") as log:
-        manager = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    prometheus = devfleet.home / "prometheus.yml"
-    original = prometheus.read_text()
+    sending to it; Prometheus back to scraping only afterwards."""
+    rules = devfleet.home / "incident-rules.yml"
+    rules.write_text(json.dumps(RULES))  # JSON is valid YAML
     try:
-        wait_for("Alertmanager is up", lambda: _ready(f"http://127.0.0.1:{port}/-/ready"), 30)
-        (devfleet.home / "rules.yml").write_text(json.dumps(RULES))
-        alerts = {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}]}
-        rules = {"rule_files": [str(devfleet.home / "rules.yml")], "alerting": alerts}
-        prometheus.write_text(json.dumps(json.loads(original) | rules))
-        assert state.prometheus is not None
-        os.kill(state.prometheus.pid, signal.SIGHUP)
+        devfleet.alerting(receiver=receiver, token=token, rules=rules)
         loaded = f"{state.prometheus_url}/api/v1/rules"
         wait_for("Prometheus has the rule", lambda: "RagPipelineSlow" in json.dumps(_get(loaded)))
         yield
     finally:
-        prometheus.write_text(original)
-        if state.prometheus is not None:
-            os.kill(state.prometheus.pid, signal.SIGHUP)
-        manager.terminate()
-        manager.wait(10)
+        devfleet.alerting_stop()
 
 
 def worst_p99(state: FleetState, *, over: str) -> float:
@@ -118,13 +80,6 @@ def worst_p99(state: FleetState, *, over: str) -> float:
     query = f"max(max_over_time(({expression})[{over}:1s]))"
     found = _get(f"{state.prometheus_url}/api/v1/query?query={quote(query)}")
     return max((float(row["value"][1]) for row in found["data"]["result"]), default=math.inf)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return requests.get(url, timeout=1).ok
-    except requests.RequestException:
-        return False
 
 
 @pytest.fixture

@@ -46,6 +46,17 @@ class Command(BaseCommand):
             metavar="MODEL:VERSION",
             help="load this release on every node (ensembles bring their pinned steps)",
         )
+        alerts = sub.add_parser(
+            "alerts", help="an Alertmanager sending the fleet's alerts to the control plane"
+        )
+        alerts.add_argument("--to", required=True, help="the control plane's /api/alertmanager")
+        alerts.add_argument("--token", required=True, help="an API token of an operator")
+        alerts.add_argument(
+            "--rules",
+            type=Path,
+            default=settings.BASE_DIR / "deploy" / "prometheus" / "alerts.yml",
+            help="the alerting rules Prometheus evaluates",
+        )
         sub.add_parser("down", help="stop exactly the processes `up` started")
         sub.add_parser("status", help="list the fleet's processes and registered nodes")
         for action, text in (
@@ -99,6 +110,12 @@ class Command(BaseCommand):
                 client = TritonClient(state.node_urls(proc)["http_url"], node=proc.name)
                 fleet.load_release(client, model, int(version))
             self.stdout.write(f"loaded {model} v{version} on {len(state.nodes)} nodes")
+
+    def _alerts(self, fleet: Devfleet, *, to: str, token: str, rules: Path, **_: object) -> None:
+        proc = fleet.alerting(receiver=to, token=token, rules=rules)
+        self.stdout.write(
+            f"alertmanager: http://127.0.0.1:{proc.ports['web']} -> {to} (log {proc.log})"
+        )
 
     def _up_simulated(
         self,
