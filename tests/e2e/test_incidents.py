@@ -19,17 +19,15 @@ from apps.accounts.roles import Role
 from apps.accounts.services import token_create
 from apps.fleet.devfleet import Devfleet, FleetState
 from apps.fleet.models import NodePool
-from apps.fleet.services import deployment_set
 from apps.incidents.models import Incident
 from apps.incidents.suspects import suspects
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import rollout_start
 from tests.support.browser import screenshot, sign_in
-from tests.support.fleet import ANALYSIS, STEPS_V1, converged, ready_on, wait_for
-from tests.support.services import Celery
+from tests.support.fleet import ANALYSIS, ready_on, wait_for
 from tests.support.users import make_user
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 BUDGET_MS = 200  # v1 answers in a few ms here; v3's reranker sleeps 250 ms on every batch
 RULES = {
@@ -80,18 +78,6 @@ def worst_p99(state: FleetState, *, over: str) -> float:
     query = f"max(max_over_time(({expression})[{over}:1s]))"
     found = _get(f"{state.prometheus_url}/api/v1/query?query={quote(query)}")
     return max((float(row["value"][1]) for row in found["data"]["result"]), default=math.inf)
-
-
-@pytest.fixture
-def serving_v1(
-    pool: NodePool, trio: tuple[Devfleet, FleetState], celery: Celery, settings: object
-) -> NodePool:
-    _, state = trio
-    celery.use_prometheus(state.prometheus_url)
-    settings.PROMETHEUS_URL = state.prometheus_url  # type: ignore[attr-defined]
-    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
-    wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
-    return pool
 
 
 def test_an_alert_opens_an_incident_whose_first_suspect_is_rolled_back_in_one_click(

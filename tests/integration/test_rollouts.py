@@ -9,7 +9,6 @@ from html import unescape
 import pytest
 from django.test import Client
 from django.utils import timezone
-from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
@@ -19,7 +18,6 @@ from apps.fleet.services import deployment_set
 from apps.registry.services import model_set_budget, model_set_fallback
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import release_fallback, release_rollback, rollout_start
-from tests.support.browser import screenshot, sign_in
 from tests.support.fleet import ANALYSIS, STEPS_V1, STEPS_V2, converged, ready_on, wait_for
 from tests.support.services import Celery, Webhook
 from tests.support.users import make_user
@@ -27,19 +25,6 @@ from tests.support.users import make_user
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 State = Rollout.State
-
-
-@pytest.fixture
-def serving_v1(
-    pool: NodePool, trio: tuple[Devfleet, FleetState], celery: Celery, settings: object
-) -> NodePool:
-    """The pool serving rag_pipeline v1, the worker judging from the trio's Prometheus."""
-    _, state = trio
-    celery.use_prometheus(state.prometheus_url)
-    settings.PROMETHEUS_URL = state.prometheus_url  # type: ignore[attr-defined]
-    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
-    wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
-    return pool
 
 
 def until_state(rollout: Rollout, *states: str, timeout: float = 150) -> Rollout:
@@ -163,44 +148,6 @@ def test_one_click_rollback_and_fallback_converge_the_pool(serving_v1: NodePool)
         )
 
     wait_for("the fallback v4 everywhere", on_fallback)
-
-
-@pytest.mark.e2e
-def test_a_rollout_started_from_the_form_progresses_and_is_aborted(
-    serving_v1: NodePool, traffic: None, page: Page, live_server: object
-) -> None:
-    sign_in(page, str(live_server), make_user(Role.RELEASE_MANAGER).username)
-    page.goto(f"{live_server}/rollouts/new/")
-    page.get_by_label("Model").select_option("rag_pipeline")
-    page.get_by_label("Pool").select_option("trio")
-    page.get_by_label("Canary version").fill("2")
-    page.get_by_label("Plan").fill("1 node, hold 5m\n100%")
-    page.get_by_label("Every (s)").fill("2")
-    page.get_by_label("Window (s)").fill("10")
-    page.get_by_label("Warm-up (s)").fill("5")
-    page.get_by_label("Min requests").fill("5")
-    page.get_by_role("button", name="Preview").click()
-    preview = page.locator("#preview")
-    expect(preview).to_contain_text("trio-1")  # the first canary node, by name
-    screenshot(page, "rollout-new")
-    page.get_by_role("button", name="Start rollout").click()
-    expect(page.locator("#rollout-state")).to_have_text("Progressing", timeout=20_000)
-    expect(page.locator("table.measurements")).to_contain_text("success", timeout=60_000)
-    screenshot(page, "rollout-detail")
-    page.once("dialog", lambda dialog: dialog.accept())
-    page.get_by_role("button", name="Abort and roll back").click()
-    expect(page.locator("#rollout-state")).to_have_text("Rolled back", timeout=60_000)
-    expect(page.locator("#rollout-live")).not_to_have_attribute("hx-trigger", "every 2s")
-    screenshot(page, "rollout-rolled-back")
-    page.get_by_role("link", name="Incident timeline").click()  # the review starts from here
-    events = page.locator("#events")
-    for action in ("rollout.start", "rollout.step", "rollout.aborting", "rollout.rolled_back"):
-        expect(events).to_contain_text(action)
-    expect(page.locator("#what-changed")).to_contain_text("pool:trio:rag_pipeline")
-    expect(page.locator(".plot svg.main-svg").first).to_be_visible(timeout=20_000)
-    expect(page.locator(".annotation-text").first).to_be_visible()  # the changes, marked
-    screenshot(page, "timeline-rollout")
-    assert page.console_errors == []  # type: ignore[attr-defined]
 
 
 # Last in this module: a node's P99 summary remembers v3's 250 ms requests for a while after

@@ -15,12 +15,12 @@ import pytest
 
 from apps.fleet.devfleet import Devfleet, FleetState
 from apps.fleet.models import NodePool
-from apps.fleet.services import node_register
+from apps.fleet.services import deployment_set, node_register
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
 from controlplane.celery import app as celery_app
 from tests.support import REPOSITORY, ROOT
-from tests.support.fleet import Fleet, traffic_to
+from tests.support.fleet import STEPS_V1, Fleet, converged, traffic_to, wait_for
 from tests.support.services import Celery, Webhook, database_url, free_port
 
 
@@ -151,3 +151,16 @@ def pool(trio: tuple[Devfleet, FleetState], repository: Path, celery: Celery) ->
 def traffic(trio: tuple[Devfleet, FleetState]) -> Iterator[None]:
     with traffic_to(trio[1]):
         yield
+
+
+@pytest.fixture
+def serving_v1(
+    pool: NodePool, trio: tuple[Devfleet, FleetState], celery: Celery, settings: object
+) -> NodePool:
+    """The pool serving rag_pipeline v1, the worker judging from the trio's Prometheus."""
+    _, state = trio
+    celery.use_prometheus(state.prometheus_url)
+    settings.PROMETHEUS_URL = state.prometheus_url  # type: ignore[attr-defined]
+    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
+    wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
+    return pool
