@@ -40,6 +40,7 @@ class RolloutIn(Schema):
     canary_version: int
     plan: str | list[dict[str, Any]]
     analysis: dict[str, Any] = {}
+    accept_shares: bool = False  # a percent step may get more than twice its share (whole nodes)
 
 
 class ReasonIn(Schema):
@@ -136,6 +137,7 @@ def start_rollout(request: HttpRequest, body: RolloutIn) -> Status[dict[str, Any
             canary_version=body.canary_version,
             plan=body.plan,
             analysis=body.analysis,
+            accept_shares=body.accept_shares,
             actor=current_user(request),
         )
     except (RolloutError, PlanError) as exc:

@@ -17,6 +17,11 @@ class RolloutForm(forms.Form):
         initial=DEFAULT_PLAN,
         help_text="One step per line: '1 node, hold 60s', '50%, hold 2m', '100%'.",
     )
+    accept_shares = forms.BooleanField(
+        required=False,
+        label="Accept the real shares",
+        help_text="A percent step puts the canary on whole nodes: 5% of 3 nodes is 1 node, 33%.",
+    )
     interval_s = forms.IntegerField(min_value=1, initial=DEFAULTS.interval_s, label="Every (s)")
     window_s = forms.IntegerField(min_value=5, initial=DEFAULTS.window_s, label="Window (s)")
     p99_tolerance = forms.FloatField(

@@ -142,6 +142,22 @@ class PreviewStep:
         """With no baseline node left there is nothing to compare against: the step only holds."""
         return bool(self.baseline_nodes)
 
+    @property
+    def real_percent(self) -> int:
+        """The share of the pool's requests the canary really gets: its share of the nodes."""
+        return round(100 * len(self.canary_nodes) / len(self.canary_nodes + self.baseline_nodes))
+
+    @property
+    def overshoots(self) -> bool:
+        """A share asked in percent that whole nodes give more than twice of (5% of 3 nodes is
+        one node: 33%)."""
+        return self.step.percent is not None and self.real_percent > 2 * self.step.percent
+
+    @property
+    def real_share(self) -> str:
+        nodes = len(self.canary_nodes + self.baseline_nodes)
+        return f"{len(self.canary_nodes)} of {nodes} nodes: {self.real_percent}% of requests"
+
 
 def canary_nodes(step: Step, nodes: list[str]) -> list[str]:
     """The same nodes, in name order, at every step: a step only adds canary nodes."""

@@ -46,9 +46,12 @@ def rollout_propose(
     canary_version: int,
     plan: str | list[dict[str, Any]],
     analysis: dict[str, Any] | None = None,
+    accept_shares: bool = False,
 ) -> Proposal:
     """Check a rollout before it starts and say what each step will do to which nodes (the
-    dry run). Raises RolloutError or PlanError."""
+    dry run). A share in percent is whole nodes here, each taking its part of the requests: a
+    step that would get more than twice its share is refused unless `accept_shares`. Raises
+    RolloutError or PlanError."""
     model = Model.objects.filter(name=model_name).first()
     if model is None:
         raise RolloutError(f"no model {model_name!r} in the registry")
@@ -80,6 +83,14 @@ def rollout_propose(
             f"step {shrinking + 1}: {counts[shrinking]} canary nodes after {counts[shrinking - 1]}"
             "; a step may only widen the canary"
         )
+    rows = preview(steps, nodes)
+    far = next((row for row in rows if row.overshoots), None)
+    if far is not None and not accept_shares:
+        raise PlanError(
+            f"step {far.index + 1}: {far.step.percent}% of pool {pool_name} is "
+            f"{far.real_share}, more than twice the share asked; accept the real shares to go "
+            "on, or give the step in nodes"
+        )
     return Proposal(
         model=model,
         pool=pool,
@@ -87,7 +98,7 @@ def rollout_propose(
         canary=canary_version,
         plan=[s.as_dict() for s in steps],
         analysis=Analysis.from_dict(analysis or {}),
-        preview=preview(steps, nodes),
+        preview=rows,
     )
 
 
@@ -113,6 +124,7 @@ def rollout_start(
     plan: str | list[dict[str, Any]],
     analysis: dict[str, Any] | None,
     actor: Actor,
+    accept_shares: bool = False,
 ) -> Rollout:
     proposal = rollout_propose(
         model_name=model_name,
@@ -120,6 +132,7 @@ def rollout_start(
         canary_version=canary_version,
         plan=plan,
         analysis=analysis,
+        accept_shares=accept_shares,
     )
     authorize(actor, "rollouts.add_rollout", proposal.pool)
     running = _active(proposal.model, proposal.pool)

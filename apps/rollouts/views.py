@@ -15,7 +15,7 @@ from apps.fleet.models import Deployment
 from apps.rollouts.approvals import APPROVER_PERMISSION, ApprovalError, approval_approve
 from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Approval, Rollout
-from apps.rollouts.plans import PlanError, parse_plan
+from apps.rollouts.plans import PlanError, parse_plan, preview
 from apps.rollouts.services import (
     RolloutError,
     last_good_versions,
@@ -61,6 +61,7 @@ def rollout_new(request: HttpRequest) -> HttpResponse:
             "canary_version": data["canary_version"],
             "plan": data["plan"],
             "analysis": form.analysis(),
+            "accept_shares": data["accept_shares"],
         }
         try:
             if "start" in request.POST:
@@ -76,10 +77,10 @@ def rollout_new(request: HttpRequest) -> HttpResponse:
 def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
     """The rollout page; htmx polling gets the live part, and HTTP 286 stops it once terminal."""
     rollout = get_object_or_404(Rollout.objects.select_related("model", "pool"), pk=pk)
-    steps = parse_plan(rollout.plan)
+    nodes = list(rollout.pool.nodes.order_by("name").values_list("name", flat=True))
     context = {
         "rollout": rollout,
-        "steps": [(i, step) for i, step in enumerate(steps)],
+        "steps": preview(parse_plan(rollout.plan), nodes),  # each with the share it really gets
         "measurements": rollout.measurements.all()[:60],
         "notifications": rollout.notifications.all()[:20],
         "events": rollout_events(rollout),

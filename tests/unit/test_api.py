@@ -126,6 +126,23 @@ def test_errors_say_what_and_where_as_the_pages_do(client: Client, admin_user: U
     assert refused.json()["error"]["message"]
 
 
+def test_a_rollout_whose_percent_step_gets_more_than_twice_its_share_needs_consent(
+    client: Client, admin_user: User
+) -> None:
+    headers = bearer(admin_user)
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
+    pool = NodePool.objects.create(name="gpu")
+    for n in range(3):
+        Node.objects.create(name=f"gpu-{n}", pool=pool, http_url=f"http://10.0.0.{n}:8000")
+    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
+    body = {"model": "rag_pipeline", "pool": "gpu", "canary_version": 2, "plan": "5%\n100%"}
+    refused = post(client, "/api/rollouts", body, headers)
+    assert refused.status_code == 422
+    assert "1 of 3 nodes: 33% of requests" in refused.json()["error"]["message"]
+    started = post(client, "/api/rollouts", body | {"accept_shares": True}, headers)
+    assert started.status_code == 201 and started.json()["plan"][0] == {"percent": 5, "hold_s": 0}
+
+
 def test_a_version_is_validated_created_released_and_diffed(
     client: Client, admin_user: User
 ) -> None:

@@ -35,6 +35,7 @@ from apps.rollouts.services import (
     rollout_abort,
     rollout_pause,
     rollout_promote,
+    rollout_propose,
     rollout_resume,
     rollout_retry,
     rollout_roll_back,
@@ -641,6 +642,37 @@ def test_the_form_previews_then_starts(fleet: Fleet, client: Client, release_man
     rollout = Rollout.objects.get()
     assert started["Location"] == f"/rollouts/{rollout.pk}/"
     assert rollout.analysis["window_s"] == 60 and rollout.plan[0] == {"nodes": 1, "hold_s": 30}
+
+
+def test_a_percent_step_states_its_real_share_and_more_than_twice_it_needs_consent(
+    fleet: Fleet, client: Client, release_manager: User
+) -> None:
+    """5% of a 3-node pool is one node: a third of the requests, which used to pass silently."""
+    plan = "5%, hold 60s\n100%"
+    with pytest.raises(PlanError, match=r"step 1: 5% of pool gpu is 1 of 3 nodes: 33% of requests"):
+        rollout_propose(model_name="rag", pool_name="gpu", canary_version=2, plan=plan)
+    proposal = rollout_propose(
+        model_name="rag", pool_name="gpu", canary_version=2, plan=plan, accept_shares=True
+    )
+    assert [(row.real_percent, row.overshoots) for row in proposal.preview] == [
+        (33, True),
+        (100, False),
+    ]
+    fair = rollout_propose(model_name="rag", pool_name="gpu", canary_version=2, plan="50%\n100%")
+    assert not fair.preview[0].overshoots  # 2 of 3 nodes, 67%: not twice the 50% asked
+    client.force_login(release_manager)
+    refused = client.post("/rollouts/new/", {**FORM, "plan": plan, "start": ""})
+    assert "accept the real shares to go on" in refused.content.decode()
+    assert not Rollout.objects.exists()
+    shown = client.post(
+        "/rollouts/new/", {**FORM, "plan": plan, "accept_shares": "on", "preview": ""}
+    ).content.decode()
+    assert "really 1 of 3 nodes: 33% of requests" in shown
+    client.post("/rollouts/new/", {**FORM, "plan": plan, "accept_shares": "on", "start": ""})
+    rollout = Rollout.objects.get()
+    assert rollout.plan[0] == {"percent": 5, "hold_s": 60}
+    page = client.get(f"/rollouts/{rollout.pk}/").content.decode()
+    assert '5% <span class="small error">(really 1 of 3 nodes: 33% of requests)</span>' in page
 
 
 def test_the_live_part_stops_polling_once_terminal(
