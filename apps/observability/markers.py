@@ -68,9 +68,9 @@ def change_markers(
 ) -> list[Marker]:
     """What changed in [start, end]; only what touched `model`, `pool` or `node` when given.
     Targets name them (`pool:demo:rag_pipeline`, `node:demo-1:embedder`, `node:demo-1`,
-    `rollout:7:rag_pipeline`); a node's events are its pool's too. Rollout events name no pool:
-    the model's charts show them, a pool's shows the deployments they made. One query in the
-    common case, two when the window holds more than FEW events, whatever their number."""
+    `rollout:7:rag_pipeline`, whose events say their pool); a node's events are its pool's too.
+    One query in the common case, two when the window holds more than FEW events, whatever their
+    number."""
     events = _events(start=start, end=end, model=model, pool=pool, node=node)
     newest = events.order_by("-created_at", "-id").values_list(*FIELDS)
     rows = [_Row._make((*row, 0)) for row in newest[: FEW + 1]]
@@ -147,8 +147,10 @@ def _events(
             node_name=Substr(rest, 1, StrIndex(Concat(rest, Value(":")), Value(":")) - 1)
         )
         nodes = Node.objects.filter(pool__name=pool).values("name")
-        at &= Q(target__startswith=f"pool:{pool}:") | Q(
-            target__startswith="node:", node_name__in=nodes
+        at &= (
+            Q(target__startswith=f"pool:{pool}:")
+            | Q(target__startswith="node:", node_name__in=nodes)
+            | Q(target__startswith="rollout:", after__pool=pool)
         )
     if node:
         at &= Q(target=f"node:{node}") | Q(target__startswith=f"node:{node}:")

@@ -108,7 +108,12 @@ def transition(
         action=f"rollout.{event or state}",
         target=f"rollout:{rollout.pk}:{rollout.model.name}",
         before={"state": before, "step": rollout.step},
-        after={"state": state, "step": rollout.step, "version": rollout.canary_version},
+        after={
+            "state": state,
+            "step": rollout.step,
+            "version": rollout.canary_version,
+            "pool": rollout.pool.name,  # its target names the rollout and the model, not the pool
+        },
         result="failed" if state == State.FAILED else "ok",
         message=reason,
     )

@@ -157,7 +157,12 @@ def rollout_start(
         actor=actor,
         action="rollout.start",
         target=f"rollout:{rollout.pk}:{model_name}",
-        after={"baseline": proposal.baseline, "canary": canary_version, "plan": proposal.plan},
+        after={
+            "baseline": proposal.baseline,
+            "canary": canary_version,
+            "plan": proposal.plan,
+            "pool": pool_name,
+        },
     )
     notify(rollout, "started")
     return rollout

@@ -97,21 +97,20 @@ def test_a_pool_chart_has_the_pools_changes_and_its_nodes_health_only() -> None:
     deploy("other", ["demo-10"], request_id="req-other", version=3)
     event("node.down", "node:demo-2", result="failed")
     event("node.down", "node:demo-10", result="failed")  # a prefix of no node of demo's
-    for rollout, canary in [(7, "demo-1"), (8, "demo-10")]:  # a tick: its canary, its step
-        tick = f"req-tick-{rollout}"
+    for rollout, canary, pool in [(7, "demo-1", "demo"), (8, "demo-10", "other")]:
+        tick = f"req-tick-{rollout}"  # a tick: its canary, its step
         event(
             "deployment.set", f"node:{canary}:rag_pipeline", request_id=tick, after={"version": 3}
         )
-        event(
-            "rollout.step", f"rollout:{rollout}:rag_pipeline", request_id=tick, after={"version": 3}
-        )
+        step = {"version": 3, "pool": pool}  # a rollout's target names no pool: its event does
+        event("rollout.step", f"rollout:{rollout}:rag_pipeline", request_id=tick, after=step)
     found = change_markers(**window(), pool="demo")
-    # Rollout events name no pool: the pool's chart has the canary deployment its tick made.
     assert [m.text.splitlines()[0] for m in found] == [
         "deploy rag_pipeline v2 on pool demo by ops — 6 node operations on 2 nodes:",
         "down demo-2 by ops",
-        "deploy rag_pipeline v3 on demo-1 by ops",
+        "step rag_pipeline v3 in rollout #7 by ops",
     ]
+    assert found[-1].text.splitlines()[1] == "also deploy rag_pipeline v3 on demo-1 by ops"
     assert "demo-10" not in found[0].text
 
 
