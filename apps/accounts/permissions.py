@@ -70,11 +70,14 @@ def may_somewhere(user: User | AnonymousUser, permission: str) -> bool:
 
 
 def authorize(actor: User | str, permission: str, pool: Any) -> None:
-    """Raise PermissionDenied unless `actor` holds `permission` on `pool` (a NodePool). System
-    actors (names, not users: the controller, the reconciler, commands) act everywhere."""
-    if isinstance(actor, User) and not may(actor, permission, pool.pk):
+    """Raise PermissionDenied unless `actor` holds `permission` on `pool` (a NodePool; None: a
+    permission that no pool scopes). System actors (names, not users: the controller, the
+    reconciler, commands) act everywhere."""
+    if isinstance(actor, User) and not may(actor, permission, pool.pk if pool else None):
+        where = f" on pool {pool.name}" if pool else ""
         raise PermissionDenied(
-            f"{actor.username} may not do that on pool {pool.name}: it needs {permission} there"
+            f"{actor.username} may not do that{where}: it needs {permission}"
+            + (" there" if pool else "")
         )
 
 

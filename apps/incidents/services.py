@@ -5,10 +5,10 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.core.exceptions import PermissionDenied
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from apps.accounts.permissions import authorize
 from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet.models import Node, NodePool
 from apps.incidents.models import Incident
@@ -42,7 +42,7 @@ def incident_open(
     node: str = "",
 ) -> Incident:
     """A person's incident over a window (from a chart or the timeline); open until resolved."""
-    _may_manage(actor)
+    authorize(actor, MANAGE, None)  # incidents are the fleet's, not a pool's
     if not title.strip():
         raise IncidentError("title: say what is wrong, in a few words")
     if severity not in Incident.Severity.values:
@@ -75,7 +75,7 @@ def incident_update(
     notes: str | None = None,
 ) -> Incident:
     """Status (open, mitigated, resolved), owner (a username; "" for nobody) and notes."""
-    _may_manage(actor)
+    authorize(actor, MANAGE, None)
     incident = Incident.objects.select_for_update().filter(pk=incident_id).first()
     if incident is None:
         raise IncidentError(f"no incident #{incident_id}")
@@ -135,7 +135,7 @@ def incident_rollback(
     parts of this one): a rollout under way is rolled back to the release it started from; any
     other change, the pool goes back to its last good release of the model. Returns what was
     done, in words."""
-    _may_manage(actor)
+    authorize(actor, MANAGE, None)
     incident = Incident.objects.filter(pk=incident_id).first()
     if incident is None:
         raise IncidentError(f"no incident #{incident_id}")
@@ -175,7 +175,7 @@ def alerts_receive(*, payload: dict[str, Any], actor: Actor) -> Incident | None:
     alerts = [a for a in payload.get("alerts") or [] if isinstance(a, dict)]
     labels = payload.get("commonLabels") or {}
     firing = payload.get("status") == "firing"
-    _may_manage(actor)
+    authorize(actor, MANAGE, None)
     incident = (
         Incident.objects.select_for_update()
         .filter(alert_key=key)
@@ -231,8 +231,3 @@ def _moment(text: object) -> datetime | None:
     """An Alertmanager time; its zero time (0001-01-01) means none."""
     moment = parse_datetime(text) if isinstance(text, str) else None
     return moment if moment is not None and moment.year > 1 else None
-
-
-def _may_manage(actor: Actor) -> None:
-    if isinstance(actor, User) and not actor.has_perm(MANAGE):
-        raise PermissionDenied(f"{actor.username} may not do that: it needs {MANAGE}")
