@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple
 
 from django.db.models import Count, F, Q, QuerySet, Subquery, Value, Window
 from django.db.models.functions import Coalesce, Concat, RowNumber, StrIndex, Substr
@@ -51,7 +51,26 @@ LISTED_PER_NODE = 6
 LISTED_OPERATIONS = LISTED_NODES * LISTED_PER_NODE
 
 
-class _Event(Protocol):
+def change_markers(
+    *, start: datetime, end: datetime, model: str = "", pool: str = "", node: str = ""
+) -> list[Marker]:
+    """What changed in [start, end]; only what touched `model`, `pool` or `node` when given.
+    Targets name them (`pool:demo:rag_pipeline`, `node:demo-1:embedder`, `node:demo-1`,
+    `rollout:7:rag_pipeline`, whose events say their pool); a node's events are its pool's too.
+    One query in the common case, two when the window holds more than FEW events, whatever their
+    number."""
+    events = _events(start=start, end=end, model=model, pool=pool, node=node)
+    newest = events.order_by("-created_at", "-id").values_list(*FIELDS)
+    rows = [_Event._make((*row, 0)) for row in newest[: FEW + 1]]
+    # Few: counted here, as a query with window functions costs more to build than this.
+    rows = _counted_by_the_database(events, start) if len(rows) > FEW else _counted(rows)
+    return fold(reversed(rows))[-MAX_MARKERS:]
+
+
+FEW = 300  # events a chart reads as they are; past them, the database counts and picks
+
+
+class _Event(NamedTuple):
     created_at: datetime
     actor: str
     action: str
@@ -63,43 +82,14 @@ class _Event(Protocol):
     in_group: int  # an operation's: how many of its request, action and result there are
 
 
-def change_markers(
-    *, start: datetime, end: datetime, model: str = "", pool: str = "", node: str = ""
-) -> list[Marker]:
-    """What changed in [start, end]; only what touched `model`, `pool` or `node` when given.
-    Targets name them (`pool:demo:rag_pipeline`, `node:demo-1:embedder`, `node:demo-1`,
-    `rollout:7:rag_pipeline`, whose events say their pool); a node's events are its pool's too.
-    One query in the common case, two when the window holds more than FEW events, whatever their
-    number."""
-    events = _events(start=start, end=end, model=model, pool=pool, node=node)
-    newest = events.order_by("-created_at", "-id").values_list(*FIELDS)
-    rows = [_Row._make((*row, 0)) for row in newest[: FEW + 1]]
-    # Few: counted here, as a query with window functions costs more to build than this.
-    rows = _counted_by_the_database(events, start) if len(rows) > FEW else _counted(rows)
-    return fold(reversed(cast(list[_Event], rows)))[-MAX_MARKERS:]
+FIELDS = _Event._fields[:-1]  # what is read; in_group is counted
 
 
-FIELDS = ["created_at", "actor", "action", "target", "after", "result", "message", "request_id"]
-FEW = 300  # events a chart reads as they are; past them, the database counts and picks
-
-
-class _Row(NamedTuple):
-    created_at: datetime
-    actor: str
-    action: str
-    target: str
-    after: dict[str, Any]
-    result: str
-    message: str
-    request_id: str
-    in_group: int
-
-
-def _groups(row: _Row) -> tuple[str, str, str]:
+def _groups(row: _Event) -> tuple[str, str, str]:
     return (row.request_id, row.action, row.result)
 
 
-def _counted(rows: list[_Row]) -> list[_Row]:
+def _counted(rows: list[_Event]) -> list[_Event]:
     """Newest first: each row's `in_group`, and only the first LISTED_OPERATIONS operations of
     each request kept, as the database's query below does."""
     sizes = Counter(map(_groups, rows))
@@ -113,7 +103,7 @@ def _counted(rows: list[_Row]) -> list[_Row]:
     return kept[::-1]
 
 
-def _counted_by_the_database(events: QuerySet[AuditEvent], start: datetime) -> list[_Row]:
+def _counted_by_the_database(events: QuerySet[AuditEvent], start: datetime) -> list[_Event]:
     """Bounded: the newest MAX_EVENTS events, found by the created_at index, never the whole
     window (a week at 500 nodes is a million operations). Of those, a request's operations
     are counted by the database and only the first few read: those its marker lists."""
@@ -128,7 +118,7 @@ def _counted_by_the_database(events: QuerySet[AuditEvent], start: datetime) -> l
         .filter(Q(rank__lte=LISTED_OPERATIONS) | Q(request_id="") | ~Q(action__in=OPERATIONS))
         .order_by("-created_at", "-id")
     )
-    return [_Row._make(row) for row in rows.values_list(*FIELDS, "in_group")]
+    return [_Event._make(row) for row in rows.values_list(*FIELDS, "in_group")]
 
 
 def _events(
