@@ -18,7 +18,6 @@ from apps.accounts.models import ApiToken
 from apps.accounts.permissions import ApprovalRequired
 from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
-from apps.audit.services import audit_record
 from apps.fleet import services as fleet
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.registry import imports
@@ -30,28 +29,6 @@ from tests.support import REPOSITORY
 from tests.support.audit import ROLLOUT_SERVICES, Case, assert_one_event_each
 
 CONFIG = {"name": "rag", "backend": "python", "max_batch_size": 8}
-
-
-@pytest.fixture
-def trail(db: None) -> list[AuditEvent]:
-    return [
-        audit_record(
-            actor="ops",
-            action="deployment.set",
-            target="pool:gpu:rag",
-            before={"version": 1},
-            after={"version": 2},
-        ),
-        audit_record(
-            actor="system:rollouts",
-            action="rollout.aborting",
-            target="rollout:7:rag",
-            message="failure: p99 | above\nthreshold",
-        ),
-        audit_record(
-            actor="viewer", action="rollout.start", target="/rollouts/new/", result="denied"
-        ),
-    ]
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="the trigger is PostgreSQL's")

@@ -88,16 +88,22 @@ def test_a_node_deployment_overrides_the_pools(node: Node) -> None:
     assert node_desired(node)["embedder"].versions == (2,)
 
 
+@pytest.fixture
+def computed(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """One entry each time a desired state is computed, not read back from its cache."""
+    from apps.fleet import desired
+
+    calls: list[dict] = []
+    original = desired.fleet_desired
+    monkeypatch.setattr(desired, "fleet_desired", lambda **kw: calls.append(kw) or original(**kw))
+    return calls
+
+
 def test_a_pools_nodes_share_one_desired_state_computed_again_on_every_change(
-    node: Node, monkeypatch: pytest.MonkeyPatch
+    node: Node, computed: list[dict]
 ) -> None:
     from apps.fleet import desired
 
-    computed = []
-    original = desired.fleet_desired
-    monkeypatch.setattr(
-        desired, "fleet_desired", lambda **kw: computed.append(kw) or original(**kw)
-    )
     other = node_register(
         name="n2", pool="p", http_url="http://127.0.0.1:2", actor="system:test", **URLS
     )
@@ -398,16 +404,11 @@ def test_a_periodic_reconcile_records_the_change_under_the_request_that_made_it(
 
 
 def test_a_reconcile_hands_its_desired_state_to_the_run_and_a_change_still_stops_it(
-    node: Node, monkeypatch: pytest.MonkeyPatch
+    node: Node, computed: list[dict], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The run used to compute the desired state again, its dearest step at 500 nodes."""
-    from apps.fleet import desired, operations
+    from apps.fleet import operations
 
-    computed = []
-    original = desired.fleet_desired
-    monkeypatch.setattr(
-        desired, "fleet_desired", lambda **kw: computed.append(kw) or original(**kw)
-    )
     loaded: list[tuple[str, int]] = []
     monkeypatch.setattr(  # what was loaded reads back READY
         TritonClient,

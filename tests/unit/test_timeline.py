@@ -126,22 +126,9 @@ def test_a_window_out_of_range_or_too_long_shows_the_latest_and_says_why(
 
 
 def test_the_timeline_sums_up_and_exports_a_markdown_report(
-    client: Client, viewer: User, settings: object
+    trail: list[AuditEvent], client: Client, viewer: User, settings: object
 ) -> None:
     settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
-    audit_record(
-        actor="ops",
-        action="deployment.set",
-        target="pool:gpu:rag",
-        before={"version": 1},
-        after={"version": 2},
-    )
-    audit_record(
-        actor="system:rollouts",
-        action="rollout.aborting",
-        target="rollout:7:rag",
-        message="failure: p99 | above\nthreshold",
-    )
     client.force_login(viewer)
     page = client.get("/audit/timeline/?window=1h").content.decode()
     assert "<strong>pool:gpu:rag</strong>: v1 → v2" in page

@@ -1,0 +1,28 @@
+"""Fixtures the unit tests share."""
+
+import pytest
+
+from apps.audit.models import AuditEvent
+from apps.audit.services import audit_record
+
+
+@pytest.fixture
+def trail(db: None) -> list[AuditEvent]:
+    return [
+        audit_record(
+            actor="ops",
+            action="deployment.set",
+            target="pool:gpu:rag",
+            before={"version": 1},
+            after={"version": 2},
+        ),
+        audit_record(
+            actor="system:rollouts",
+            action="rollout.aborting",
+            target="rollout:7:rag",
+            message="failure: p99 | above\nthreshold",
+        ),
+        audit_record(
+            actor="viewer", action="rollout.start", target="/rollouts/new/", result="denied"
+        ),
+    ]
