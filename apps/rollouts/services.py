@@ -227,10 +227,10 @@ def rollout_roll_back(*, rollout_id: int, actor: Actor, reason: str) -> Rollout:
     """On-call's undo of a rollout under way: its canary aborted, the pool kept on the release
     the rollout started from. A rollback, so on-call's permission on the pool is enough; steering
     a rollout (pause, promote, abort) stays the release manager's."""
-    pool = Rollout.objects.filter(pk=rollout_id).values_list("pool", flat=True).first()
-    if pool is None:
+    found = Rollout.objects.select_related("pool").filter(pk=rollout_id).first()
+    if found is None:
         raise RolloutError(f"there is no rollout #{rollout_id}")
-    authorize(actor, "rollouts.rollback_release", NodePool.objects.get(pk=pool))
+    authorize(actor, "rollouts.rollback_release", found.pool)
     rollout = _locked(rollout_id, "roll back", Rollout.ACTIVE, None)  # authorized above
     if rollout.state != State.ABORTING:
         controller.begin_abort(
