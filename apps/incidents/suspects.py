@@ -90,6 +90,7 @@ def _group(events: list[AuditEvent]) -> list[Suspect]:
     names = {e.target.split(":")[1] for e in events if e.target.startswith("node:")}
     pools = dict(Node.objects.filter(name__in=names).values_list("name", "pool__name"))
     found: dict[tuple, Suspect] = {}
+    rollout_of: dict[tuple[str, str], Suspect] = {}  # (model, pool): its rollout's suspect
     for event in events:  # newest first: the first seen of a change is its latest event
         kind, _, rest = event.target.partition(":")
         subject, _, model = rest.rpartition(":")
@@ -100,16 +101,9 @@ def _group(events: list[AuditEvent]) -> list[Suspect]:
             title = f"rollout #{rollout.pk}: {model} {versions} on {pool}"
         elif kind in ("pool", "node"):
             pool = subject if kind == "pool" else pools.get(subject, "")
-            rollout_key = next(
-                (
-                    k
-                    for k, s in found.items()
-                    if k[0] == "rollout" and (s.model, s.pool) == (model, pool)
-                ),
-                None,
-            )
-            if event.actor == ROLLOUTS and rollout_key is not None:
-                found[rollout_key].parts.append(f"{event.action} {event.target}")
+            owner = rollout_of.get((model, pool))
+            if event.actor == ROLLOUTS and owner is not None:
+                owner.parts.append(f"{event.action} {event.target}")
                 continue
             key, title = ("event", event.pk), f"{event.action} {event.target}"
         else:  # the registry's: a model, whichever pools run it
@@ -118,8 +112,13 @@ def _group(events: list[AuditEvent]) -> list[Suspect]:
         if key in found:
             found[key].parts.append(f"{event.action} at {event.created_at:%H:%M:%S}")
             continue
-        found[key] = Suspect(event.created_at, event.action, event.target, model, pool, title)
-        found[key].rollout = key[1] if key[0] == "rollout" else 0
+        rollout_id = key[1] if key[0] == "rollout" else 0
+        suspect = Suspect(
+            event.created_at, event.action, event.target, model, pool, title, rollout=rollout_id
+        )
+        found[key] = suspect
+        if rollout_id:
+            rollout_of.setdefault((model, pool), suspect)
     return list(found.values())
 
 
