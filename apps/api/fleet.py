@@ -1,17 +1,29 @@
-"""Nodes and what they serve, deployments (desired state) and operations."""
+"""Nodes and what they serve, deployments (desired state), operations, and a pool's traffic as
+a Kubernetes Gateway API HTTPRoute."""
 
+import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404
-from ninja import Router, Schema, Status
+from ninja import Query, Router, Schema, Status
+from pydantic import AfterValidator, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 from apps.accounts.permissions import current_user
 from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, WAITS, ApiError
 from apps.api.paging import Limit, Offset
 from apps.fleet.desired import DesiredStateError, FleetDesired, fleet_desired
+from apps.fleet.gateway import (
+    DNS_LABEL,
+    DNS_SUBDOMAIN,
+    LABEL,
+    SUBDOMAIN,
+    GatewayError,
+    httproute,
+)
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.selectors import Reading, converged, drift_of, node_models, observed_many
 from apps.fleet.services import FleetError, deployment_remove, deployment_set, operation_request
@@ -160,6 +172,60 @@ def _operation_out(op: Operation) -> dict[str, Any]:
     }
 
 
+def _kubernetes_name(rule: re.Pattern[str], what: str) -> AfterValidator:
+    def check(value: str) -> str:
+        if not rule.fullmatch(value):
+            raise PydanticCustomError("kubernetes_name", f"not a Kubernetes name ({what})")
+        return value
+
+    return AfterValidator(check)
+
+
+# Checked by a validator rather than a `pattern` constraint, whose error quotes the regular
+# expression; the schema still shows clients the pattern.
+GatewayName = Annotated[
+    str,
+    _kubernetes_name(
+        DNS_SUBDOMAIN,
+        "RFC 1123 subdomain: at most 253 lowercase letters, digits, '-' and '.', "
+        "starting and ending with a letter or digit",
+    ),
+    WithJsonSchema({"type": "string", "pattern": f"^{SUBDOMAIN}$", "maxLength": 253}),
+]
+NamespaceName = Annotated[
+    str,
+    _kubernetes_name(
+        DNS_LABEL,
+        "RFC 1123 label: at most 63 lowercase letters, digits and '-', "
+        "starting and ending with a letter or digit",
+    ),
+    WithJsonSchema({"type": "string", "pattern": f"^{LABEL}$", "maxLength": 63}),
+]
+GATEWAY = Query(
+    "triton",
+    max_length=253,
+    description="the Gateway the route attaches to, in the route's namespace",
+)
+NAMESPACE = Query(
+    "default",
+    max_length=63,
+    description="the route's namespace, where the nodes' Services are",
+)
+PORT = Query(8000, ge=1, le=65535, description="Triton's HTTP port on each node's Service")
+YAML = "application/yaml; charset=utf-8"
+# What the YAML holds, for the schema: clients (and Schemathesis) parse it and check the shape.
+HTTPROUTE = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "gateway.networking.k8s.io/v1"},
+        "kind": {"const": "HTTPRoute"},
+        "metadata": {"type": "object", "required": ["name", "namespace", "labels"]},
+        "spec": {"type": "object", "required": ["parentRefs", "rules"]},
+    },
+}
+
+
 def _deployments() -> Any:
     return Deployment.objects.select_related("model", "pool", "node").prefetch_related(
         "pool__nodes"
@@ -257,3 +323,33 @@ def request_operation(request: HttpRequest, name: str, body: OperationIn) -> Sta
     except (FleetError, DesiredStateError) as exc:
         raise ApiError(409, "refused", str(exc)) from None
     return Status(202, _operation_out(op))
+
+
+@router.get(
+    "/pools/{name}/httproute",
+    response={200: None, **ERRORS},
+    openapi_extra={
+        "responses": {
+            200: {
+                "description": "The pool's HTTPRoute, as YAML",
+                "content": {"application/yaml": {"schema": HTTPROUTE}},
+            }
+        }
+    },
+)
+def get_httproute(
+    request: HttpRequest,
+    name: str,
+    gateway: GatewayName = GATEWAY,
+    namespace: NamespaceName = NAMESPACE,
+    port: int = PORT,
+) -> HttpResponse:
+    """The pool's traffic as a Kubernetes Gateway API HTTPRoute: each node's Service (one per
+    node, named as the node) at the node's weight, 0 while it is drained."""
+    pool = get_object_or_404(NodePool, name=name)
+    nodes = list(pool.nodes.order_by("name"))
+    try:
+        text = httproute(pool, nodes, gateway=gateway, namespace=namespace, port=port)
+    except GatewayError as exc:
+        raise ApiError(409, "refused", str(exc)) from None
+    return HttpResponse(text, content_type=YAML)

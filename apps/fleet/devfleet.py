@@ -33,6 +33,10 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
+SINGLE_PROCESSES = ("prometheus", "simulator", "alertmanager", "haproxy")
+HAPROXY_BACKENDS = ("triton_http", "triton_grpc")
+
+
 class DevfleetError(Exception):
     """Something the user must fix; the message says what and how, in one line."""
 
@@ -59,6 +63,7 @@ class FleetState:
     prometheus: Proc | None = None
     simulator: Proc | None = None  # its ports: one per simulated node, by node name
     alertmanager: Proc | None = None
+    haproxy: Proc | None = None  # in front of the nodes: ports http, grpc and runtime (its API)
 
     def node_urls(self, node: Proc) -> dict[str, str]:
         return {
@@ -82,7 +87,7 @@ class FleetState:
     @property
     def processes(self) -> list[Proc]:
         """Everything this fleet started: the nodes, the simulator, Prometheus, Alertmanager."""
-        started = (self.simulator, self.prometheus, self.alertmanager)
+        started = (self.simulator, self.prometheus, self.alertmanager, self.haproxy)
         extra = [proc for proc in started if proc is not None]
         return [*self.nodes, *extra]
 
@@ -104,7 +109,7 @@ class Devfleet:
         if not self.state_file.exists():
             return FleetState()
         raw = json.loads(self.state_file.read_text())
-        one = {name: raw.get(name) for name in ("prometheus", "simulator", "alertmanager")}
+        one = {name: raw.get(name) for name in SINGLE_PROCESSES}
         return FleetState(
             nodes=[Proc(**node) for node in raw["nodes"]],
             **{name: Proc(**proc) if proc else None for name, proc in one.items()},  # type: ignore[arg-type]
@@ -112,12 +117,10 @@ class Devfleet:
 
     def _save(self, state: FleetState) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
-        data = {
-            "nodes": [asdict(n) for n in state.nodes],
-            "prometheus": asdict(state.prometheus) if state.prometheus else None,
-            "simulator": asdict(state.simulator) if state.simulator else None,
-            "alertmanager": asdict(state.alertmanager) if state.alertmanager else None,
-        }
+        data: dict[str, object] = {"nodes": [asdict(n) for n in state.nodes]}
+        for name in SINGLE_PROCESSES:
+            proc = getattr(state, name)
+            data[name] = asdict(proc) if proc else None
         self.state_file.write_text(json.dumps(data, indent=2))
 
     # -- up / down -------------------------------------------------------------------------------
@@ -222,6 +225,30 @@ class Devfleet:
         if state.prometheus is not None and state.prometheus.running:
             self._reload_prometheus(state, {"rule_files": [], "alerting": {}})
 
+    def balancer(self) -> Proc:
+        """HAProxy in front of the nodes: an HTTP and a gRPC (h2) frontend, each node a server
+        of the backends `triton_http` and `triton_grpc` under its own name (weight 100, taken
+        out while not ready), and its runtime API, admin level, on a local TCP port."""
+        state = self.state()
+        if not state.nodes:
+            raise DevfleetError("start the fleet first: HAProxy balances its nodes")
+        binary = _require_binary("haproxy", "apt-get install -y haproxy")
+        if state.haproxy is not None and state.haproxy.running:
+            raise DevfleetError(f"HAProxy is already running (pid {state.haproxy.pid})")
+        http, grpc, runtime = _ports(3, None)
+        config = self.home / "haproxy.cfg"
+        config.write_text(haproxy_config(state, http=http, grpc=grpc, runtime=runtime))
+        argv = [binary, "-db", "-f", str(config)]
+        check = subprocess.run([binary, "-c", "-q", "-f", str(config)], capture_output=True)
+        if check.returncode != 0:
+            raise DevfleetError(f"haproxy refused {config}: {check.stderr.decode().strip()}")
+        state.haproxy = self._spawn(
+            "haproxy", argv, {"http": http, "grpc": grpc, "runtime": runtime}
+        )
+        self._save(state)
+        _wait_http(f"http://127.0.0.1:{http}/v2/health/live", state.haproxy)
+        return state.haproxy
+
     def _reload_prometheus(self, state: FleetState, changes: dict[str, object]) -> None:
         assert state.prometheus is not None
         config = self.home / "prometheus.yml"
@@ -303,6 +330,11 @@ class Devfleet:
             state.prometheus = proc = self._spawn(name, old.argv, old.ports)
             self._save(state)
             _wait_http(f"{state.prometheus_url}/-/ready", proc)
+            return proc
+        if state.haproxy is not None and name == state.haproxy.name:
+            state.haproxy = proc = self._spawn(name, old.argv, old.ports)
+            self._save(state)
+            _wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
             return proc
         if state.simulator is not None and name == state.simulator.name:
             state.simulator = proc = self._spawn(name, old.argv, old.ports, _simulator_env())
@@ -443,6 +475,43 @@ class Devfleet:
                 raise TritonError(
                     client.node, f"{name} v{each_version} is not READY after load: {reason}"
                 )
+
+
+def haproxy_config(state: FleetState, *, http: int, grpc: int, runtime: int) -> str:
+    """What `deploy/haproxy/triton-pool.cfg` shows, for the fleet's nodes on this machine."""
+    # A gRPC server's health is checked over HTTP/1.1 on its node's HTTP port.
+    grpc_check = "proto h2 check check-proto h1 port"
+    servers = {
+        "triton_http": [f"{n.name} 127.0.0.1:{n.ports['http']} check" for n in state.nodes],
+        "triton_grpc": [
+            f"{n.name} 127.0.0.1:{n.ports['grpc']} {grpc_check} {n.ports['http']}"
+            for n in state.nodes
+        ],
+    }
+    lines = [
+        "global",
+        f"    stats socket ipv4@127.0.0.1:{runtime} level admin",
+        "defaults",
+        "    mode http",
+        "    timeout connect 2s",
+        "    timeout client 60s",
+        "    timeout server 60s",
+        "frontend triton_http",
+        f"    bind 127.0.0.1:{http}",
+        "    default_backend triton_http",
+        "frontend triton_grpc",
+        f"    bind 127.0.0.1:{grpc} proto h2",
+        "    default_backend triton_grpc",
+    ]
+    for backend in HAPROXY_BACKENDS:
+        lines += [
+            f"backend {backend}",
+            "    balance roundrobin",
+            "    option httpchk GET /v2/health/ready",
+            "    default-server weight 100 inter 1s fall 2 rise 1",
+            *(f"    server {server}" for server in servers[backend]),
+        ]
+    return "\n".join(lines) + "\n"
 
 
 # What would make the Python backend's stub, which embeds the system's libpython3.11, look for

@@ -16,11 +16,47 @@ class NodePool(models.Model):
         help_text="deployments, promotions and rollbacks need a second person",
     )
 
+    class Traffic(models.TextChoices):
+        NONE = "", "none"
+        HAPROXY = "haproxy", "HAProxy"
+
+    traffic = models.CharField(
+        max_length=20,
+        choices=Traffic.choices,
+        blank=True,
+        help_text="the balancer in front of the pool, whose server weights give a rollout's "
+        "shares exactly (HAProxy: through its runtime API); none: a share is a number of nodes",
+    )
+    traffic_runtime = models.CharField(
+        max_length=200,
+        blank=True,
+        help_text="HAProxy's runtime API: host:port, or the path of its unix socket",
+    )
+    traffic_backends = models.CharField(
+        max_length=200,
+        blank=True,
+        help_text="the HAProxy backends (comma-separated) whose servers are this pool's nodes, "
+        "named as the nodes are",
+    )
+    min_serving = models.PositiveSmallIntegerField(
+        default=1, help_text="a node is drained for a load only while this many others serve"
+    )
+    warmup_requests = models.PositiveSmallIntegerField(
+        default=5, help_text="requests a node answers after a load, before it takes traffic"
+    )
+    drain_timeout_s = models.PositiveSmallIntegerField(
+        default=30, help_text="how long a drained node's in-flight requests may take to finish"
+    )
+
     class Meta:
         ordering = ["name"]
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def backends(self) -> list[str]:
+        return [name.strip() for name in self.traffic_backends.split(",") if name.strip()]
 
 
 class Node(models.Model):
@@ -55,6 +91,14 @@ class Node(models.Model):
     # killed worker's lease lapses within seconds and the next one can take over.
     lease_owner = models.CharField(max_length=64, blank=True)
     lease_until = models.DateTimeField(null=True, blank=True)
+    # On a pool with a traffic strategy: the node's share of requests (a rollout's weights), and
+    # whether a worker took it out of traffic to load or unload on it.
+    weight = models.PositiveSmallIntegerField(default=100, help_text="0-256, as HAProxy's")
+    draining = models.BooleanField(default=False)
+    served_weight = models.PositiveSmallIntegerField(
+        null=True, blank=True, help_text="the weight the balancer last read back"
+    )
+    traffic_error = models.TextField(blank=True)
 
     class Meta:
         ordering = ["pool__name", "name"]
@@ -62,6 +106,19 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def wanted_weight(self) -> int:
+        """The weight the balancer must give the node now."""
+        return 0 if self.draining else self.weight
+
+    @property
+    def traffic_drift(self) -> str:
+        """How the balancer's weight for the node differs from what it must be, if it does
+        (a pool with a traffic strategy only; empty until the balancer was first read)."""
+        if not self.pool.traffic or self.served_weight in (None, self.wanted_weight):
+            return ""
+        return f"weight {self.wanted_weight}, the balancer shows {self.served_weight}"
 
     @property
     def ready_versions(self) -> dict[str, list[int]]:

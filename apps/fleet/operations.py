@@ -12,7 +12,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from apps.audit.context import REQUEST_ID
@@ -28,6 +28,7 @@ from apps.fleet.desired import (
 from apps.fleet.models import Node, Operation
 from apps.fleet.planner import Observed, plan
 from apps.fleet.polling import node_read_index
+from apps.fleet.routing import drained, warm_up
 from apps.fleet.triton import (
     TritonClient,
     TritonError,
@@ -249,24 +250,40 @@ def node_run(*, node_id: int, wanted: "Wanted | None" = None) -> None:
         )
         if wanted is None or wanted.node is None:
             wanted = Wanted()
-            wanted.node = Node.objects.get(pk=node_id)
+            wanted.node = Node.objects.select_related("pool").get(pk=node_id)
         node = wanted.node
         queued = node.operations.filter(status=Operation.Status.QUEUED).select_related("node")
-        # A batch at a time: each claim is conditional (queued -> running), so an operation
-        # cancelled since the batch was read is skipped; a cancel reads the queue afresh.
-        while batch := list(queued.order_by("seq", "id")):
-            for op in batch:
-                if op.requested_by == RECONCILER and wanted.digest() != op.plan_digest:
-                    _cancel_plan(op, "superseded: the desired state changed after it was planned")
-                    break
-                if not lease.held:
-                    return  # the heartbeat lost the node: another worker may own it now
-                status = _execute(node, op)
-                if op.requested_by == RECONCILER and status != Operation.Status.SUCCEEDED:
-                    # Later steps of a make-before-break plan assume this one worked.
-                    step = f"step {op.seq} ({op.kind} {op.model_name})"
-                    _cancel_plan(op, f"not run: {step} {status}")
-                    break
+        if not queued.exists():
+            return
+        # Out of traffic, on a pool with a traffic strategy: loads never meet live requests.
+        with drained(node):
+            loaded = _run_queued(node, queued, wanted, lease)
+            warm_up(node, loaded)
+
+
+def _run_queued(
+    node: Node, queued: "QuerySet[Operation]", wanted: "Wanted", lease: Lease
+) -> dict[str, dict | None]:
+    """Returns the models loaded, with the config each was loaded with."""
+    loaded: dict[str, dict | None] = {}
+    # A batch at a time: each claim is conditional (queued -> running), so an operation
+    # cancelled since the batch was read is skipped; a cancel reads the queue afresh.
+    while batch := list(queued.order_by("seq", "id")):
+        for op in batch:
+            if op.requested_by == RECONCILER and wanted.digest() != op.plan_digest:
+                _cancel_plan(op, "superseded: the desired state changed after it was planned")
+                break
+            if not lease.held:
+                return loaded  # the heartbeat lost the node: another worker may own it now
+            status = _execute(node, op)
+            if status == Operation.Status.SUCCEEDED and op.kind != Operation.Kind.UNLOAD:
+                loaded[op.model_name] = op.config
+            if op.requested_by == RECONCILER and status != Operation.Status.SUCCEEDED:
+                # Later steps of a make-before-break plan assume this one worked.
+                step = f"step {op.seq} ({op.kind} {op.model_name})"
+                _cancel_plan(op, f"not run: {step} {status}")
+                break
+    return loaded
 
 
 def _cancel_plan(op: Operation, why: str) -> None:

@@ -53,7 +53,13 @@ def node_rows(filters: NodeFilters = NodeFilters()) -> list[NodeRow]:
 def node_rows_of(nodes: QuerySet[Node]) -> list[NodeRow]:
     found = list(nodes)
     desired = fleet_desired(pool_ids={node.pool_id for node in found})
-    return [NodeRow(node, drift_of(node_models(node, desired))) for node in found]
+    rows = []
+    for node in found:
+        drift = drift_of(node_models(node, desired))
+        if node.traffic_drift:
+            drift.append(node.traffic_drift)
+        rows.append(NodeRow(node, drift))
+    return rows
 
 
 def converged(ready: Iterable[int], wanted: Iterable[int] | None) -> bool:

@@ -12,7 +12,9 @@ from apps.audit.context import REQUEST_ID
 from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet import addresses
 from apps.fleet.desired import node_desired
+from apps.fleet.haproxy import HAProxyError, Runtime
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
+from apps.fleet.routing import traffic_sync
 from apps.fleet.tasks import enqueue_run, reconcile_node, send_per_node
 from apps.registry.models import Model, ModelVersion
 from apps.registry.services import Actor
@@ -268,30 +270,83 @@ def pool_set_queue(*, pool_name: str, queue: str, actor: Actor) -> NodePool:
     """Route the pool's node work (polls, reconciles, loads) to `queue`; empty: the default."""
     if queue and not QUEUE_NAME.fullmatch(queue):
         raise FleetError(f"queue {queue!r}: letters, digits, '_', '.' and '-', at most 60")
-    return _pool_set(pool_name, "queue", queue, actor)
+    return _pool_set(pool_name, "pool.set_queue", {"queue": queue}, actor)
 
 
 @audited("pool.set_protected", lambda pool_name, **_: f"pool:{pool_name}", (FleetError,))
 def pool_set_protected(*, pool_name: str, protected: bool, actor: Actor) -> NodePool:
     """A protected pool's deployments, promotions and rollbacks need two people."""
-    return _pool_set(pool_name, "protected", protected, actor)
+    return _pool_set(pool_name, "pool.set_protected", {"protected": protected}, actor)
 
 
-def _pool_set(pool_name: str, field: str, value: object, actor: Actor) -> NodePool:
-    """One setting of a pool, audited as pool.set_<field> when it changes."""
+BACKEND_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
+
+
+@audited("pool.set_traffic", lambda pool_name, **_: f"pool:{pool_name}", (FleetError,))
+def pool_set_traffic(
+    *,
+    pool_name: str,
+    traffic: str,
+    actor: Actor,
+    runtime: str = "",
+    backends: list[str] | None = None,
+    min_serving: int = 1,
+    warmup_requests: int = 5,
+    drain_timeout_s: int = 30,
+) -> NodePool:
+    """Put the pool behind a balancer (`haproxy`: its runtime API at `runtime`, the pool's nodes
+    servers of `backends`), or back to shares by node count (""). The balancer is asked for its
+    backends first: a setting it cannot carry out is refused, and the weights go out at once."""
+    backends = backends or []
+    if traffic not in NodePool.Traffic.values:
+        raise FleetError(
+            f"traffic {traffic!r}: one of {', '.join(map(repr, NodePool.Traffic.values))}"
+        )
+    if traffic:
+        bad = next((name for name in backends if not BACKEND_NAME.fullmatch(name)), None)
+        if not backends or bad is not None:
+            raise FleetError(
+                f"backends: name the HAProxy backends of the pool's nodes, not {bad!r}"
+            )
+        try:
+            for backend in backends:
+                Runtime(runtime).weights(backend)
+        except HAProxyError as exc:
+            raise FleetError(str(exc)) from None
+    if not (
+        0 <= min_serving <= 1000 and 0 <= warmup_requests <= 1000 and 1 <= drain_timeout_s <= 3600
+    ):
+        raise FleetError("min_serving and warmup_requests: 0-1000; drain_timeout_s: 1-3600")
+    settings = {
+        "traffic": traffic,
+        "traffic_runtime": runtime if traffic else "",
+        "traffic_backends": ",".join(backends) if traffic else "",
+        "min_serving": min_serving,
+        "warmup_requests": warmup_requests,
+        "drain_timeout_s": drain_timeout_s,
+    }
+    pool = _pool_set(pool_name, "pool.set_traffic", settings, actor)
+    traffic_sync(pool.pk)
+    return pool
+
+
+def _pool_set(pool_name: str, action: str, values: dict[str, object], actor: Actor) -> NodePool:
+    """Settings of a pool, audited as one `action` when any of them changes."""
     pool = NodePool.objects.select_for_update().filter(name=pool_name).first()
     if pool is None:
         raise FleetError(f"no pool {pool_name!r}")
-    if getattr(pool, field) != value:
+    changed = {name: value for name, value in values.items() if getattr(pool, name) != value}
+    if changed:
         audit_record(
             actor=actor,
-            action=f"pool.set_{field}",
+            action=action,
             target=f"pool:{pool_name}",
-            before={field: getattr(pool, field)},
-            after={field: value},
+            before={name: getattr(pool, name) for name in changed},
+            after=changed,
         )
-        setattr(pool, field, value)
-        pool.save(update_fields=[field])
+        for name, value in changed.items():
+            setattr(pool, name, value)
+        pool.save(update_fields=list(changed))
     return pool
 
 

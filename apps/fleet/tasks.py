@@ -3,14 +3,16 @@
 Work on a node goes to its pool's queue, so a pool can be driven by workers next to its nodes
 (`celery worker -Q <queue>` in that region); a pool without a queue uses the default one."""
 
+import random
 from collections.abc import Iterable
 
 from celery import Task, shared_task
 from django.utils import timezone
 
-from apps.fleet.models import Heartbeat, Node
+from apps.fleet.models import Heartbeat, Node, NodePool
 from apps.fleet.operations import NodeBusy, Wanted, node_reconcile, node_run
 from apps.fleet.polling import node_poll
+from apps.fleet.routing import PoolAtCapacity, pool_sync
 from apps.fleet.triton import TritonUnreachable
 
 
@@ -18,10 +20,15 @@ def send_per_node(task: Task, node_ids: Iterable[int] | None = None) -> None:
     """One `task` per node (every node when None), each on its pool's queue."""
     nodes = Node.objects.all() if node_ids is None else Node.objects.filter(pk__in=node_ids)
     for node_id, queue in nodes.values_list("id", "pool__queue"):
-        if queue:
-            task.apply_async((node_id,), queue=queue)
-        else:
-            task.apply_async((node_id,))
+        send_to(queue, task, node_id)
+
+
+def send_to(queue: str, task: Task, argument: int) -> None:
+    """`task(argument)` on `queue`, or on the default queue when empty."""
+    if queue:
+        task.apply_async((argument,), queue=queue)
+    else:
+        task.apply_async((argument,))
 
 
 # A late heartbeat is worthless: one that waited in the queue says nothing about now.
@@ -45,8 +52,17 @@ def poll_node(node_id: int) -> None:
 
 @shared_task(name="fleet.reconcile_all", acks_late=True, expires=30)
 def reconcile_all() -> None:
-    """Level-triggered: every node, every period; a lost message is healed by the next one."""
+    """Level-triggered: every node, every period; a lost message is healed by the next one.
+    Pools with a traffic strategy get their balancer's weights checked, once per pool."""
     send_per_node(reconcile_node)
+    for pool_id, queue in NodePool.objects.exclude(traffic="").values_list("id", "queue"):
+        send_to(queue, sync_traffic, pool_id)
+
+
+# Like a reconcile: the next period repairs what a lost or failed one left.
+@shared_task(name="fleet.sync_traffic", acks_late=True, expires=30, soft_time_limit=20)
+def sync_traffic(pool_id: int) -> None:
+    pool_sync(pool_id)
 
 
 # Planning is idempotent (a node with open operations is skipped), so a redelivery is harmless.
@@ -61,14 +77,16 @@ def reconcile_node(node_id: int) -> None:
     if node_reconcile(node_id=node_id, wanted=wanted):
         try:
             node_run(node_id=node_id, wanted=wanted)
-        except (NodeBusy, TritonUnreachable):
+        except (NodeBusy, PoolAtCapacity, TritonUnreachable):
             enqueue_run(node_id)  # that task retries with backoff
 
 
 # Retries only when the node did not answer or another worker holds it; a config Triton refuses
-# fails its operation instead. Loads take minutes at most: soft 300 s < hard 330 s < the broker's
-# 600 s visibility timeout.
+# fails its operation instead. A node its pool cannot spare from traffic yet waits its turn,
+# looked at every few seconds, for as long as a pool-wide release may take. Loads take minutes
+# at most: soft 300 s < hard 330 s < the broker's 600 s visibility timeout.
 @shared_task(
+    bind=True,
     name="fleet.run_node",
     acks_late=True,
     autoretry_for=(TritonUnreachable, NodeBusy),
@@ -79,8 +97,14 @@ def reconcile_node(node_id: int) -> None:
     soft_time_limit=300,
     time_limit=330,
 )
-def run_node(node_id: int) -> None:
-    node_run(node_id=node_id)
+def run_node(self: Task, node_id: int) -> None:
+    try:
+        node_run(node_id=node_id)
+    except PoolAtCapacity as exc:
+        raise self.retry(exc=exc, countdown=random.uniform(2, 4), max_retries=TURN_TRIES) from None
+
+
+TURN_TRIES = 600  # about half an hour
 
 
 def enqueue_run(node_id: int) -> None:

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from apps.observability.catalog import canary_queries, step_mean_latency_query
-from apps.observability.prometheus import escape_label, instant_query
+from apps.observability.prometheus import PrometheusUnavailable, escape_label, instant_query
 from apps.rollouts.models import Measurement
 from apps.rollouts.plans import Analysis
 
@@ -179,3 +179,27 @@ def overall(results: list[Result]) -> str:
         if verdict in verdicts:
             return verdict
     return Verdict.SUCCESS
+
+
+@dataclass(frozen=True)
+class Share:
+    percent: float | None  # None: no request in the window, or Prometheus did not answer
+    query: str
+    error: str = ""
+
+
+OBSERVED_WINDOW_S = 60
+
+
+def observed_share(*, model: str, pool: str, canary_nodes: list[str]) -> Share:
+    """The share of the pool's requests for `model` that canary nodes answered over the last
+    minute, from Triton's own counters: by node, since an unversioned request goes to the
+    highest READY version and an ensemble's own metrics do not carry the version that served."""
+    query = canary_queries(model=model, pool=pool, window_s=OBSERVED_WINDOW_S)["ok"]
+    try:
+        served = _by("node", query)
+    except PrometheusUnavailable as exc:
+        return Share(None, query, str(exc))
+    total = sum(served.values())
+    canary = sum(count for node, count in served.items() if node in canary_nodes)
+    return Share(100 * canary / total if total else None, query)

@@ -14,8 +14,9 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
-from apps.audit.services import audit_record
+from apps.audit.services import actor_name, audit_record
 from apps.fleet.models import Deployment, Node, NodePool
+from apps.fleet.routing import share_weights, weights_reset, weights_set
 from apps.fleet.selectors import observed_many
 from apps.fleet.services import FleetError, deployment_remove, deployment_set
 from apps.observability.prometheus import PrometheusUnavailable
@@ -126,7 +127,11 @@ def pause(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
 
 def begin_abort(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
     """Canary nodes back to the pool's deployment, the baseline, which they still serve: only a
-    narrowing. During a promotion the pool itself goes back to the baseline."""
+    narrowing. During a promotion the pool itself goes back to the baseline. On a pool whose
+    balancer weighs nodes, the canary nodes first get no traffic at all, until the rollback is
+    read back everywhere."""
+    if rollout.pool.traffic:  # no request reaches the canary from now on
+        weights_set(rollout.pool, dict.fromkeys(rollout.canary_nodes, 0), actor_name(actor))
     pool = Deployment.objects.filter(model=rollout.model, pool=rollout.pool).first()
     if pool is not None and pool.version == rollout.canary_version:
         deployment_set(
@@ -154,7 +159,7 @@ def _progress(rollout: Rollout) -> None:
     canary = _canary(rollout, nodes)
     now = timezone.now()
     if rollout.step_started_at is None:
-        _apply_share(rollout, canary)
+        _apply_share(rollout, canary, nodes)
         rollout.step_started_at, rollout.step_ready_at = now, None
         rollout.last_verdict, rollout.last_measured_at = "", None
         return transition(rollout, State.PROGRESSING, event="step")
@@ -195,9 +200,18 @@ def _last_round_details(rollout: Rollout) -> str:
     return "; ".join(details) or "no data"
 
 
-def _apply_share(rollout: Rollout, canary: list[Node]) -> None:
+def _apply_share(rollout: Rollout, canary: list[Node], nodes: list[Node]) -> None:
+    """The step's canary nodes get the canary; on a pool whose balancer weighs nodes, they get
+    the step's exact share of requests (the nodes loading it are drained meanwhile)."""
     versions = canary_versions(rollout)
     rollout.canary_nodes = [node.name for node in canary]
+    if rollout.pool.traffic:
+        step = parse_plan(rollout.plan)[rollout.step]
+        each, rest = share_weights(step.percent or 100, len(canary), len(nodes))
+        if step.percent is None:  # a step in nodes: as many requests as any other node
+            each = rest
+        weights = {node.name: each if node in canary else rest for node in nodes}
+        weights_set(rollout.pool, weights, ACTOR)
     for node in canary:
         deployment_set(
             model_name=rollout.model.name,
@@ -334,6 +348,7 @@ def _promote(rollout: Rollout) -> None:
         drop_node_deployments(rollout.model, rollout.pool, ACTOR)
         return None
     if _all_serve(rollout, rollout.canary_version) is not None:
+        weights_reset(rollout.pool, ACTOR)
         return transition(rollout, State.SUCCEEDED)
     return None
 
@@ -345,6 +360,7 @@ def _aborting(rollout: Rollout) -> None:
     done_at = _all_serve(rollout, target, timed=rollout.canary_nodes)
     if done_at is not None:
         rollout.rolled_back_at = done_at
+        weights_reset(rollout.pool, ACTOR)
         transition(rollout, State.ROLLED_BACK)
 
 

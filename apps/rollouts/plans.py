@@ -14,7 +14,9 @@ class PlanError(ValueError):
 @dataclass(frozen=True)
 class Step:
     nodes: int | None = None  # a number of canary nodes...
-    percent: int | None = None  # ...or a share of the pool, rounded up to a whole node
+    # ...or a share of the pool's requests: by weight on a pool with a traffic strategy (on
+    # as many nodes as the share rounds up to), else the whole nodes that share rounds up to.
+    percent: int | None = None
     hold_s: int = 0
 
     def canary_count(self, pool_size: int) -> int:
@@ -136,6 +138,7 @@ class PreviewStep:
     step: Step
     canary_nodes: list[str]
     baseline_nodes: list[str]
+    weighted: bool = False  # the pool's balancer gives a percent step its exact share
 
     @property
     def analysed(self) -> bool:
@@ -144,7 +147,10 @@ class PreviewStep:
 
     @property
     def real_percent(self) -> int:
-        """The share of the pool's requests the canary really gets: its share of the nodes."""
+        """The share of the pool's requests the canary really gets: the one asked where the
+        pool's balancer weighs nodes, else its share of the nodes."""
+        if self.weighted and self.step.percent is not None:
+            return self.step.percent
         return round(100 * len(self.canary_nodes) / len(self.canary_nodes + self.baseline_nodes))
 
     @property
@@ -156,7 +162,9 @@ class PreviewStep:
     @property
     def real_share(self) -> str:
         nodes = len(self.canary_nodes + self.baseline_nodes)
-        return f"{len(self.canary_nodes)} of {nodes} nodes: {self.real_percent}% of requests"
+        how = "weighted " if self.weighted else ""
+        canary = len(self.canary_nodes)
+        return f"{self.real_percent}% of requests, {how}on {canary} of {nodes} nodes"
 
 
 def canary_nodes(step: Step, nodes: list[str]) -> list[str]:
@@ -165,9 +173,9 @@ def canary_nodes(step: Step, nodes: list[str]) -> list[str]:
     return ordered[: step.canary_count(len(ordered))]
 
 
-def preview(steps: list[Step], nodes: list[str]) -> list[PreviewStep]:
+def preview(steps: list[Step], nodes: list[str], *, weighted: bool = False) -> list[PreviewStep]:
     rows = []
     for index, step in enumerate(steps):
         canary = canary_nodes(step, nodes)
-        rows.append(PreviewStep(index, step, canary, sorted(set(nodes) - set(canary))))
+        rows.append(PreviewStep(index, step, canary, sorted(set(nodes) - set(canary)), weighted))
     return rows

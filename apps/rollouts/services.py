@@ -83,7 +83,7 @@ def rollout_propose(
             f"step {shrinking + 1}: {counts[shrinking]} canary nodes after {counts[shrinking - 1]}"
             "; a step may only widen the canary"
         )
-    rows = preview(steps, nodes)
+    rows = preview(steps, nodes, weighted=bool(pool.traffic))
     far = next((row for row in rows if row.overshoots), None)
     if far is not None and not accept_shares:
         raise PlanError(

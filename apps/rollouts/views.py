@@ -12,6 +12,7 @@ from django.views.decorators.http import require_POST
 from apps.accounts.permissions import current_user, require
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment
+from apps.rollouts.analysis import observed_share
 from apps.rollouts.approvals import APPROVER_PERMISSION, ApprovalError, approval_approve
 from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Approval, Rollout
@@ -78,9 +79,17 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
     """The rollout page; htmx polling gets the live part, and HTTP 286 stops it once terminal."""
     rollout = get_object_or_404(Rollout.objects.select_related("model", "pool"), pk=pk)
     nodes = list(rollout.pool.nodes.order_by("name").values_list("name", flat=True))
+    # Each step with the share it really gets, and the current one's as now observed.
+    steps = preview(parse_plan(rollout.plan), nodes, weighted=bool(rollout.pool.traffic))
     context = {
         "rollout": rollout,
-        "steps": preview(parse_plan(rollout.plan), nodes),  # each with the share it really gets
+        "steps": steps,
+        "current_step": steps[min(rollout.step, len(steps) - 1)],
+        "observed": rollout.state == Rollout.State.PROGRESSING
+        and rollout.canary_nodes
+        and observed_share(
+            model=rollout.model.name, pool=rollout.pool.name, canary_nodes=rollout.canary_nodes
+        ),
         "measurements": rollout.measurements.all()[:60],
         "notifications": rollout.notifications.all()[:20],
         "events": rollout_events(rollout),

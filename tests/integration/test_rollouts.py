@@ -18,7 +18,15 @@ from apps.fleet.services import deployment_set
 from apps.registry.services import model_set_budget, model_set_fallback
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import release_fallback, release_rollback, rollout_start
-from tests.support.fleet import ANALYSIS, STEPS_V1, STEPS_V2, converged, ready_on, wait_for
+from tests.support.fleet import (
+    ANALYSIS,
+    HEALTHY,
+    STEPS_V1,
+    STEPS_V2,
+    converged,
+    ready_on,
+    wait_for,
+)
 from tests.support.services import Celery, Webhook
 from tests.support.users import make_user
 
@@ -43,12 +51,6 @@ def until_state(rollout: Rollout, *states: str, timeout: float = 150) -> Rollout
                 f" (threshold {m.threshold}) {m.verdict} {m.detail}"
             )
     return found
-
-
-# A healthy release's flow is under test, not the judge (the slow v3 below is): a fresh canary's
-# first requests can take 200 ms here, and Triton's P99 summary keeps them for its whole age
-# window, which rolled healthy releases back in CI (the judge's weakness, issue 17).
-HEALTHY = {"p99_margin_ms": 1000}
 
 
 def start(pool: NodePool, canary: int, plan: str, **analysis: object) -> Rollout:

@@ -13,14 +13,23 @@ from pathlib import Path
 
 import pytest
 
-from apps.fleet.devfleet import Devfleet, FleetState
-from apps.fleet.models import NodePool
-from apps.fleet.services import deployment_set, node_register
+from apps.fleet.devfleet import HAPROXY_BACKENDS, Devfleet, FleetState, Proc
+from apps.fleet.models import NodePool, Operation
+from apps.fleet.services import deployment_set, node_register, pool_set_traffic
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
 from controlplane.celery import app as celery_app
 from tests.support import REPOSITORY, ROOT
-from tests.support.fleet import STEPS_V1, Fleet, converged, traffic_to, wait_for
+from tests.support.fleet import (
+    STEPS_V1,
+    Fleet,
+    converged,
+    equal,
+    runtime,
+    traffic_to,
+    wait_for,
+    weights,
+)
 from tests.support.services import Celery, Webhook, database_url, free_port
 
 
@@ -136,6 +145,12 @@ def trio(
         devfleet.down()
 
 
+@pytest.fixture(scope="module")
+def haproxy(trio: tuple[Devfleet, FleetState]) -> Proc:
+    """HAProxy in front of the trio; stopped with the trio's other processes."""
+    return trio[0].balancer()
+
+
 @pytest.fixture
 def pool(trio: tuple[Devfleet, FleetState], repository: Path, celery: Celery) -> Iterator[NodePool]:
     """The trio registered and the demo repository imported."""
@@ -164,3 +179,37 @@ def serving_v1(
     deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
     wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
     return pool
+
+
+@pytest.fixture
+def weighted(
+    pool: NodePool,
+    haproxy: Proc,
+    trio: tuple[Devfleet, FleetState],
+    celery: Celery,
+    settings: object,
+) -> NodePool:
+    """The trio behind HAProxy, serving rag_pipeline v1, every node back in traffic."""
+    celery.use_prometheus(trio[1].prometheus_url)
+    settings.PROMETHEUS_URL = trio[1].prometheus_url  # type: ignore[attr-defined]
+    pool_set_traffic(
+        pool_name=pool.name,
+        traffic=NodePool.Traffic.HAPROXY,
+        runtime=runtime(haproxy).address,
+        backends=list(HAPROXY_BACKENDS),
+        min_serving=2,
+        warmup_requests=3,
+        actor="system:test",
+    )
+    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
+    wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
+    # Nodes an earlier test left on v1 reload it (what they run is no longer on record).
+    ops = Operation.objects.filter(node__pool=pool)
+    loaded = ops.filter(status=Operation.Status.SUCCEEDED)
+
+    def settled() -> bool:
+        done = loaded.count() == 3 * len(STEPS_V1) and not ops.exclude(id__in=loaded).exists()
+        return done and weights(haproxy) == equal(trio[1])
+
+    wait_for("every node loaded v1 and is back in traffic", settled)
+    return NodePool.objects.get(pk=pool.pk)

@@ -138,7 +138,7 @@ def test_a_rollout_whose_percent_step_gets_more_than_twice_its_share_needs_conse
     body = {"model": "rag_pipeline", "pool": "gpu", "canary_version": 2, "plan": "5%\n100%"}
     refused = post(client, "/api/rollouts", body, headers)
     assert refused.status_code == 422
-    assert "1 of 3 nodes: 33% of requests" in refused.json()["error"]["message"]
+    assert "33% of requests, on 1 of 3 nodes" in refused.json()["error"]["message"]
     started = post(client, "/api/rollouts", body | {"accept_shares": True}, headers)
     assert started.status_code == 201 and started.json()["plan"][0] == {"percent": 5, "hold_s": 0}
 

@@ -184,6 +184,7 @@ FLEET_REGISTRY_SERVICES = {
     registry.model_set_fallback,
     imports.candidates_import,
     fleet.pool_set_protected,
+    fleet.pool_set_traffic,
     approvals.approval_request,
     approvals.approval_approve,
 }
@@ -335,6 +336,12 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             "pool.set_protected",
             lambda: fleet.pool_set_protected(pool_name="nope", protected=True, actor="ops"),
             lambda: fleet.pool_set_protected(pool_name="gpu", protected=True, actor="ops"),
+        ),
+        Case(
+            fleet.pool_set_traffic,
+            "pool.set_traffic",
+            lambda: fleet.pool_set_traffic(pool_name="nope", traffic="", actor="ops"),
+            lambda: fleet.pool_set_traffic(pool_name="gpu", traffic="", min_serving=2, actor="ops"),
         ),
         Case(
             approvals.approval_request,

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
+from apps.fleet.devfleet import HAPROXY_BACKENDS, FleetState, Proc, haproxy_config
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 PROMETHEUS = DEPLOY / "prometheus"
@@ -380,3 +382,29 @@ def test_systemd_analyze_verifies_the_units() -> None:
     missing = re.compile(rf"^[\w@.-]+: Command {re.escape(INSTALL)}\w+ is not executable: ")
     problems = [line for line in result.stderr.splitlines() if not missing.match(line)]
     assert problems == [], result.stderr
+
+
+# HAProxy in front of a pool ----------------------------------------------------------------
+
+
+def test_haproxy_accepts_the_example_pool_config() -> None:
+    result = run(tool("haproxy"), "-c", "-f", str(DEPLOY / "haproxy" / "triton-pool.cfg"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_haproxy_accepts_the_demo_fleets_config_with_every_node_in_both_backends(
+    tmp_path: Path,
+) -> None:
+    nodes = [
+        Proc(f"demo-{i}", 0, [], "", 0, {"http": 8100 + i, "grpc": 8200 + i, "metrics": 1})
+        for i in (1, 2)
+    ]
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(haproxy_config(FleetState(nodes=nodes), http=9000, grpc=9001, runtime=9002))
+    result = run(tool("haproxy"), "-c", "-f", str(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = config.read_text()
+    for backend in HAPROXY_BACKENDS:
+        servers = text.split(f"\nbackend {backend}\n", 1)[1].split("\nbackend ", 1)[0]
+        assert re.findall(r"^    server (\S+)", servers, re.M) == ["demo-1", "demo-2"]
+    assert "stats socket ipv4@127.0.0.1:9002 level admin" in text

@@ -19,11 +19,13 @@ from hypothesis import strategies as st
 
 from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
+from apps.fleet import routing
 from apps.fleet.models import Deployment, Node, NodePool, Release
+from apps.fleet.routing import Reading
 from apps.fleet.services import deployment_set
 from apps.observability.prometheus import PrometheusUnavailable
 from apps.registry.models import Model, ModelVersion
-from apps.rollouts import controller
+from apps.rollouts import analysis, controller
 from apps.rollouts.analysis import Result
 from apps.rollouts.models import Rollout
 from apps.rollouts.plans import Analysis, PlanError, Step, parse_plan, preview
@@ -108,6 +110,12 @@ class Fleet:
     pool: NodePool
     served: dict[str, set[int]] = field(default_factory=dict)
     verdict: str = "success"
+    requests: dict[str, float] = field(default_factory=dict)  # by node, in the last minute
+
+    def instant_query(self, query: str) -> list[tuple[dict[str, str], float]]:
+        """Prometheus, as the rollout page's observed share asks it."""
+        assert "nv_inference_request_success" in query
+        return [({"node": node}, count) for node, count in self.requests.items()]
 
     def converge(self) -> None:
         for node in self.pool.nodes.all():
@@ -154,6 +162,7 @@ def fleet(db: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
     simulated.converge()
     monkeypatch.setattr(controller, "observed_many", simulated.observed)
     monkeypatch.setattr(controller, "measure", simulated.measure)
+    monkeypatch.setattr(analysis, "instant_query", simulated.instant_query)
     yield simulated
 
 
@@ -649,7 +658,9 @@ def test_a_percent_step_states_its_real_share_and_more_than_twice_it_needs_conse
 ) -> None:
     """5% of a 3-node pool is one node: a third of the requests, which used to pass silently."""
     plan = "5%, hold 60s\n100%"
-    with pytest.raises(PlanError, match=r"step 1: 5% of pool gpu is 1 of 3 nodes: 33% of requests"):
+    with pytest.raises(
+        PlanError, match=r"step 1: 5% of pool gpu is 33% of requests, on 1 of 3 nodes"
+    ):
         rollout_propose(model_name="rag", pool_name="gpu", canary_version=2, plan=plan)
     proposal = rollout_propose(
         model_name="rag", pool_name="gpu", canary_version=2, plan=plan, accept_shares=True
@@ -667,12 +678,12 @@ def test_a_percent_step_states_its_real_share_and_more_than_twice_it_needs_conse
     shown = client.post(
         "/rollouts/new/", {**FORM, "plan": plan, "accept_shares": "on", "preview": ""}
     ).content.decode()
-    assert "really 1 of 3 nodes: 33% of requests" in shown
+    assert "really 33% of requests, on 1 of 3 nodes" in shown
     client.post("/rollouts/new/", {**FORM, "plan": plan, "accept_shares": "on", "start": ""})
     rollout = Rollout.objects.get()
     assert rollout.plan[0] == {"percent": 5, "hold_s": 60}
     page = client.get(f"/rollouts/{rollout.pk}/").content.decode()
-    assert '5% <span class="small error">(really 1 of 3 nodes: 33% of requests)</span>' in page
+    assert '5% <span class="small error">(really 33% of requests, on 1 of 3 nodes)</span>' in page
 
 
 def test_the_live_part_stops_polling_once_terminal(
@@ -718,3 +729,69 @@ def test_the_timeline_opens_on_a_rollouts_span(
     page = client.get(f"/audit/timeline/?rollout={rollout.pk}").content.decode()
     assert f"rollout #{rollout.pk}: rag v1 → v2 on gpu" in page
     assert "rollout.start" in page and "rollout.step" in page
+
+
+# A pool behind a balancer: exact shares by weight -----------------------------------------------
+
+
+@dataclass
+class Weights:
+    """The balancer's server weights, as HAProxy would hold them."""
+
+    weights: dict[str, int]
+
+    def sync(self, wanted: dict[str, int]) -> Reading:
+        changed = {n: self.weights[n] for n, w in wanted.items() if self.weights[n] != w}
+        self.weights |= wanted
+        return Reading(dict(self.weights), changed, {})
+
+    def in_flight(self, node: str) -> int:
+        return 0
+
+
+@pytest.fixture
+def weighted(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> Weights:
+    NodePool.objects.filter(name="gpu").update(traffic=NodePool.Traffic.HAPROXY)
+    balancer = Weights(dict.fromkeys(["gpu-1", "gpu-2", "gpu-3"], 100))
+    monkeypatch.setattr(routing, "balancer", lambda pool: balancer if pool.traffic else None)
+    return balancer
+
+
+def test_a_weighted_pool_gives_a_percent_step_its_share_and_an_abort_none_first(
+    fleet: Fleet, weighted: Weights
+) -> None:
+    proposal = rollout_propose(model_name="rag", pool_name="gpu", canary_version=2, plan="5%\n100%")
+    assert proposal.preview[0].real_share == "5% of requests, weighted on 1 of 3 nodes"
+    assert not proposal.preview[0].overshoots  # no consent needed: the share is the one asked
+    rollout = tick(start(plan="10%, hold 0s\n50%, hold 0s\n100%"))
+    assert weighted.weights == {"gpu-1": 22, "gpu-2": 99, "gpu-3": 99}
+    fleet.converge()
+    rollout = tick(tick(rollout))
+    assert (rollout.step, weighted.weights) == (1, {"gpu-1": 50, "gpu-2": 50, "gpu-3": 100})
+    rollout_abort(rollout_id=rollout.pk, actor="release-manager")
+    assert weighted.weights == {"gpu-1": 0, "gpu-2": 0, "gpu-3": 100}
+    # No request reaches the canary from before its nodes are told to go back to the baseline.
+    parts = AuditEvent.objects.get(action="rollout.aborting").after["parts"]
+    assert [part["action"] for part in parts] == ["pool.weights", *["deployment.remove"] * 2]
+    assert parts[0]["after"] == {"weights": {"gpu-1": 0, "gpu-2": 0}}
+    fleet.converge()
+    assert tick(rollout).state == State.ROLLED_BACK
+    assert weighted.weights == dict.fromkeys(["gpu-1", "gpu-2", "gpu-3"], 100)
+
+
+def test_the_rollout_page_shows_the_share_intended_and_the_one_observed(
+    fleet: Fleet, weighted: Weights, client: Client, viewer: User
+) -> None:
+    rollout = tick(start(plan="10%, hold 10m\n100%"))
+    fleet.requests = {"gpu-1": 19.0, "gpu-2": 90.0, "gpu-3": 91.0}
+    client.force_login(viewer)
+    page = client.get(f"/rollouts/{rollout.pk}/").content.decode()
+    assert (
+        "Canary share: intended <strong>10%</strong> (weighted), observed <strong>9.5%</strong>"
+        in page
+    )
+    fleet.requests = {}
+    assert (
+        "observed <strong>\u2013</strong>"
+        in client.get(f"/rollouts/{rollout.pk}/").content.decode()
+    )

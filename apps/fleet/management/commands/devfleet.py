@@ -3,10 +3,10 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from apps.fleet.devfleet import Devfleet, DevfleetError, Proc
-from apps.fleet.models import Node
+from apps.fleet.devfleet import HAPROXY_BACKENDS, Devfleet, DevfleetError, Proc
+from apps.fleet.models import Node, NodePool
 from apps.fleet.selectors import node_list
-from apps.fleet.services import node_register
+from apps.fleet.services import FleetError, node_register, pool_set_traffic
 from apps.fleet.traffic import send_traffic
 from apps.fleet.triton import TritonClient, TritonError
 
@@ -37,6 +37,11 @@ class Command(BaseCommand):
             metavar="N",
             help="N simulated nodes in one process instead of real ones (load tests only)",
         )
+        up.add_argument(
+            "--haproxy",
+            action="store_true",
+            help="HAProxy in front of the pool: exact canary shares, drained loads",
+        )
         up.add_argument("--load-ms", type=float, default=50.0, help="simulated load latency")
         up.add_argument("--failure-rate", type=float, default=0.0, help="simulated load failures")
         up.add_argument(
@@ -64,7 +69,10 @@ class Command(BaseCommand):
             ("restart", "start a killed node (or prometheus) again"),
         ):
             sub.add_parser(action, help=text).add_argument("node")
-        traffic = sub.add_parser("traffic", help="send real inference requests round-robin")
+        traffic = sub.add_parser(
+            "traffic",
+            help="send real inference requests: through HAProxy if it runs, else round-robin",
+        )
         traffic.add_argument("--model", required=True)
         traffic.add_argument("--rps", type=float, default=5.0)
         traffic.add_argument("--seconds", type=float, default=60.0)
@@ -77,7 +85,7 @@ class Command(BaseCommand):
         fleet = Devfleet(home=options["home"], repository=options["repository"])  # type: ignore[arg-type]
         try:
             getattr(self, f"_{options['action']}")(fleet, **options)
-        except (DevfleetError, TritonError) as exc:
+        except (DevfleetError, TritonError, FleetError) as exc:
             raise CommandError(str(exc)) from None
 
     def _up(
@@ -100,6 +108,21 @@ class Command(BaseCommand):
             )
             self.stdout.write(f"{proc.name}: {state.node_urls(proc)['http_url']} (log {proc.log})")
         self.stdout.write(f"prometheus: {state.prometheus_url}")
+        if options["haproxy"]:
+            balancer = fleet.balancer()
+            pool_set_traffic(
+                pool_name=pool,
+                traffic=NodePool.Traffic.HAPROXY,
+                runtime=f"127.0.0.1:{balancer.ports['runtime']}",
+                backends=list(HAPROXY_BACKENDS),
+                min_serving=nodes - 1,  # one node out of traffic at a time
+                actor="system:devfleet",
+            )
+            ports = balancer.ports
+            self.stdout.write(
+                f"haproxy: http://127.0.0.1:{ports['http']}, grpc 127.0.0.1:{ports['grpc']}, "
+                f"runtime API 127.0.0.1:{ports['runtime']} (log {balancer.log})"
+            )
         for release in options["load"]:  # type: ignore[attr-defined]
             model, _, version = release.partition(":")
             if not version.isdecimal():
@@ -194,6 +217,10 @@ class Command(BaseCommand):
         if pool:
             nodes = nodes.filter(pool__name=pool)
         clients = [TritonClient(n.http_url, node=n.name) for n in nodes]
+        balancer = fleet.state().haproxy
+        if balancer is not None and balancer.running:  # as clients would: through HAProxy
+            url = f"http://127.0.0.1:{balancer.ports['http']}"
+            clients = [TritonClient(url, node="haproxy")]
         if not clients:
             raise CommandError("no reachable nodes registered; start them with `devfleet up`")
         results = send_traffic(

@@ -1,0 +1,78 @@
+"""HAProxy's runtime API (its stats socket, over TCP or a unix socket): server weights set and
+read back, and the requests a server is still answering. One connection per call, in HAProxy's
+non-interactive mode: commands separated by `;`, the answer read until HAProxy closes."""
+
+import csv
+import io
+import socket
+
+TIMEOUT_S = 3.0
+
+
+class HAProxyError(Exception):
+    """The runtime API did not answer, or refused a command; says which address and why."""
+
+
+class Runtime:
+    def __init__(self, address: str, *, timeout: float = TIMEOUT_S) -> None:
+        self.address = address
+        self.timeout = timeout
+
+    def _connect(self) -> socket.socket:
+        if self.address.startswith("/"):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            target: str | tuple[str, int] = self.address
+        else:
+            host, _, port = self.address.rpartition(":")
+            if not host or not port.isdigit():
+                raise HAProxyError(f"{self.address!r} is neither host:port nor a socket path")
+            sock, target = socket.socket(), (host, int(port))
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(target)
+        except OSError as exc:
+            sock.close()
+            raise HAProxyError(f"HAProxy runtime API at {self.address}: {exc}") from None
+        return sock
+
+    def command(self, *commands: str) -> str:
+        with self._connect() as sock:
+            try:
+                sock.sendall(("; ".join(commands) + "\n").encode())
+                chunks = []
+                while chunk := sock.recv(65536):
+                    chunks.append(chunk)
+            except OSError as exc:
+                raise HAProxyError(f"HAProxy runtime API at {self.address}: {exc}") from None
+        return b"".join(chunks).decode(errors="replace")
+
+    def weights(self, backend: str) -> dict[str, int]:
+        """Each server of `backend`, by name, with its current weight."""
+        answer = self.command(f"show servers state {backend}")
+        lines = [line for line in answer.splitlines() if line.strip()]
+        header = next((line for line in lines if line.startswith("# be_id")), None)
+        if header is None:
+            raise HAProxyError(f"HAProxy at {self.address}, backend {backend}: {answer.strip()}")
+        columns = header[2:].split()
+        name, weight = columns.index("srv_name"), columns.index("srv_uweight")
+        rows = [line.split() for line in lines if line[0].isdigit() and " " in line]
+        return {row[name]: int(row[weight]) for row in rows}
+
+    def set_weights(self, backend: str, weights: dict[str, int]) -> None:
+        """All in one call; HAProxy answers only when a command fails (in its own words)."""
+        if not weights:
+            return
+        commands = [f"set weight {backend}/{server} {w}" for server, w in sorted(weights.items())]
+        answer = self.command(*commands).strip()
+        if answer:
+            raise HAProxyError(f"HAProxy at {self.address}, backend {backend}: {answer}")
+
+    def in_flight(self, backends: list[str], server: str) -> int:
+        """Requests `server` is answering now, over `backends` (`scur` of `show stat`)."""
+        answer = self.command("show stat -1 4 -1").lstrip("# ")
+        rows = csv.DictReader(io.StringIO(answer))
+        return sum(
+            int(row["scur"] or 0)
+            for row in rows
+            if row.get("pxname") in backends and row.get("svname") == server
+        )

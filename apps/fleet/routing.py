@@ -1,0 +1,273 @@
+"""A pool's traffic, on pools with a traffic strategy: each node's weight on the balancer in front
+of the pool (a rollout's exact shares), kept there by the reconcile, and nodes taken out of
+traffic while a worker loads or unloads on them.
+
+The database holds what each node must get (`Node.weight`, `Node.draining`); `traffic_sync`
+makes the balancer agree, under the pool's row lock, so that a rollout changing weights and a
+worker draining a node never interleave their writes."""
+
+import logging
+import math
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from apps.audit.services import audit_record
+from apps.fleet.haproxy import HAProxyError, Runtime
+from apps.fleet.models import Node, NodePool
+from apps.fleet.traffic import sample_inputs
+from apps.fleet.triton import TritonClient, TritonError
+
+log = logging.getLogger(__name__)
+DEFAULT_WEIGHT = 100
+MAX_WEIGHT = 256  # HAProxy's
+ACTOR = "system:traffic"
+
+
+class BalancerError(Exception):
+    """The balancer did not take or show the weights; the message says which and why."""
+
+
+class PoolAtCapacity(Exception):
+    """Draining one more node would leave the pool fewer serving nodes than it must keep."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the balancer shows once a sync is done, read back."""
+
+    served: dict[str, int]  # by node: its weight now (one that differs, if backends disagree)
+    changed: dict[str, int]  # by node: the weight it had, where the sync set another
+    problems: dict[str, str]  # by node: why it does not have the weight it must have
+
+
+class Balancer(Protocol):
+    """A traffic strategy: sets the weights of a pool's nodes where they differ from `wanted`
+    and reads them back; says how many requests a node still answers."""
+
+    def sync(self, wanted: dict[str, int]) -> Reading: ...
+
+    def in_flight(self, node: str) -> int: ...
+
+
+class HAProxy:
+    """The pool's nodes are servers, named as the nodes, of each of its HAProxy backends."""
+
+    def __init__(self, pool: NodePool) -> None:
+        self.runtime = Runtime(pool.traffic_runtime)
+        self.backends = pool.backends
+
+    def sync(self, wanted: dict[str, int]) -> Reading:
+        reading = Reading({}, {}, {})
+        try:
+            for backend in self.backends:
+                current = self.runtime.weights(backend)
+                drifted = {n: w for n, w in wanted.items() if n in current and current[n] != w}
+                self.runtime.set_weights(backend, drifted)
+                after = self.runtime.weights(backend) if drifted else current
+                self._read(backend, wanted, after, reading)
+                reading.changed.update({n: current[n] for n in drifted})
+        except HAProxyError as exc:
+            raise BalancerError(str(exc)) from None
+        return reading
+
+    @staticmethod
+    def _read(backend: str, wanted: dict[str, int], after: dict[str, int], into: Reading) -> None:
+        for node, weight in wanted.items():
+            if node not in after:
+                into.problems[node] = f"not a server of HAProxy backend {backend}"
+            elif after[node] != weight:
+                into.problems[node] = f"HAProxy backend {backend} shows weight {after[node]}"
+            if node in after and into.served.get(node, weight) == weight:
+                into.served[node] = after[node]
+
+    def in_flight(self, node: str) -> int:
+        try:
+            return self.runtime.in_flight(self.backends, node)
+        except HAProxyError as exc:
+            raise BalancerError(str(exc)) from None
+
+
+def balancer(pool: NodePool) -> Balancer | None:
+    return HAProxy(pool) if pool.traffic == NodePool.Traffic.HAPROXY else None
+
+
+def share_weights(percent: int, canary: int, total: int) -> tuple[int, int]:
+    """Weights of a canary node and of a baseline node that send exactly `percent` of the
+    requests to `canary` nodes of `total` (within HAProxy's range; a ratio that does not fit in
+    it is rounded)."""
+    if canary >= total or percent >= 100:
+        return DEFAULT_WEIGHT, DEFAULT_WEIGHT
+    each, rest = percent * (total - canary), (100 - percent) * canary
+    common = math.gcd(each, rest)
+    each, rest = each // common, rest // common
+    scale = DEFAULT_WEIGHT // max(each, rest) or 1  # readable: the larger near 100
+    each, rest = each * scale, rest * scale
+    if (top := max(each, rest)) > MAX_WEIGHT:
+        each, rest = (max(1, round(w * MAX_WEIGHT / top)) for w in (each, rest))
+    return each, rest
+
+
+def weights_set(pool: NodePool, weights: dict[str, int], actor: str) -> None:
+    """The pool's nodes get these weights (by name; others keep theirs), on the balancer too;
+    recorded when they change (a rollout's step, abort or end)."""
+    if not pool.traffic:
+        return
+    before = dict(pool.nodes.filter(name__in=weights).values_list("name", "weight"))
+    changed = {name: w for name, w in weights.items() if before.get(name, w) != w}
+    if not changed:
+        return
+    for weight in set(changed.values()):
+        names = [name for name, w in changed.items() if w == weight]
+        pool.nodes.filter(name__in=names).update(weight=weight)
+    traffic_sync(pool.pk)
+    audit_record(
+        actor=actor,
+        action="pool.weights",
+        target=f"pool:{pool.name}",
+        before={"weights": {name: before[name] for name in changed}},
+        after={"weights": changed},
+    )
+
+
+def weights_reset(pool: NodePool, actor: str) -> None:
+    """Every node of the pool back to an equal share."""
+    if pool.traffic:
+        names = pool.nodes.values_list("name", flat=True)
+        weights_set(pool, dict.fromkeys(names, DEFAULT_WEIGHT), actor)
+
+
+def traffic_sync(pool_id: int) -> dict[str, int]:
+    """The balancer made to agree with the pool's nodes, read back; returns what it changed
+    (node -> the weight it had). A drain whose worker is gone (no lease on the node) is over.
+    A balancer that does not answer is recorded on every node, for their pages, and the next
+    sync tries again."""
+    with transaction.atomic():
+        pool = NodePool.objects.select_for_update().get(pk=pool_id)
+        target = balancer(pool)
+        if target is None:
+            return {}
+        lapsed = Q(lease_until__isnull=True) | Q(lease_until__lt=timezone.now())
+        pool.nodes.filter(lapsed, draining=True).update(draining=False)
+        nodes = list(pool.nodes.all())
+        wanted = {node.name: node.wanted_weight for node in nodes}
+        try:
+            reading = target.sync(wanted)
+        except BalancerError as exc:
+            pool.nodes.update(traffic_error=str(exc))
+            log.warning("pool %s: %s", pool.name, exc)
+            return {}
+        for node in nodes:
+            now = (reading.served.get(node.name), reading.problems.get(node.name, ""))
+            if (node.served_weight, node.traffic_error) != now:
+                Node.objects.filter(pk=node.pk).update(served_weight=now[0], traffic_error=now[1])
+    return reading.changed
+
+
+def pool_sync(pool_id: int) -> None:
+    """The periodic part of the reconcile: weights someone else changed (or an HAProxy that
+    restarted with its configured ones) put back, and recorded as drift."""
+    changed = traffic_sync(pool_id)
+    if changed:
+        pool = NodePool.objects.get(pk=pool_id)
+        nodes = Node.objects.filter(pool=pool, name__in=changed)
+        audit_record(
+            actor=ACTOR,
+            action="pool.traffic_drift",
+            target=f"pool:{pool.name}",
+            before={"weights": changed},
+            after={"weights": {n.name: n.wanted_weight for n in nodes}},
+            message="the balancer's weights differed from the pool's; set them back",
+        )
+
+
+@contextmanager
+def drained(node: Node) -> Iterator[None]:
+    """The node out of traffic while the block runs (its in-flight requests finished first),
+    then back at its weight. Only while the pool keeps `min_serving` other serving nodes, or
+    when the node has no share anyway (a canary being rolled back): raises PoolAtCapacity
+    otherwise, before draining anything. On a pool without a traffic
+    strategy, nothing to do."""
+    pool = node.pool
+    target = balancer(pool)
+    if target is None:
+        yield
+        return
+    with transaction.atomic():
+        NodePool.objects.select_for_update().get(pk=pool.pk)
+        weight = Node.objects.values_list("weight", flat=True).get(pk=node.pk)
+        serving = pool.nodes.exclude(pk=node.pk).filter(
+            health=Node.Health.READY, draining=False, weight__gt=0
+        )
+        count = serving.count()
+        refused = weight and count < pool.min_serving  # at weight 0 it serves nobody already
+        if not refused:
+            Node.objects.filter(pk=node.pk).update(draining=True)
+    if refused:
+        why = f"pool {pool.name} keeps {pool.min_serving} nodes serving and {count} other"
+        why += f"{' does' if count == 1 else 's do'}; the load waits for one to return"
+        Node.objects.filter(pk=node.pk).update(traffic_error=why)
+        raise PoolAtCapacity(why)
+    try:
+        traffic_sync(pool.pk)
+        _wait_idle(node, pool, target)
+        yield
+    finally:
+        Node.objects.filter(pk=node.pk).update(draining=False)
+        traffic_sync(pool.pk)
+
+
+def _wait_idle(node: Node, pool: NodePool, target: Balancer) -> None:
+    """Until the node answers no request, or the pool's drain timeout; either way recorded."""
+    deadline = time.monotonic() + pool.drain_timeout_s
+    try:
+        while (left := target.in_flight(node.name)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except BalancerError as exc:
+        left, error = -1, str(exc)
+    else:
+        error = f"{left} requests still in flight after {pool.drain_timeout_s} s" if left else ""
+    audit_record(
+        actor=ACTOR,
+        action="node.drain",
+        target=f"node:{node.name}",
+        result="failed" if error else "ok",
+        message=error or "out of traffic, no request in flight",
+    )
+
+
+def warm_up(node: Node, configs: dict[str, dict | None]) -> None:
+    """`warmup_requests` sample requests to each model just loaded (`configs`: by name, the
+    config it was loaded with), sent to the node itself, before it takes traffic again. A step
+    of an ensemble loaded with it is warmed through the ensemble."""
+    count = node.pool.warmup_requests
+    steps = {
+        step.get("model_name")
+        for config in configs.values()
+        for step in ((config or {}).get("ensemble_scheduling") or {}).get("step", [])
+    }
+    models = sorted(set(configs) - steps)
+    if not count or not models:
+        return
+    client = TritonClient(node.http_url, node=node.name)
+    rng = random.Random(node.pk)
+    for model in models:
+        try:
+            spec = client.model_inputs(model)
+            for _ in range(count):
+                client.infer(model, sample_inputs(spec, rng))
+        except TritonError as exc:  # it takes traffic all the same: it serves what it loaded
+            audit_record(
+                actor=ACTOR,
+                action="node.warmup",
+                target=f"node:{node.name}:{model}",
+                result="failed",
+                message=f"warm-up of {model} failed: {exc}",
+            )

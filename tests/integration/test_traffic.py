@@ -1,0 +1,174 @@
+"""Exact canary shares and drained loads on 3 real Triton nodes behind a real HAProxy (Debian's),
+driven by the real worker and beat; requests counted by Triton's own per-version counters."""
+
+import csv
+import io
+import itertools
+import json
+import urllib.request
+from collections import Counter
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from apps.audit.models import AuditEvent
+from apps.fleet.devfleet import Devfleet, FleetState, Proc
+from apps.fleet.models import Node, NodePool, Operation
+from apps.fleet.traffic import send_traffic
+from apps.fleet.triton import TritonClient
+from apps.rollouts.models import Rollout
+from apps.rollouts.services import rollout_abort, rollout_start
+from tests.support.fleet import (
+    ANALYSIS,
+    HEALTHY,
+    STEPS_V1,
+    STEPS_V2,
+    converged,
+    equal,
+    ready_on,
+    runtime,
+    traffic_to,
+    wait_for,
+    weights,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+State = Rollout.State
+RECONCILE_INTERVAL_S = 2  # the test worker's beat (tests/support/services.py)
+
+
+def served(nodes: list[Proc], state: FleetState, model: str) -> Counter[int]:
+    """Requests each version of `model` answered on `nodes`: Triton's own statistics."""
+    counts: Counter[int] = Counter()
+    for proc in nodes:
+        url = f"{state.node_urls(proc)['http_url']}/v2/models/{model}/stats"
+        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - a local node
+            for entry in json.load(response)["model_stats"]:
+                counts[int(entry["version"])] += entry["inference_stats"]["success"]["count"]
+    return counts
+
+
+def chosen(haproxy: Proc) -> dict[str, int]:
+    """Requests HAProxy sent each server of its HTTP backend so far (`lbtot`)."""
+    stats = runtime(haproxy).command("show stat -1 4 -1").lstrip("# ")
+    rows = csv.DictReader(io.StringIO(stats))
+    return {row["svname"]: int(row["lbtot"]) for row in rows if row["pxname"] == "triton_http"}
+
+
+def through(haproxy: Proc, count: int) -> Counter[str]:
+    """`count` unversioned rag_pipeline requests through HAProxy's HTTP frontend."""
+    client = TritonClient(f"http://127.0.0.1:{haproxy.ports['http']}", node="haproxy")
+    return send_traffic([client], model="rag_pipeline", rps=200, seconds=count / 200)
+
+
+def start(pool: NodePool, plan: str) -> Rollout:
+    return rollout_start(
+        model_name="rag_pipeline",
+        pool_name=pool.name,
+        canary_version=2,
+        plan=plan,
+        analysis={**ANALYSIS, **HEALTHY},
+        actor="release-manager",
+    )
+
+
+def test_loads_wait_their_turn_out_of_traffic_and_warm_up_before_it(
+    weighted: NodePool, trio: tuple[Devfleet, FleetState]
+) -> None:
+    """min_serving 2 of 3: the nodes loaded v1 one at a time, each drained first; each answered
+    its warm-up requests (nobody else sent any) before it took traffic again."""
+    spans = []
+    for node in weighted.nodes.all():
+        drained = AuditEvent.objects.filter(action="node.drain", target=f"node:{node.name}")
+        assert drained.filter(result="ok").count() == 1
+        loads = Operation.objects.filter(node=node, status=Operation.Status.SUCCEEDED)
+        assert loads.count() == len(STEPS_V1)
+        spans.append((drained.get().created_at, max(op.finished_at for op in loads)))
+    spans.sort()
+    assert all(end <= following for (_, end), (following, _) in itertools.pairwise(spans))
+    assert served(trio[1].nodes, trio[1], "rag_pipeline")[1] == 3 * 3
+
+
+def test_grpc_clients_are_balanced_too(weighted: NodePool, haproxy: Proc) -> None:
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{haproxy.ports['grpc']}")
+    assert client.is_model_ready("rag_pipeline")
+
+
+def test_a_10_percent_step_gets_10_percent_of_requests_and_a_rollback_none(
+    weighted: NodePool, haproxy: Proc, trio: tuple[Devfleet, FleetState]
+) -> None:
+    _, state = trio
+    rollout = start(weighted, "10%, hold 10m\n100%")
+    canary = "trio-1"  # the first node by name
+    share = {name: 99 for name in equal(state)} | {canary: 22}  # 22 / (22 + 2 x 99) = 10 %
+
+    def back_in_traffic() -> bool:
+        """Loaded, warmed up and back (the share went out before the load did)."""
+        serves = ("rag_pipeline", 2) in ready_on(Node.objects.get(name=canary))
+        return serves and not Node.objects.get(name=canary).draining and weights(haproxy) == share
+
+    wait_for("the canary is READY and back in traffic", back_in_traffic)
+    assert Rollout.objects.get(pk=rollout.pk).canary_nodes == [canary]
+
+    before = served(
+        state.nodes, state, "embedder"
+    )  # the step's own version says which release answered
+    results = through(haproxy, 2000)
+    after = served(state.nodes, state, "embedder")
+    assert results == Counter({"haproxy ok": 2000})
+    to_canary = after[2] - before[2]
+    assert sum(after.values()) - sum(before.values()) == 2000
+    assert 170 <= to_canary <= 230, f"{to_canary} of 2,000 requests reached v2"
+
+    # HAProxy restarts with the weights of its configuration; the next reconcile restores them.
+    trio[0].kill("haproxy")
+    trio[0].restart("haproxy")
+    # One interval of the beat, and the moment a worker takes to run the task.
+    wait_for("the weights are back", lambda: weights(haproxy) == share, RECONCILE_INTERVAL_S + 2)
+    drift = AuditEvent.objects.get(action="pool.traffic_drift", target="pool:trio")
+    assert drift.before["weights"] == equal(state) and drift.after["weights"] == share
+
+    rollout_abort(rollout_id=rollout.pk, actor="release-manager")
+    assert weights(haproxy) == share | {canary: 0}  # before anything else happens
+    aborted = AuditEvent.objects.get(action="rollout.aborting")
+    first, *_ = aborted.after["parts"]  # the canary's share went first, with the abort
+    assert (first["action"], first["after"]["weights"]) == ("pool.weights", {canary: 0})
+    cut = aborted.created_at
+    # None reaches the canary node (HAProxy's own count); the others answer all, with v1.
+    others = [proc for proc in state.nodes if proc.name != canary]
+    before, picked = served(others, state, "embedder"), chosen(haproxy)
+    assert through(haproxy, 200) == Counter({"haproxy ok": 200})
+    assert chosen(haproxy)[canary] == picked[canary]
+    assert served(others, state, "embedder") - before == Counter({1: 200})
+    wait_for(
+        "rolled back",
+        lambda: Rollout.objects.get(pk=rollout.pk).state == State.ROLLED_BACK,
+        timeout=120,
+    )
+    # The canary node went back to v1 only after it had no share left.
+    narrowed = Operation.objects.filter(node__name=canary, versions=[1], created_at__gt=cut)
+    assert narrowed.exists() and all(op.started_at > cut for op in narrowed)
+    wait_for("equal shares again", lambda: weights(haproxy) == equal(state))
+
+
+def test_a_rollout_by_5_25_50_100_percent_completes(
+    weighted: NodePool, haproxy: Proc, trio: tuple[Devfleet, FleetState]
+) -> None:
+    with traffic_to(trio[1], through=f"http://127.0.0.1:{haproxy.ports['http']}", rps=20):
+        rollout = start(weighted, "5%, hold 5s\n25%, hold 5s\n50%, hold 5s\n100%")
+        wait_for(
+            "the rollout ends",
+            lambda: Rollout.objects.get(pk=rollout.pk).state not in Rollout.ACTIVE,
+            timeout=300,
+        )
+    rollout = Rollout.objects.get(pk=rollout.pk)
+    assert rollout.state == State.SUCCEEDED, rollout.reason
+    steps = AuditEvent.objects.filter(action="pool.weights", target="pool:trio").order_by("id")
+    assert [event.after["weights"] for event in steps] == [
+        {"trio-1": 10, "trio-2": 95, "trio-3": 95},  # 5 %: 10 / (10 + 2 x 95)
+        {"trio-1": 66, "trio-2": 99, "trio-3": 99},  # 25 %: 66 / (66 + 2 x 99)
+        {"trio-1": 50, "trio-2": 50, "trio-3": 100},  # 50 %: 2 x 50 / (2 x 50 + 100)
+        {"trio-1": 100, "trio-2": 100},  # 100 %
+    ]
+    wait_for("v2 alone on every node", converged(weighted, STEPS_V2), timeout=60)

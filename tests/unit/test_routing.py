@@ -1,0 +1,182 @@
+"""A pool's traffic, with the balancer stubbed at its boundary (what it holds and answers); the
+same paths run against a real HAProxy in tests/integration/test_traffic.py."""
+
+import math
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+from hypothesis import given
+from hypothesis import strategies as st
+
+from apps.audit.models import AuditEvent
+from apps.fleet import routing
+from apps.fleet.models import Node, NodePool
+from apps.fleet.routing import (
+    BalancerError,
+    PoolAtCapacity,
+    Reading,
+    drained,
+    pool_sync,
+    share_weights,
+    traffic_sync,
+)
+from apps.fleet.services import FleetError, pool_set_traffic
+
+
+@given(
+    percent=st.integers(1, 99),
+    total=st.integers(2, 500),
+)
+def test_weights_give_the_share_asked_on_as_many_nodes_as_it_rounds_up_to(
+    percent: int, total: int
+) -> None:
+    canary = min(total, math.ceil(total * percent / 100))
+    each, rest = share_weights(percent, canary, total)
+    assert 1 <= each <= 256 and 1 <= rest <= 256
+    if canary < total:
+        share = 100 * canary * each / (canary * each + (total - canary) * rest)
+        assert abs(share - percent) < 0.5
+
+
+def test_small_pools_get_readable_exact_weights() -> None:
+    assert share_weights(10, 1, 3) == (22, 99)  # 22 / (22 + 2 x 99) = 10 %
+    assert share_weights(5, 1, 3) == (10, 95)
+    assert share_weights(50, 2, 3) == (50, 100)
+    assert share_weights(100, 3, 3) == (100, 100)
+
+
+@dataclass
+class Balancer:
+    """Holds servers' weights as HAProxy would; `busy` is what in_flight answers, in turn."""
+
+    weights: dict[str, int]
+    busy: list[int] = field(default_factory=list)
+    down: bool = False
+
+    def sync(self, wanted: dict[str, int]) -> Reading:
+        if self.down:
+            raise BalancerError("HAProxy runtime API at 10.0.0.9:9999: connection refused")
+        changed = {n: self.weights[n] for n, w in wanted.items() if self.weights.get(n, w) != w}
+        self.weights |= {n: wanted[n] for n in changed}
+        lacking = {n: "not a server of HAProxy backend triton_http" for n in wanted}
+        problems = {n: why for n, why in lacking.items() if n not in self.weights}
+        return Reading(dict(self.weights), changed, problems)
+
+    def in_flight(self, node: str) -> int:
+        return self.busy.pop(0) if self.busy else 0
+
+
+@pytest.fixture
+def balancer(db: None, monkeypatch: pytest.MonkeyPatch) -> Balancer:
+    pool = NodePool.objects.create(
+        name="gpu", traffic=NodePool.Traffic.HAPROXY, min_serving=2, drain_timeout_s=1
+    )
+    held = timezone.now() + timedelta(hours=1)  # a worker holds each node, as while it loads
+    for name in ("gpu-1", "gpu-2", "gpu-3"):
+        Node.objects.create(
+            name=name, pool=pool, http_url="http://x:8000", health="ready", lease_until=held
+        )
+    stub = Balancer(dict.fromkeys(["gpu-1", "gpu-2", "gpu-3"], 100))
+    monkeypatch.setattr(routing, "balancer", lambda pool: stub if pool.traffic else None)
+    return stub
+
+
+def node(name: str) -> Node:
+    return Node.objects.select_related("pool").get(name=name)
+
+
+def test_a_node_is_out_of_traffic_while_it_loads_then_back_at_its_weight(
+    balancer: Balancer,
+) -> None:
+    balancer.busy = [2, 1]  # two requests, then one, still in flight: it waits for them
+    with drained(node("gpu-1")):
+        assert balancer.weights == {"gpu-1": 0, "gpu-2": 100, "gpu-3": 100}
+        assert not balancer.busy
+    assert balancer.weights["gpu-1"] == 100 and not node("gpu-1").draining
+    event = AuditEvent.objects.get(action="node.drain")
+    assert (event.target, event.result) == ("node:gpu-1", "ok")
+
+
+def test_the_pool_keeps_its_serving_nodes_and_a_node_without_share_needs_none(
+    balancer: Balancer,
+) -> None:
+    with drained(node("gpu-1")):
+        refused = pytest.raises(PoolAtCapacity, match="keeps 2 nodes serving and 1 other does")
+        with refused, drained(node("gpu-2")):
+            pytest.fail("two of three nodes drained at once")
+        assert "keeps 2 nodes serving" in node("gpu-2").traffic_error
+        Node.objects.filter(name="gpu-3").update(weight=0)  # a canary being rolled back
+        with drained(node("gpu-3")):
+            assert balancer.weights == {"gpu-1": 0, "gpu-2": 100, "gpu-3": 0}
+    assert balancer.weights == {"gpu-1": 100, "gpu-2": 100, "gpu-3": 0}
+
+
+def test_requests_that_outlast_the_drain_timeout_are_recorded(balancer: Balancer) -> None:
+    balancer.busy = [1] * 100
+    with drained(node("gpu-1")):
+        pass
+    event = AuditEvent.objects.get(action="node.drain")
+    assert event.result == "failed"
+    assert "requests still in flight after 1 s" in event.message
+
+
+def test_a_drain_whose_worker_is_gone_ends_at_the_next_sync(balancer: Balancer) -> None:
+    expired = timezone.now() - timedelta(seconds=1)
+    Node.objects.filter(name="gpu-1").update(draining=True, lease_until=expired)
+    Node.objects.filter(name="gpu-2").update(draining=True)
+    traffic_sync(node("gpu-1").pool_id)
+    assert balancer.weights == {"gpu-1": 100, "gpu-2": 0, "gpu-3": 100}
+
+
+def test_weights_changed_behind_our_back_are_put_back_and_recorded_as_drift(
+    balancer: Balancer,
+) -> None:
+    Node.objects.filter(name="gpu-1").update(weight=22)
+    balancer.weights |= {"gpu-1": 22}
+    pool_id = node("gpu-1").pool_id
+    pool_sync(pool_id)
+    assert not AuditEvent.objects.exists()  # nothing differed
+    balancer.weights = dict.fromkeys(balancer.weights, 100)  # HAProxy restarted
+    pool_sync(pool_id)
+    assert balancer.weights["gpu-1"] == 22
+    drift = AuditEvent.objects.get(action="pool.traffic_drift")
+    assert (drift.before, drift.after) == ({"weights": {"gpu-1": 100}}, {"weights": {"gpu-1": 22}})
+    assert node("gpu-1").served_weight == 22
+
+
+def test_a_node_the_balancer_lacks_or_a_balancer_away_is_shown_on_the_nodes(
+    balancer: Balancer,
+) -> None:
+    del balancer.weights["gpu-3"]
+    pool_id = node("gpu-1").pool_id
+    traffic_sync(pool_id)
+    assert node("gpu-3").traffic_error == "not a server of HAProxy backend triton_http"
+    assert node("gpu-3").served_weight is None and node("gpu-1").served_weight == 100
+    balancer.down = True
+    traffic_sync(pool_id)
+    assert all("connection refused" in n.traffic_error for n in Node.objects.all())
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"traffic": "nginx"}, "traffic 'nginx': one of '', 'haproxy'"),
+        ({"traffic": "haproxy", "backends": ["a b"]}, "backends: name the HAProxy backends"),
+        ({"traffic": "haproxy", "backends": []}, "backends: name the HAProxy backends"),
+        (
+            {"traffic": "haproxy", "backends": ["be"], "runtime": "127.0.0.1:1"},
+            "HAProxy runtime API at 127.0.0.1:1: .*refused",
+        ),
+        ({"traffic": "haproxy", "backends": ["be"], "runtime": "nowhere"}, "neither host:port"),
+        ({"traffic": "", "min_serving": -1}, "min_serving and warmup_requests: 0-1000"),
+    ],
+)
+def test_a_traffic_setting_that_cannot_work_is_refused_with_why(
+    db: None, given: dict[str, object], message: str
+) -> None:
+    NodePool.objects.create(name="gpu")
+    with pytest.raises(FleetError, match=message):
+        pool_set_traffic(pool_name="gpu", actor="ops", **given)  # type: ignore[arg-type]
+    assert NodePool.objects.get().traffic == ""
