@@ -152,6 +152,21 @@ def step_mean_latency_query(*, step: str, pool: str, window_s: int) -> str:
     )
 
 
+def sample_queries(*, model: str, pool: str, step_s: int) -> dict[str, str]:
+    """Per node, one sample every `step_s` (which must hold two scrapes at least): mean latency
+    (ms) and error ratio from counters, which forget the past, unlike a summary's quantiles."""
+    selector, window = _selector(model=model, pool=pool), f"{step_s}s"
+
+    def rate(counter: str) -> str:
+        return f"sum by (node) (rate({counter}{{{selector}}}[{window}]))"
+
+    ok, failed = rate("nv_inference_request_success"), rate("nv_inference_request_failure")
+    return {
+        "latency": f"{rate('nv_inference_request_duration_us')} / {ok} / 1000",
+        "error_ratio": f"{failed} / ({ok} + {failed})",
+    }
+
+
 # An incident's suspects: the series each change is judged by ----------------------------------
 
 

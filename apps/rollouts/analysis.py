@@ -11,10 +11,20 @@ same tolerance, and to the step's budget)."""
 
 import math
 import re
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
+from datetime import timedelta
 
-from apps.observability.catalog import canary_queries, step_mean_latency_query
-from apps.observability.prometheus import PrometheusUnavailable, escape_label, instant_query
+from django.utils import timezone
+
+from apps.observability.catalog import canary_queries, sample_queries, step_mean_latency_query
+from apps.observability.prometheus import (
+    PrometheusUnavailable,
+    escape_label,
+    instant_query,
+    range_query,
+)
+from apps.rollouts.judge import compare, score
 from apps.rollouts.models import Measurement
 from apps.rollouts.plans import Analysis
 
@@ -30,6 +40,7 @@ class Result:
     threshold: float | None
     verdict: str
     detail: str
+    evidence: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -97,35 +108,36 @@ def measure(
             f"at least {spec.min_requests} each are needed",
         )
     ]
-    results.append(
-        _judge(
-            "p99",
-            f"{text['p99']}\n# {where}",
-            c_p99,
-            b_p99,
-            _p99_limit(b_p99, budget_ms, spec),
-            enough,
-            " ms",
-            compare,
-        )
-    )
-    c_errors = c_failed / c_requests if c_requests else None
-    b_errors = b_failed / b_requests if b_requests else None
-    # Without a baseline to compare with (a 100% step), the delta is the whole allowance.
-    allowed = b_errors if compare else 0.0
-    threshold = None if allowed is None else allowed + spec.error_delta
-    results.append(
-        _judge(
-            "error_ratio",
-            f"{text['failed']} / requests\n# {where}",
-            c_errors,
-            b_errors,
-            threshold,
-            enough,
-            "",
-            compare,
-        )
-    )
+    if spec.judge == "statistical" and compare:
+        results += _sampled(model, pool, canary_set, spec, enough)
+    else:
+        c_errors = c_failed / c_requests if c_requests else None
+        b_errors = b_failed / b_requests if b_requests else None
+        # Without a baseline to compare with (a 100% step), the delta is the whole allowance.
+        allowed = b_errors if compare else 0.0
+        threshold = None if allowed is None else allowed + spec.error_delta
+        results += [
+            _judge(
+                "p99",
+                f"{text['p99']}\n# {where}",
+                c_p99,
+                b_p99,
+                _p99_limit(b_p99, budget_ms, spec),
+                enough,
+                " ms",
+                compare,
+            ),
+            _judge(
+                "error_ratio",
+                f"{text['failed']} / requests\n# {where}",
+                c_errors,
+                b_errors,
+                threshold,
+                enough,
+                "",
+                compare,
+            ),
+        ]
     for step in steps:
         query = step_mean_latency_query(step=step.model, pool=pool, window_s=spec.window_s)
         by_version = _by("version", query)
@@ -173,33 +185,70 @@ def _judge(
     return Result(metric, query, canary, baseline, threshold, verdict, detail)
 
 
-def overall(results: list[Result]) -> str:
+def overall(results: list[Result], pass_score: float = 1.0) -> str:
+    """A failure or too little data decides; else the share of metrics that pass."""
     verdicts = {r.verdict for r in results}
     for verdict in (Verdict.FAILURE, Verdict.INCONCLUSIVE):
         if verdict in verdicts:
             return verdict
-    return Verdict.SUCCESS
+    return score([(r.verdict, 1.0) for r in results], pass_score)
+
+
+def _sampled(model: str, pool: str, canary: set[str], spec: Analysis, enough: bool) -> list[Result]:
+    """The statistical judge's metrics: each node's per-interval samples over the window, the
+    canary nodes' against the others'."""
+    end = timezone.now()
+    start = end - timedelta(seconds=spec.window_s)
+    tolerance = {"latency": spec.latency_tolerance, "error_ratio": spec.error_tolerance}
+    results = []
+    for metric, query in sample_queries(model=model, pool=pool, step_s=spec.sample_s).items():
+        series = range_query(query, start=start, end=end, step_s=spec.sample_s)
+        sides: dict[bool, list[float]] = {True: [], False: []}
+        for each in series:
+            values = [v for v in each.values if v is not None]
+            sides[each.labels.get("node") in canary] += values
+        found = compare(
+            sides[True],
+            sides[False],
+            confidence=spec.confidence,
+            tolerance=tolerance[metric],
+            relative=metric == "latency",
+        )
+        verdict = found.verdict if enough else Verdict.INCONCLUSIVE
+        results.append(
+            Result(
+                f"{metric} (samples)",
+                f"{query}\n# every {spec.sample_s} s over the last {spec.window_s} s, by node",
+                statistics.median(found.canary) if found.canary else None,
+                statistics.median(found.baseline) if found.baseline else None,
+                tolerance[metric],
+                verdict,
+                found.detail if enough else "too few requests to judge",
+                found.evidence(),
+            )
+        )
+    return results
 
 
 @dataclass(frozen=True)
 class Share:
     percent: float | None  # None: no request in the window, or Prometheus did not answer
+    window_s: int
     query: str
     error: str = ""
 
 
-OBSERVED_WINDOW_S = 60
-
-
-def observed_share(*, model: str, pool: str, canary_nodes: list[str]) -> Share:
-    """The share of the pool's requests for `model` that canary nodes answered over the last
-    minute, from Triton's own counters: by node, since an unversioned request goes to the
-    highest READY version and an ensemble's own metrics do not carry the version that served."""
-    query = canary_queries(model=model, pool=pool, window_s=OBSERVED_WINDOW_S)["ok"]
+def observed_share(*, model: str, pool: str, canary_nodes: list[str], since_s: float) -> Share:
+    """The share of the pool's requests for `model` that canary nodes answered since the step's
+    canary was READY (`since_s` ago; 30 s at least, for two scrapes, and a minute at most), from
+    Triton's own counters: by node, since an unversioned request goes to the highest READY
+    version and an ensemble's own metrics do not carry the version that served."""
+    window = int(max(30, min(60, since_s)))
+    query = canary_queries(model=model, pool=pool, window_s=window)["ok"]
     try:
         served = _by("node", query)
     except PrometheusUnavailable as exc:
-        return Share(None, query, str(exc))
+        return Share(None, window, query, str(exc))
     total = sum(served.values())
     canary = sum(count for node, count in served.items() if node in canary_nodes)
-    return Share(100 * canary / total if total else None, query)
+    return Share(100 * canary / total if total else None, window, query)

@@ -289,11 +289,12 @@ def _analyse(rollout: Rollout, spec: Analysis, compare: bool) -> None:
             threshold=r.threshold,
             verdict=r.verdict,
             detail=r.detail,
+            evidence=r.evidence,
         )
         for r in results
     )
     rollout.errors = 0
-    rollout.last_verdict = overall(results)
+    rollout.last_verdict = overall(results, spec.pass_score)
     if rollout.last_verdict == Verdict.FAILURE:
         rollout.failures += 1
         rollout.first_failure_at = rollout.first_failure_at or now

@@ -89,6 +89,7 @@ class Measurement(models.Model):
 
     class Verdict(models.TextChoices):
         SUCCESS = "success"
+        MARGINAL = "marginal"  # worse than the baseline, but within tolerance or unproven
         FAILURE = "failure"
         INCONCLUSIVE = "inconclusive"
         ERROR = "error"
@@ -103,6 +104,9 @@ class Measurement(models.Model):
     threshold = models.FloatField(null=True, blank=True)
     verdict = models.CharField(max_length=15, choices=Verdict.choices)
     detail = models.TextField(blank=True)
+    evidence = models.JSONField(
+        default=dict, blank=True, help_text="the statistical judge's samples, U, p and effect"
+    )
 
     class Meta:
         ordering = ["-taken_at", "-id"]

@@ -35,6 +35,7 @@ class Step:
 
 
 UNITS = {"s": 1, "m": 60, "h": 3600}
+JUDGES = ("threshold", "statistical")
 LINE = re.compile(
     r"^\s*(?:(?P<nodes>\d+)\s*nodes?|(?P<percent>\d+)\s*%)\s*"
     r"(?:,?\s*hold\s+(?P<hold>\d+)\s*(?P<unit>[smh]))?\s*$",
@@ -108,22 +109,36 @@ class Analysis:
     failure_limit: int = 2  # failed measurements before the rollout rolls back
     error_limit: int = 3  # Prometheus errors in a row before it rolls back
     converge_timeout_s: int = 300  # a step's canary must be READY within this
+    # "threshold": single values over the window against the limits above; "statistical": the
+    # window's per-interval samples, canary against baseline (apps/rollouts/judge.py).
+    judge: str = "threshold"
+    sample_s: int = 5  # one sample per node every this, for the statistical judge
+    confidence: float = 0.95  # "worse" when the Mann-Whitney p-value is below 1 - this
+    latency_tolerance: float = 0.1  # the canary's median latency may be this much higher
+    error_tolerance: float = 0.01  # ...and its mean error ratio this much higher
+    pass_score: float = 0.75  # the weighted share of metrics that pass, for a success
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Analysis":
         defaults = asdict(cls())
-        known: dict[str, Callable[[Any], float]] = {k: type(v) for k, v in defaults.items()}
+        known: dict[str, Callable[[Any], Any]] = {k: type(v) for k, v in defaults.items()}
         unknown = sorted(set(raw) - set(known))
         if unknown:
             raise PlanError(f"analysis: unknown field {unknown[0]!r}; known: {', '.join(known)}")
         values: dict[str, Any] = {}
         for name, raw_value in raw.items():
+            if name == "judge":
+                if raw_value not in JUDGES:
+                    raise PlanError(f"analysis.judge: {raw_value!r} is not one of {JUDGES}")
+                values[name] = raw_value
+                continue
             try:
                 value = known[name](raw_value)
             except (TypeError, ValueError):
                 raise PlanError(f"analysis.{name}: {raw_value!r} is not a number") from None
-            positive = name.endswith("_limit") or name in ("interval_s", "window_s")
-            if value < 0 or (positive and value < 1):
+            positive = name.endswith("_limit") or name in ("interval_s", "window_s", "sample_s")
+            share = name in ("confidence", "pass_score")
+            if value < 0 or (positive and value < 1) or (share and not 0 < value <= 1):
                 raise PlanError(f"analysis.{name}: {raw_value!r} is out of range")
             values[name] = value
         return cls(**values)

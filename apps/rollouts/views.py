@@ -12,7 +12,7 @@ from django.views.decorators.http import require_POST
 from apps.accounts.permissions import current_user, require
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment
-from apps.rollouts.analysis import observed_share
+from apps.rollouts.analysis import Share, observed_share
 from apps.rollouts.approvals import APPROVER_PERMISSION, ApprovalError, approval_approve
 from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Approval, Rollout
@@ -85,11 +85,7 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
         "rollout": rollout,
         "steps": steps,
         "current_step": steps[min(rollout.step, len(steps) - 1)],
-        "observed": rollout.state == Rollout.State.PROGRESSING
-        and rollout.canary_nodes
-        and observed_share(
-            model=rollout.model.name, pool=rollout.pool.name, canary_nodes=rollout.canary_nodes
-        ),
+        "observed": _observed(rollout),
         "measurements": rollout.measurements.all()[:60],
         "notifications": rollout.notifications.all()[:20],
         "events": rollout_events(rollout),
@@ -99,6 +95,18 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
         response.status_code = 200 if rollout.active else 286
         return response
     return render(request, "rollouts/rollout_detail.html", context)
+
+
+def _observed(rollout: Rollout) -> Share | None:
+    """The canary's share of requests, once the current step's canary is READY."""
+    if rollout.state != Rollout.State.PROGRESSING or rollout.step_ready_at is None:
+        return None
+    return observed_share(
+        model=rollout.model.name,
+        pool=rollout.pool.name,
+        canary_nodes=rollout.canary_nodes,
+        since_s=(timezone.now() - rollout.step_ready_at).total_seconds(),
+    )
 
 
 def rollout_events(rollout: Rollout) -> list[AuditEvent]:

@@ -167,6 +167,7 @@ def test_every_series_reports_exact_values_from_the_database(
     }
     assert matching(samples, "controlplane_analysis_verdicts") == {
         ("success",): 2,
+        ("marginal",): 0,
         ("failure",): 1,
         ("inconclusive",): 0,
         ("error",): 0,

@@ -615,6 +615,50 @@ def test_with_the_canary_everywhere_only_the_budget_judges(monkeypatch: pytest.M
     assert results[2].threshold == Analysis().error_delta
 
 
+def test_the_statistical_judge_compares_each_nodes_samples_and_keeps_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from apps.observability.prometheus import Series
+    from apps.rollouts import analysis
+
+    def counts(query: str) -> list[tuple[dict[str, str], float]]:
+        if "summary" in query or "failure" in query:
+            return []
+        return [({"node": n}, 40.0) for n in ("a", "b", "c")]
+
+    latency = {"a": [210.0, 190, 205, 200], "b": [100.0, 98, 103, 99], "c": [101.0, 97, 102, 100]}
+    asked: list[tuple[str, int]] = []
+
+    def samples(query: str, *, start: object, end: object, step_s: int) -> list[Series]:
+        asked.append((query, step_s))
+        if "duration" in query:
+            return [Series({"node": n}, [], list(v)) for n, v in latency.items()]
+        return [Series({"node": n}, [], [0.0, None, 0.0, 0.0]) for n in latency]
+
+    monkeypatch.setattr(analysis, "instant_query", counts)
+    monkeypatch.setattr(analysis, "range_query", samples)
+    spec = Analysis(judge="statistical", sample_s=5, window_s=20, min_requests=20)
+    results = analysis.measure(
+        model="rag", pool="gpu", canary_nodes=["a"], spec=spec, budget_ms=None, steps=[]
+    )
+    found = {r.metric: r for r in results}
+    assert set(found) == {"requests", "latency (samples)", "error_ratio (samples)"}
+    slow = found["latency (samples)"]
+    assert (slow.verdict, slow.canary, slow.baseline) == ("failure", 202.5, 100.0)
+    assert slow.evidence["canary"] == latency["a"] and len(slow.evidence["baseline"]) == 8
+    assert slow.detail == "canary +102.5% against the baseline (tolerance 0.1), p=0.00418"
+    assert found["error_ratio (samples)"].verdict == "success"
+    assert found["error_ratio (samples)"].evidence["canary"] == [0.0, 0.0, 0.0]  # a gap is none
+    assert [step for _, step in asked] == [5, 5]
+    assert analysis.overall(results, spec.pass_score) == "failure"
+    latency["a"] = [x * 1.05 for x in latency["b"]]  # 5 % slower on every sample: within tolerance
+    results = analysis.measure(
+        model="rag", pool="gpu", canary_nodes=["a"], spec=spec, budget_ms=None, steps=[]
+    )
+    assert [r.verdict for r in results] == ["success", "marginal", "success"]
+    assert analysis.overall(results, spec.pass_score) == "marginal"
+
+
 # Pages and permissions -----------------------------------------------------------------------------
 
 
@@ -785,7 +829,12 @@ def test_the_rollout_page_shows_the_share_intended_and_the_one_observed(
     rollout = tick(start(plan="10%, hold 10m\n100%"))
     fleet.requests = {"gpu-1": 19.0, "gpu-2": 90.0, "gpu-3": 91.0}
     client.force_login(viewer)
+    waiting = client.get(f"/rollouts/{rollout.pk}/").content.decode()
+    assert "Canary share" not in waiting  # before the canary is READY: the last step's traffic
+    fleet.converge()
+    rollout = tick(rollout)
     page = client.get(f"/rollouts/{rollout.pk}/").content.decode()
+    assert "of the requests of the last 30 s" in page
     assert (
         "Canary share: intended <strong>10%</strong> (weighted), observed <strong>9.5%</strong>"
         in page

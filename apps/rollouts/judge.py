@@ -1,0 +1,91 @@
+"""The statistical judge: canary against baseline on samples, not single values, as Kayenta
+judges. Each metric's per-interval samples (say, every 5 s of every node's mean latency) on both
+sides are compared with a one-sided Mann-Whitney U test (is the canary worse?) and an effect size
+(how much worse, its median against the baseline's, or its mean minus the baseline's):
+
+- fail: significantly worse (p below 1 - confidence) *and* worse beyond the metric's tolerance;
+- marginal: one of the two (a real but tolerable difference, or a large but unproven one);
+- pass: neither; inconclusive: too few samples on a side to say.
+
+A step fails when any metric fails; otherwise its score is the weighted share of the metrics that
+pass, a success from `pass_score` up, marginal below."""
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from scipy.stats import mannwhitneyu
+
+# As a measurement's verdicts (Measurement.Verdict) name them.
+PASS, MARGINAL, FAIL, INCONCLUSIVE = "success", "marginal", "failure", "inconclusive"
+MIN_SAMPLES = 3
+
+
+@dataclass(frozen=True)
+class Comparison:
+    verdict: str
+    canary: list[float]
+    baseline: list[float]
+    u: float | None = None
+    p: float | None = None
+    effect: float | None = None  # relative (0.1: 10 % worse) or absolute, as judged
+    detail: str = ""
+
+    def evidence(self) -> dict[str, object]:
+        """What a measurement keeps, to be shown and checked later."""
+        return {
+            "canary": self.canary,
+            "baseline": self.baseline,
+            "u": self.u,
+            "p": self.p,
+            "effect": self.effect,
+            "verdict": self.verdict,
+        }
+
+
+def compare(
+    canary: list[float],
+    baseline: list[float],
+    *,
+    confidence: float,
+    tolerance: float,
+    relative: bool,
+) -> Comparison:
+    """Higher is worse. `relative`: the effect is the canary's median over the baseline's, less
+    one; else the difference of their means (for ratios that are mostly 0, such as errors)."""
+    c = [x for x in canary if math.isfinite(x)]
+    b = [x for x in baseline if math.isfinite(x)]
+    if len(c) < MIN_SAMPLES or len(b) < MIN_SAMPLES:
+        why = f"{len(c)} canary and {len(b)} baseline samples; {MIN_SAMPLES} a side are needed"
+        return Comparison(INCONCLUSIVE, c, b, detail=why)
+    effect = _effect(c, b, relative)
+    if len(set(c) | set(b)) == 1:  # all equal: no test can tell them apart
+        u, p = len(c) * len(b) / 2, 1.0
+    else:
+        result = mannwhitneyu(c, b, alternative="greater")
+        u, p = float(result.statistic), float(result.pvalue)
+    worse, beyond = p < 1 - confidence, effect > tolerance
+    verdict = FAIL if worse and beyond else MARGINAL if worse or beyond else PASS
+    how = f"{effect:+.1%}" if relative else f"{effect:+.4g}"
+    detail = f"canary {how} against the baseline (tolerance {tolerance:g}), p={p:.3g}"
+    return Comparison(verdict, c, b, u, p, effect, "" if verdict == PASS else detail)
+
+
+def _effect(canary: list[float], baseline: list[float], relative: bool) -> float:
+    if not relative:
+        return statistics.fmean(canary) - statistics.fmean(baseline)
+    c, b = statistics.median(canary), statistics.median(baseline)
+    if b == 0:
+        return 0.0 if c == 0 else math.inf
+    return c / b - 1
+
+
+def score(verdicts: list[tuple[str, float]], pass_score: float) -> str:
+    """The step's verdict from each metric's (verdict, weight)."""
+    judged = [(v, w) for v, w in verdicts if v != INCONCLUSIVE]
+    if any(v == FAIL for v, _ in judged):
+        return FAIL
+    if not judged:
+        return INCONCLUSIVE
+    passed = sum(w for v, w in judged if v == PASS) / sum(w for _, w in judged)
+    return PASS if passed >= pass_score else MARGINAL
