@@ -193,8 +193,7 @@ def drained(node: Node) -> Iterator[None]:
     """The node out of traffic while the block runs (its in-flight requests finished first),
     then back at its weight. Only while the pool keeps `min_serving` other serving nodes, or
     when the node has no share anyway (a canary being rolled back): raises PoolAtCapacity
-    otherwise, before draining anything. On a pool without a traffic
-    strategy, nothing to do."""
+    otherwise, before draining anything. On a pool without a traffic strategy, nothing to do."""
     pool = node.pool
     target = balancer(pool)
     if target is None:
@@ -246,14 +245,16 @@ def _wait_idle(node: Node, pool: NodePool, target: Balancer) -> None:
 def warm_up(node: Node, configs: dict[str, dict | None]) -> None:
     """`warmup_requests` sample requests to each model just loaded (`configs`: by name, the
     config it was loaded with), sent to the node itself, before it takes traffic again. A step
-    of an ensemble loaded with it is warmed through the ensemble."""
+    of an ensemble loaded with it is warmed through the ensemble; a model whose config has its
+    own `model_warmup` was warmed by Triton during the load."""
     count = node.pool.warmup_requests
     steps = {
         step.get("model_name")
         for config in configs.values()
         for step in ((config or {}).get("ensemble_scheduling") or {}).get("step", [])
     }
-    models = sorted(set(configs) - steps)
+    warmed = {name for name, config in configs.items() if (config or {}).get("model_warmup")}
+    models = sorted(set(configs) - steps - warmed)
     if not count or not models:
         return
     client = TritonClient(node.http_url, node=node.name)

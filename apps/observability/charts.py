@@ -212,14 +212,42 @@ def metric_chart(
         return Chart(title=metric.title, message="No data in this range.")
     markers = change_markers(start=start, end=end, model=model, pool=pool, node=node)
     fig = figure(series, unit=metric.unit, markers=markers, start=start, end=end)
-    # Escaped so that no label value can close the <script type="application/json"> it sits in.
-    safe_json = (
-        orjson.dumps(fig)
-        .decode()
-        .replace("<", "\\u003c")
-        .replace(">", "\\u003e")
-        .replace("&", "\\u0026")
-    )
     window = {"start": f"{start:%Y-%m-%dT%H:%M:%S}", "end": f"{end:%Y-%m-%dT%H:%M:%S}"}
     window |= {"model": model} if model else {}
-    return Chart(title=metric.title, figure_json=safe_json, window=urlencode(window))
+    return Chart(title=metric.title, figure_json=script_json(fig), window=urlencode(window))
+
+
+def script_json(fig: dict[str, Any]) -> str:
+    """The figure as JSON escaped so that no label can close the <script> element it sits in."""
+    text = orjson.dumps(fig).decode()
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def distributions(title: str, sides: dict[str, list[float]], *, unit: str, note: str) -> Chart:
+    """Samples side by side, each as a box with its points: what a statistical verdict saw."""
+    if not any(sides.values()):
+        return Chart(title=title, message="No samples.")
+    fig = {
+        "data": [
+            {
+                "type": "box",
+                "name": name,
+                "x": values,
+                "boxpoints": "all",
+                "jitter": 0.4,
+                "orientation": "h",
+                "marker": {"size": 5},
+                "hovertemplate": f"%{{x:.4g}} {unit}<extra>{name}</extra>",
+            }
+            for name, values in sides.items()
+        ],
+        "layout": {
+            "height": 170,
+            "margin": {"l": 70, "r": 10, "t": 10, "b": 30},
+            "showlegend": False,
+            "xaxis": {"title": {"text": unit}, "zeroline": False},
+            "paper_bgcolor": "rgba(0,0,0,0)",
+            "plot_bgcolor": "rgba(0,0,0,0)",
+        },
+    }
+    return Chart(title=title, figure_json=script_json(fig), note=note)

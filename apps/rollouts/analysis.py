@@ -213,6 +213,7 @@ def _sampled(model: str, pool: str, canary: set[str], spec: Analysis, enough: bo
             confidence=spec.confidence,
             tolerance=tolerance[metric],
             relative=metric == "latency",
+            margin=spec.latency_margin_ms,
         )
         verdict = found.verdict if enough else Verdict.INCONCLUSIVE
         results.append(

@@ -50,9 +50,12 @@ def compare(
     confidence: float,
     tolerance: float,
     relative: bool,
+    margin: float = 0.0,
 ) -> Comparison:
     """Higher is worse. `relative`: the effect is the canary's median over the baseline's, less
-    one; else the difference of their means (for ratios that are mostly 0, such as errors)."""
+    one; else the difference of their means (for ratios that are mostly 0, such as errors). A
+    relative effect counts only when the medians are also more than `margin` apart: 10 % of a
+    3 ms latency is noise."""
     c = [x for x in canary if math.isfinite(x)]
     b = [x for x in baseline if math.isfinite(x)]
     if len(c) < MIN_SAMPLES or len(b) < MIN_SAMPLES:
@@ -64,10 +67,12 @@ def compare(
     else:
         result = mannwhitneyu(c, b, alternative="greater")
         u, p = float(result.statistic), float(result.pvalue)
-    worse, beyond = p < 1 - confidence, effect > tolerance
+    apart = not relative or statistics.median(c) - statistics.median(b) > margin
+    worse, beyond = p < 1 - confidence, effect > tolerance and apart
     verdict = FAIL if worse and beyond else MARGINAL if worse or beyond else PASS
     how = f"{effect:+.1%}" if relative else f"{effect:+.4g}"
-    detail = f"canary {how} against the baseline (tolerance {tolerance:g}), p={p:.3g}"
+    allowed = f"tolerance {tolerance:g}" + (f", margin {margin:g}" if relative and margin else "")
+    detail = f"canary {how} against the baseline ({allowed}), p={p:.3g}"
     return Comparison(verdict, c, b, u, p, effect, "" if verdict == PASS else detail)
 
 

@@ -114,7 +114,8 @@ class Analysis:
     judge: str = "threshold"
     sample_s: int = 5  # one sample per node every this, for the statistical judge
     confidence: float = 0.95  # "worse" when the Mann-Whitney p-value is below 1 - this
-    latency_tolerance: float = 0.1  # the canary's median latency may be this much higher
+    latency_tolerance: float = 0.1  # the canary's median latency may be this much higher...
+    latency_margin_ms: float = 5.0  # ...or this many ms: 10 % of 3 ms is noise
     error_tolerance: float = 0.01  # ...and its mean error ratio this much higher
     pass_score: float = 0.75  # the weighted share of metrics that pass, for a success
 

@@ -12,10 +12,11 @@ from django.views.decorators.http import require_POST
 from apps.accounts.permissions import current_user, require
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment
+from apps.observability.charts import Chart, distributions
 from apps.rollouts.analysis import Share, observed_share
 from apps.rollouts.approvals import APPROVER_PERMISSION, ApprovalError, approval_approve
 from apps.rollouts.forms import RolloutForm
-from apps.rollouts.models import Approval, Rollout
+from apps.rollouts.models import Approval, Measurement, Rollout
 from apps.rollouts.plans import PlanError, parse_plan, preview
 from apps.rollouts.services import (
     RolloutError,
@@ -87,6 +88,7 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
         "current_step": steps[min(rollout.step, len(steps) - 1)],
         "observed": _observed(rollout),
         "measurements": rollout.measurements.all()[:60],
+        "evidence": evidence_charts(rollout),
         "notifications": rollout.notifications.all()[:20],
         "events": rollout_events(rollout),
     }
@@ -107,6 +109,26 @@ def _observed(rollout: Rollout) -> Share | None:
         canary_nodes=rollout.canary_nodes,
         since_s=(timezone.now() - rollout.step_ready_at).total_seconds(),
     )
+
+
+def evidence_charts(rollout: Rollout) -> list[tuple[str, Chart]]:
+    """The statistical judge's latest samples of each metric, canary against baseline, each
+    with its element id."""
+    latest: dict[str, Measurement] = {}
+    for found in rollout.measurements.exclude(evidence={})[:20]:
+        latest.setdefault(found.metric, found)
+    charts: list[tuple[str, Chart]] = []
+    for found in sorted(latest.values(), key=lambda m: m.metric):
+        evidence = found.evidence
+        test = "" if evidence["p"] is None else f"U = {evidence['u']:g}, p = {evidence['p']:.3g}, "
+        effect = evidence["effect"]
+        size = "" if effect is None else f"effect {effect:+.3g}, "
+        note = f"{test}{size}step {found.step + 1} at {found.taken_at:%H:%M:%S} UTC"
+        sides = {"canary": evidence["canary"], "baseline": evidence["baseline"]}
+        unit = "ms" if found.metric.startswith("latency") else "ratio"
+        chart = distributions(f"{found.metric}: {found.verdict}", sides, unit=unit, note=note)
+        charts.append((f"evidence-{len(charts)}", chart))
+    return charts
 
 
 def rollout_events(rollout: Rollout) -> list[AuditEvent]:

@@ -110,6 +110,35 @@ def test_a_worker_killed_mid_step_resumes_without_repeating_it(
     assert canary_loads.count() == 1
 
 
+# The statistical judge: each node's mean latency every 2 s over the last 10 s, canary against
+# baseline, after a short warm-up; no wide margin for the healthy release here.
+STATISTICAL = {"judge": "statistical", "sample_s": 2, "warmup_s": 2}
+
+
+def test_the_statistical_judge_passes_a_healthy_release_after_a_short_warm_up(
+    serving_v1: NodePool, traffic: None
+) -> None:
+    rollout = start(serving_v1, 2, "1 node, hold 10s\n100%", **STATISTICAL)
+    rollout = until_state(rollout, State.SUCCEEDED, State.PAUSED, State.ROLLED_BACK)
+    assert rollout.state == State.SUCCEEDED, rollout.reason
+    judged = rollout.measurements.filter(metric="latency (samples)", step=0)
+    assert judged.exists() and not judged.filter(verdict="failure").exists()
+    evidence = judged.first().evidence  # type: ignore[union-attr]
+    assert len(evidence["canary"]) >= 3 and len(evidence["baseline"]) >= 3
+    assert 0 <= evidence["p"] <= 1
+
+
+def test_the_statistical_judge_rolls_a_slow_release_back(
+    serving_v1: NodePool, traffic: None
+) -> None:
+    rollout = start(serving_v1, 3, "1 node, hold 60s\n100%", failure_limit=1, **STATISTICAL)
+    rollout = until_state(rollout, State.ROLLED_BACK, State.SUCCEEDED, State.PAUSED)
+    assert rollout.state == State.ROLLED_BACK, rollout.reason
+    failing = rollout.measurements.get(metric="latency (samples)", verdict="failure")
+    assert failing.evidence["p"] < 0.05 and failing.evidence["effect"] > 0.1
+    wait_for("v1 alone everywhere", converged(serving_v1, STEPS_V1), timeout=60)
+
+
 def test_without_traffic_a_rollout_pauses_as_inconclusive(serving_v1: NodePool) -> None:
     rollout = start(serving_v1, 2, "1 node, hold 3s\n100%")
     rollout = until_state(rollout, State.PAUSED, State.SUCCEEDED, State.ROLLED_BACK)

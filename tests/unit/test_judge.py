@@ -129,3 +129,15 @@ def test_bad_judge_settings_are_named(raw: dict[str, object], message: str) -> N
         Analysis.from_dict(raw)
     spec = Analysis.from_dict({"judge": "statistical", "confidence": "0.99"})
     assert (spec.judge, spec.confidence) == ("statistical", 0.99)
+
+
+def test_a_relative_effect_within_the_margin_is_noise() -> None:
+    """+20 % of a 3 ms latency, on every sample: significant, but 0.6 ms is within the margin."""
+    fast = [3.0, 3.1, 2.9, 3.0, 3.05, 2.95]
+    found = compare(
+        [x * 1.2 for x in fast], fast, confidence=0.95, tolerance=0.1, relative=True, margin=5
+    )
+    assert found.verdict == MARGINAL
+    assert "tolerance 0.1, margin 5" in found.detail
+    slow = compare([x * 1.2 for x in fast], fast, confidence=0.95, tolerance=0.1, relative=True)
+    assert slow.verdict == FAIL

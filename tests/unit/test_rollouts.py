@@ -27,7 +27,7 @@ from apps.observability.prometheus import PrometheusUnavailable
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts import analysis, controller
 from apps.rollouts.analysis import Result
-from apps.rollouts.models import Rollout
+from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.plans import Analysis, PlanError, Step, parse_plan, preview
 from apps.rollouts.services import (
     RolloutError,
@@ -646,7 +646,7 @@ def test_the_statistical_judge_compares_each_nodes_samples_and_keeps_them(
     slow = found["latency (samples)"]
     assert (slow.verdict, slow.canary, slow.baseline) == ("failure", 202.5, 100.0)
     assert slow.evidence["canary"] == latency["a"] and len(slow.evidence["baseline"]) == 8
-    assert slow.detail == "canary +102.5% against the baseline (tolerance 0.1), p=0.00418"
+    assert slow.detail == "canary +102.5% against the baseline (tolerance 0.1, margin 5), p=0.00418"
     assert found["error_ratio (samples)"].verdict == "success"
     assert found["error_ratio (samples)"].evidence["canary"] == [0.0, 0.0, 0.0]  # a gap is none
     assert [step for _, step in asked] == [5, 5]
@@ -844,3 +844,26 @@ def test_the_rollout_page_shows_the_share_intended_and_the_one_observed(
         "observed <strong>\u2013</strong>"
         in client.get(f"/rollouts/{rollout.pk}/").content.decode()
     )
+
+
+def test_the_rollout_page_draws_the_statistical_judges_latest_samples(
+    fleet: Fleet, client: Client, viewer: User
+) -> None:
+    rollout = tick(start(judge="statistical"))
+    evidence = {"canary": [210.0, 190], "baseline": [100.0, 98], "u": 4.0, "p": 0.0123}
+    for when, verdict in ((1, "success"), (2, "failure")):  # the later one is drawn
+        Measurement.objects.create(
+            rollout=rollout,
+            step=0,
+            metric="latency (samples)",
+            query="q",
+            verdict=verdict,
+            evidence=evidence | {"effect": float(when), "verdict": verdict},
+        )
+    client.force_login(viewer)
+    page = client.get(f"/rollouts/{rollout.pk}/").content.decode()
+    assert "The judge's evidence" in page
+    assert page.count('data-figure-id="evidence-') == 1
+    assert "latency (samples): failure" in page
+    assert "U = 4, p = 0.0123, effect +2, step 1 at" in page
+    assert '{"type":"box","name":"canary","x":[210.0,190],"boxpoints":"all"' in page

@@ -21,8 +21,10 @@ from apps.fleet.routing import (
     pool_sync,
     share_weights,
     traffic_sync,
+    warm_up,
 )
 from apps.fleet.services import FleetError, pool_set_traffic
+from apps.fleet.triton import TritonError
 
 
 @given(
@@ -180,3 +182,38 @@ def test_a_traffic_setting_that_cannot_work_is_refused_with_why(
     with pytest.raises(FleetError, match=message):
         pool_set_traffic(pool_name="gpu", actor="ops", **given)  # type: ignore[arg-type]
     assert NodePool.objects.get().traffic == ""
+
+
+def test_what_a_node_just_loaded_is_warmed_on_the_node_itself_once_per_pipeline(
+    balancer: Balancer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[tuple[str, str]] = []
+
+    class Client:  # Triton, at the client's boundary
+        def __init__(self, url: str, *, node: str) -> None:
+            self.node = node
+
+        def model_inputs(self, model: str) -> list[tuple[str, str, list[int]]]:
+            if model == "broken":
+                raise TritonError(self.node, "model 'broken' is not ready")
+            return [("TEXT", "BYTES", [-1, 1])]
+
+        def infer(self, model: str, inputs: dict[str, object]) -> None:
+            sent.append((self.node, model))
+
+    monkeypatch.setattr(routing, "TritonClient", Client)
+    NodePool.objects.update(warmup_requests=2)
+    pipeline = {"ensemble_scheduling": {"step": [{"model_name": "embedder"}]}}
+    warm_up(
+        node("gpu-1"),
+        {
+            "embedder": {},  # warmed through the pipeline it was loaded with
+            "rag": pipeline,
+            "own": {"model_warmup": [{"name": "w", "batch_size": 1}]},  # Triton warmed it
+            "broken": None,
+        },
+    )
+    assert sent == [("gpu-1", "rag"), ("gpu-1", "rag")]
+    failed = AuditEvent.objects.get(action="node.warmup")
+    assert (failed.target, failed.result) == ("node:gpu-1:broken", "failed")
+    assert "model 'broken' is not ready" in failed.message

@@ -1,0 +1,80 @@
+"""False verdicts, measured: the healthy rag_pipeline v2 and the slow v3 (+250 ms on every
+request) each rolled out ROUNDS times on the trio of real Triton nodes under the demo's traffic
+(4 requests a second over 3 nodes), each from a fresh v1 baseline, judged by the statistical judge
+from a real Prometheus by the real worker and beat. A judge that rolls a healthy release back is
+worse than none: people stop trusting it.
+
+Reported: how many healthy releases were rolled back (target 0) and how many slow ones were
+(target all), with each rollout's reason. Asserted: only that every rollout ended.
+
+Run with `make bench` (not part of CI), or alone:
+`DATABASE_URL=postgres://postgres@127.0.0.1:5432/test .venv/bin/pytest tests/bench/test_drill.py -s -p no:cacheprovider`
+"""
+
+import pytest
+
+from apps.fleet.devfleet import Devfleet, FleetState
+from apps.fleet.models import NodePool, Operation
+from apps.fleet.services import deployment_set
+from apps.rollouts.models import Rollout
+from apps.rollouts.services import rollout_abort, rollout_start
+from tests.support.bench import Report
+from tests.support.fleet import STEPS_V1, converged, traffic_to, wait_for
+from tests.support.services import Celery
+
+ROUNDS = 5
+# The statistical judge at the pace of a test: every 2 s, 4 s samples over the last 20 s, after a
+# 5 s warm-up; otherwise the defaults (confidence, tolerances, pass score, limits).
+JUDGED = {"judge": "statistical", "interval_s": 2, "sample_s": 4, "window_s": 20, "warmup_s": 5}
+OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
+
+
+def one_release(pool: NodePool, version: int) -> Rollout:
+    ops = Operation.objects.filter(node__pool=pool)
+    wait_for(
+        "a fresh v1 baseline, nothing open",
+        lambda: converged(pool, STEPS_V1)() and not ops.filter(status__in=OPEN).exists(),
+        timeout=180,
+    )
+    rollout = rollout_start(
+        model_name="rag_pipeline",
+        pool_name=pool.name,
+        canary_version=version,
+        plan="1 node, hold 10s\n100%",
+        analysis=JUDGED,
+        actor="release-manager",
+    )
+    found = Rollout.objects.filter(pk=rollout.pk)
+    decided = [*Rollout.TERMINAL, Rollout.State.PAUSED]
+    wait_for(f"rollout #{rollout.pk} ends", lambda: found.get().state in decided, timeout=300)
+    ended = found.get()
+    print(f"\nv{version} #{ended.pk}: {ended.state} {ended.reason}")
+    if ended.state == Rollout.State.PAUSED:  # the judge would not say: a person would look
+        rollout_abort(rollout_id=ended.pk, actor="release-manager")
+        wait_for("aborted", lambda: not found.get().active, timeout=120)
+    if ended.state == Rollout.State.SUCCEEDED:  # back to v1 for the next round
+        deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:bench")
+    return ended
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.django_db(transaction=True)
+def test_the_judge_rolls_back_no_healthy_release_and_every_slow_one(
+    pool: NodePool, trio: tuple[Devfleet, FleetState], celery: Celery, report: Report
+) -> None:
+    _, state = trio
+    celery.use_prometheus(state.prometheus_url)
+    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:bench")
+    ended: dict[int, list[Rollout]] = {2: [], 3: []}
+    with traffic_to(state, rps=4):
+        for _ in range(ROUNDS):
+            for version in (2, 3):
+                ended[version].append(one_release(pool, version))
+    bench = f"the statistical judge, {ROUNDS} releases each of v2 (healthy) and v3 (+250 ms)"
+    for version, label, target in ((2, "healthy", "0 rolled back"), (3, "slow", "all rolled back")):
+        states = [r.state for r in ended[version]]
+        counts = ", ".join(f"{states.count(s)} {s}" for s in sorted(set(states)))
+        report.add(bench, f"{label} releases", counts, target)
+    for r in ended[2]:
+        if r.state != Rollout.State.SUCCEEDED:
+            report.add(bench, f"healthy #{r.pk} {r.state}", r.reason[:120])
