@@ -225,17 +225,18 @@ class Devfleet:
         if state.prometheus is not None and state.prometheus.running:
             self._reload_prometheus(state, {"rule_files": [], "alerting": {}})
 
-    def balancer(self) -> Proc:
+    def balancer(self, *, base_port: int | None = None) -> Proc:
         """HAProxy in front of the nodes: an HTTP and a gRPC (h2) frontend, each node a server
         of the backends `triton_http` and `triton_grpc` under its own name (weight 100, taken
-        out while not ready), and its runtime API, admin level, on a local TCP port."""
+        out while not ready), and its runtime API, admin level, on a local TCP port; on the
+        three ports from `base_port`, or free ones."""
         state = self.state()
         if not state.nodes:
             raise DevfleetError("start the fleet first: HAProxy balances its nodes")
         binary = _require_binary("haproxy", "apt-get install -y haproxy")
         if state.haproxy is not None and state.haproxy.running:
             raise DevfleetError(f"HAProxy is already running (pid {state.haproxy.pid})")
-        http, grpc, runtime = _ports(3, None)
+        http, grpc, runtime = _ports(3, base_port)
         config = self.home / "haproxy.cfg"
         config.write_text(haproxy_config(state, http=http, grpc=grpc, runtime=runtime))
         argv = [binary, "-db", "-f", str(config)]

@@ -179,9 +179,11 @@ def _progress(rollout: Rollout) -> None:
         if rollout.state != State.PROGRESSING:
             return None
     held = (now - rollout.step_ready_at).total_seconds() >= steps[rollout.step].hold_s
-    if not held or rollout.last_verdict in ("", Verdict.FAILURE, Verdict.ERROR):
+    # A dry run measures and records its verdicts, and goes on whatever they are.
+    stopped = ("",) if spec.dry_run else ("", Verdict.FAILURE, Verdict.ERROR)
+    if not held or rollout.last_verdict in stopped:
         return None
-    if rollout.last_verdict == Verdict.INCONCLUSIVE:
+    if rollout.last_verdict == Verdict.INCONCLUSIVE and not spec.dry_run:
         return pause(rollout, f"inconclusive: {_last_round_details(rollout)}")
     if rollout.step + 1 < len(steps):
         rollout.step += 1
@@ -272,7 +274,7 @@ def _analyse(rollout: Rollout, spec: Analysis, compare: bool) -> None:
         )
         rollout.errors += 1
         rollout.last_verdict = Verdict.ERROR
-        if rollout.errors >= spec.error_limit:
+        if rollout.errors >= spec.error_limit and not spec.dry_run:
             return begin_abort(
                 rollout, f"error: Prometheus failed {rollout.errors} times in a row: {exc}"
             )
@@ -295,7 +297,7 @@ def _analyse(rollout: Rollout, spec: Analysis, compare: bool) -> None:
     )
     rollout.errors = 0
     rollout.last_verdict = overall(results, spec.pass_score)
-    if rollout.last_verdict == Verdict.FAILURE:
+    if rollout.last_verdict == Verdict.FAILURE and not spec.dry_run:
         rollout.failures += 1
         rollout.first_failure_at = rollout.first_failure_at or now
         if rollout.failures >= spec.failure_limit:

@@ -38,6 +38,19 @@ class RolloutForm(forms.Form):
     failure_limit = forms.IntegerField(
         min_value=1, initial=DEFAULTS.failure_limit, label="Failure limit"
     )
+    judge = forms.ChoiceField(
+        choices=[
+            ("threshold", "thresholds on the window's values"),
+            ("statistical", "statistical, on per-interval samples"),
+        ],
+        initial=DEFAULTS.judge,
+        required=False,
+    )
+    dry_run = forms.BooleanField(
+        required=False,
+        label="Dry run",
+        help_text="Measure and record every verdict, never act on one.",
+    )
 
     TARGET = ["model", "pool", "canary_version"]
     ANALYSIS = [
@@ -49,6 +62,8 @@ class RolloutForm(forms.Form):
         "error_delta",
         "min_requests",
         "failure_limit",
+        "judge",
+        "dry_run",
     ]
 
     def target_fields(self) -> list[forms.BoundField]:
@@ -57,5 +72,7 @@ class RolloutForm(forms.Form):
     def analysis_fields(self) -> list[forms.BoundField]:
         return [self[name] for name in self.ANALYSIS]
 
-    def analysis(self) -> dict[str, float]:
-        return {name: self.cleaned_data[name] for name in self.ANALYSIS}
+    def analysis(self) -> dict[str, object]:
+        """What was given; a judge left empty is the default one."""
+        given = {name: self.cleaned_data[name] for name in self.ANALYSIS}
+        return {name: value for name, value in given.items() if value != ""}

@@ -118,6 +118,8 @@ class Analysis:
     latency_margin_ms: float = 5.0  # ...or this many ms: 10 % of 3 ms is noise
     error_tolerance: float = 0.01  # ...and its mean error ratio this much higher
     pass_score: float = 0.75  # the weighted share of metrics that pass, for a success
+    # Measure and record every verdict, never act on one: to tune the analysis on a live release.
+    dry_run: bool = False
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Analysis":
@@ -132,6 +134,11 @@ class Analysis:
                 if raw_value not in JUDGES:
                     raise PlanError(f"analysis.judge: {raw_value!r} is not one of {JUDGES}")
                 values[name] = raw_value
+                continue
+            if name == "dry_run":
+                if raw_value not in (True, False, "true", "false"):
+                    raise PlanError(f"analysis.dry_run: {raw_value!r} is not true or false")
+                values[name] = raw_value in (True, "true")
                 continue
             try:
                 value = known[name](raw_value)

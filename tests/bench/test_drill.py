@@ -65,6 +65,7 @@ def test_the_judge_rolls_back_no_healthy_release_and_every_slow_one(
     _, state = trio
     celery.use_prometheus(state.prometheus_url)
     deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:bench")
+    wait_for("v1 is READY on every node", converged(pool, STEPS_V1))  # before any traffic
     ended: dict[int, list[Rollout]] = {2: [], 3: []}
     with traffic_to(state, rps=4):
         for _ in range(ROUNDS):

@@ -867,3 +867,24 @@ def test_the_rollout_page_draws_the_statistical_judges_latest_samples(
     assert "latency (samples): failure" in page
     assert "U = 4, p = 0.0123, effect +2, step 1 at" in page
     assert '{"type":"box","name":"canary","x":[210.0,190],"boxpoints":"all"' in page
+
+
+def test_a_dry_run_records_every_verdict_and_acts_on_none(
+    fleet: Fleet, client: Client, viewer: User
+) -> None:
+    fleet.verdict = "failure"
+    rollout = tick(start(dry_run="true", failure_limit=1))
+    fleet.converge()
+    rollout = tick(tick(rollout))  # READY, then measured: a failure, and the next step goes out
+    assert rollout.measurements.filter(verdict="failure").exists()
+    assert (rollout.state, rollout.step, rollout.failures) == (State.PROGRESSING, 1, 0)
+    fleet.verdict = "error"  # Prometheus away: recorded, never an abort either
+    fleet.converge()
+    for _ in range(3):
+        rollout = tick(rollout)
+    assert rollout.state in (State.PROGRESSING, State.PROMOTING)
+    assert rollout.measurements.filter(verdict="error").exists()
+    client.force_login(viewer)
+    assert ">dry run</span>" in client.get(f"/rollouts/{rollout.pk}/").content.decode()
+    with pytest.raises(PlanError, match=r"analysis\.dry_run: 'maybe' is not true or false"):
+        Analysis.from_dict({"dry_run": "maybe"})

@@ -109,7 +109,8 @@ class Command(BaseCommand):
             self.stdout.write(f"{proc.name}: {state.node_urls(proc)['http_url']} (log {proc.log})")
         self.stdout.write(f"prometheus: {state.prometheus_url}")
         if options["haproxy"]:
-            balancer = fleet.balancer()
+            # After the nodes' ports: 8109-8111 for the demo's three nodes from 8100.
+            balancer = fleet.balancer(base_port=base_port and base_port + 3 * nodes)
             pool_set_traffic(
                 pool_name=pool,
                 traffic=NodePool.Traffic.HAPROXY,
