@@ -41,6 +41,7 @@ class RolloutIn(Schema):
     plan: str | list[dict[str, Any]]
     analysis: dict[str, Any] = {}
     accept_shares: bool = False  # a percent step may get more than twice its share (whole nodes)
+    template: str = ""  # an analysis template's latest version; `analysis` overrides its fields
 
 
 class ReasonIn(Schema):
@@ -138,6 +139,7 @@ def start_rollout(request: HttpRequest, body: RolloutIn) -> Status[dict[str, Any
             plan=body.plan,
             analysis=body.analysis,
             accept_shares=body.accept_shares,
+            template=body.template,
             actor=current_user(request),
         )
     except (RolloutError, PlanError) as exc:

@@ -3,6 +3,7 @@ from django import forms
 from apps.fleet.models import NodePool
 from apps.registry.models import Model
 from apps.rollouts.plans import Analysis
+from apps.rollouts.selectors import template_names
 
 DEFAULT_PLAN = "1 node, hold 60s\n50%, hold 120s\n100%"
 DEFAULTS = Analysis()
@@ -38,6 +39,14 @@ class RolloutForm(forms.Form):
     failure_limit = forms.IntegerField(
         min_value=1, initial=DEFAULTS.failure_limit, label="Failure limit"
     )
+    template = forms.ChoiceField(
+        choices=lambda: (
+            [("", "none: the values below")] + [(name, name) for name in template_names()]
+        ),
+        required=False,
+        label="Analysis template",
+        help_text="Its latest version; the values you change below override it.",
+    )
     judge = forms.ChoiceField(
         choices=[
             ("threshold", "thresholds on the window's values"),
@@ -52,7 +61,7 @@ class RolloutForm(forms.Form):
         help_text="Measure and record every verdict, never act on one.",
     )
 
-    TARGET = ["model", "pool", "canary_version"]
+    TARGET = ["model", "pool", "canary_version", "template"]
     ANALYSIS = [
         "interval_s",
         "window_s",
@@ -73,6 +82,11 @@ class RolloutForm(forms.Form):
         return [self[name] for name in self.ANALYSIS]
 
     def analysis(self) -> dict[str, object]:
-        """What was given; a judge left empty is the default one."""
+        """The values changed from the defaults the form shows: over a template, only those
+        override it."""
         given = {name: self.cleaned_data[name] for name in self.ANALYSIS}
-        return {name: value for name, value in given.items() if value != ""}
+        return {
+            name: value
+            for name, value in given.items()
+            if value not in ("", None) and value != getattr(DEFAULTS, name)
+        }

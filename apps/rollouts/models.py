@@ -8,6 +8,37 @@ from apps.fleet.models import NodePool
 from apps.registry.models import Model
 
 
+class AnalysisTemplate(models.Model):
+    """A named analysis (judge, thresholds, windows), for one model or pool or for any, chosen
+    when a rollout starts. Never changed in place: a save is the name's next version, so a
+    rollout keeps the very version it was judged by."""
+
+    name = models.SlugField(max_length=60)
+    version = models.PositiveIntegerField()
+    model = models.ForeignKey(
+        Model, null=True, blank=True, on_delete=models.CASCADE, related_name="analysis_templates"
+    )
+    pool = models.ForeignKey(
+        NodePool,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="analysis_templates",
+    )
+    analysis = models.JSONField(help_text="the fields it sets; the defaults for the rest")
+    created_by = models.CharField(max_length=150)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name", "-version"]
+        constraints = [
+            models.UniqueConstraint(fields=["name", "version"], name="one_template_version")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} v{self.version}"
+
+
 class Rollout(models.Model):
     """A gray release of `canary_version` over `pool`, step by step, judged against the version
     the pool ran before (`baseline_version`). All of its state lives in this row, so the
@@ -32,6 +63,14 @@ class Rollout(models.Model):
     canary_version = models.PositiveIntegerField()
     plan = models.JSONField(help_text='steps: [{"nodes": 1, "hold_s": 60}, {"percent": 100}]')
     analysis = models.JSONField(default=dict, help_text="thresholds; see rollouts.plans.Analysis")
+    template = models.ForeignKey(
+        AnalysisTemplate,
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="rollouts",
+        help_text="the analysis template (and version) it started from",
+    )
     state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
     step = models.PositiveIntegerField(default=0, help_text="index of the current step in plan")
     step_started_at = models.DateTimeField(null=True, blank=True, help_text="share applied")

@@ -1,6 +1,7 @@
 """Everything a person (or the API) does to rollouts and releases. Each action takes the rollout's
 row lock, checks the state it is allowed from, and writes one audit event with the change."""
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.models import Model, ModelVersion
 from apps.registry.selectors import registry_resolver
 from apps.rollouts import controller
-from apps.rollouts.models import Rollout
+from apps.rollouts.models import AnalysisTemplate, Rollout
 from apps.rollouts.notify import notify
 from apps.rollouts.plans import Analysis, PlanError, PreviewStep, parse_plan, preview
 
@@ -37,6 +38,71 @@ class Proposal:
     plan: list[dict[str, int]]
     analysis: Analysis
     preview: list[PreviewStep]
+    template: AnalysisTemplate | None = None
+
+
+@audited(
+    "analysis_template.save",
+    lambda name, **_: f"analysis_template:{name}",
+    (RolloutError, PlanError),
+)
+def template_save(
+    *,
+    name: str,
+    analysis: dict[str, Any],
+    actor: Actor,
+    model_name: str = "",
+    pool_name: str = "",
+) -> AnalysisTemplate:
+    """The template's next version (its first, for a new name), for `model_name` or
+    `pool_name` or any; the same analysis and scope as its latest version is that version."""
+    Analysis.from_dict(analysis)  # says which field is wrong, before anything is kept
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,59}", name):
+        raise RolloutError(f"template name {name!r}: lowercase letters, digits, '-' and '_'")
+    model = Model.objects.filter(name=model_name).first() if model_name else None
+    pool = NodePool.objects.filter(name=pool_name).first() if pool_name else None
+    if (model_name and model is None) or (pool_name and pool is None):
+        missing = f"model {model_name!r}" if model_name and model is None else f"pool {pool_name!r}"
+        raise RolloutError(f"no {missing}")
+    latest = AnalysisTemplate.objects.select_for_update().filter(name=name).first()
+    if latest is not None and (latest.analysis, latest.model, latest.pool) == (
+        analysis,
+        model,
+        pool,
+    ):
+        return latest
+    template = AnalysisTemplate.objects.create(
+        name=name,
+        version=latest.version + 1 if latest else 1,
+        model=model,
+        pool=pool,
+        analysis=analysis,
+        created_by=actor_name(actor),
+    )
+    audit_record(
+        actor=actor,
+        action="analysis_template.save",
+        target=f"analysis_template:{name}",
+        before={"version": latest.version, "analysis": latest.analysis} if latest else {},
+        after={
+            "version": template.version,
+            "analysis": analysis,
+            "model": model_name,
+            "pool": pool_name,
+        },
+    )
+    return template
+
+
+def _template(name: str, model: Model, pool: NodePool) -> AnalysisTemplate:
+    """The latest version of template `name`, if it may judge `model` on `pool`."""
+    found = AnalysisTemplate.objects.filter(name=name).select_related("model", "pool").first()
+    if found is None:
+        raise RolloutError(f"no analysis template {name!r}")
+    for scope, given in ((found.model, model), (found.pool, pool)):
+        if scope is not None and scope != given:
+            raise RolloutError(f"analysis template {found} is for {scope}, not {given}")
+    return found
 
 
 def rollout_propose(
@@ -47,6 +113,7 @@ def rollout_propose(
     plan: str | list[dict[str, Any]],
     analysis: dict[str, Any] | None = None,
     accept_shares: bool = False,
+    template: str = "",
 ) -> Proposal:
     """Check a rollout before it starts and say what each step will do to which nodes (the
     dry run). A share in percent is whole nodes here, each taking its part of the requests: a
@@ -91,14 +158,17 @@ def rollout_propose(
             f"{far.real_share}, more than twice the share asked; accept the real shares to go "
             "on, or give the step in nodes"
         )
+    chosen = _template(template, model, pool) if template else None
     return Proposal(
         model=model,
         pool=pool,
         baseline=deployed.version,
         canary=canary_version,
         plan=[s.as_dict() for s in steps],
-        analysis=Analysis.from_dict(analysis or {}),
+        # What is given here overrides the template, which overrides the defaults.
+        analysis=Analysis.from_dict((chosen.analysis if chosen else {}) | (analysis or {})),
         preview=rows,
+        template=chosen,
     )
 
 
@@ -125,6 +195,7 @@ def rollout_start(
     analysis: dict[str, Any] | None,
     actor: Actor,
     accept_shares: bool = False,
+    template: str = "",
 ) -> Rollout:
     proposal = rollout_propose(
         model_name=model_name,
@@ -133,6 +204,7 @@ def rollout_start(
         plan=plan,
         analysis=analysis,
         accept_shares=accept_shares,
+        template=template,
     )
     authorize(actor, "rollouts.add_rollout", proposal.pool)
     running = _active(proposal.model, proposal.pool)
@@ -149,6 +221,7 @@ def rollout_start(
                 canary_version=proposal.canary,
                 plan=proposal.plan,
                 analysis=proposal.analysis.as_dict(),
+                template=proposal.template,
                 started_by=actor_name(actor),
             )
     except IntegrityError:
@@ -162,6 +235,7 @@ def rollout_start(
             "canary": canary_version,
             "plan": proposal.plan,
             "pool": pool_name,
+            "template": str(proposal.template or ""),
         },
     )
     notify(rollout, "started")

@@ -64,6 +64,7 @@ def rollout_new(request: HttpRequest) -> HttpResponse:
             "plan": data["plan"],
             "analysis": form.analysis(),
             "accept_shares": data["accept_shares"],
+            "template": data["template"],
         }
         try:
             if "start" in request.POST:
@@ -78,7 +79,8 @@ def rollout_new(request: HttpRequest) -> HttpResponse:
 
 def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
     """The rollout page; htmx polling gets the live part, and HTTP 286 stops it once terminal."""
-    rollout = get_object_or_404(Rollout.objects.select_related("model", "pool"), pk=pk)
+    found = Rollout.objects.select_related("model", "pool", "template")
+    rollout = get_object_or_404(found, pk=pk)
     nodes = list(rollout.pool.nodes.order_by("name").values_list("name", flat=True))
     # Each step with the share it really gets, and the current one's as now observed.
     steps = preview(parse_plan(rollout.plan), nodes, weighted=bool(rollout.pool.traffic))

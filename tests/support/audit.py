@@ -17,6 +17,7 @@ from apps.rollouts.services import (
     rollout_retry,
     rollout_roll_back,
     rollout_start,
+    template_save,
 )
 
 ROLLOUT_SERVICES = {
@@ -29,6 +30,7 @@ ROLLOUT_SERVICES = {
     rollout_roll_back,
     release_rollback,
     release_fallback,
+    template_save,
 }
 
 

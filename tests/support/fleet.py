@@ -10,7 +10,7 @@ from apps.fleet.devfleet import HAPROXY_BACKENDS, Devfleet, FleetState, Proc
 from apps.fleet.haproxy import Runtime
 from apps.fleet.models import Node, NodePool
 from apps.fleet.traffic import send_traffic
-from apps.fleet.triton import TritonClient
+from apps.fleet.triton import TritonClient, TritonError
 
 
 @dataclass
@@ -85,7 +85,10 @@ def traffic_to(state: FleetState, *, through: str = "", rps: float = 8) -> Itera
 
     def run() -> None:
         while not stop.is_set():
-            send_traffic(clients, model="rag_pipeline", rps=rps, seconds=2)
+            try:
+                send_traffic(clients, model="rag_pipeline", rps=rps, seconds=2, wait=10)
+            except TritonError:  # not served at all for a while (a release swapping it)
+                stop.wait(0.5)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

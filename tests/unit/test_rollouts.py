@@ -27,7 +27,7 @@ from apps.observability.prometheus import PrometheusUnavailable
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts import analysis, controller
 from apps.rollouts.analysis import Result
-from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.models import AnalysisTemplate, Measurement, Rollout
 from apps.rollouts.plans import Analysis, PlanError, Step, parse_plan, preview
 from apps.rollouts.services import (
     RolloutError,
@@ -42,6 +42,7 @@ from apps.rollouts.services import (
     rollout_retry,
     rollout_roll_back,
     rollout_start,
+    template_save,
 )
 from tests.support.audit import ROLLOUT_SERVICES, Case, assert_one_event_each
 from tests.support.users import make_user
@@ -166,14 +167,15 @@ def fleet(db: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
     yield simulated
 
 
-def start(canary: int = 2, plan: str = PLAN, **analysis: Any) -> Rollout:
+def start(canary: int = 2, plan: str = PLAN, template: str = "", **analysis: Any) -> Rollout:
     return rollout_start(
         model_name="rag",
         pool_name="gpu",
         canary_version=canary,
         plan=plan,
-        analysis={**FAST, **analysis},
+        analysis={**FAST, **analysis} if not template else analysis,
         actor="release-manager",
+        template=template,
     )
 
 
@@ -439,6 +441,12 @@ def test_every_rollout_service_records_one_event_refused_or_done(fleet: Fleet) -
                 rollout_id=made["retried"].pk, actor="oncall", reason="incident #1"
             ),
             done="rollout.aborting",
+        ),
+        Case(
+            template_save,
+            "analysis_template.save",
+            lambda: template_save(name="t", analysis={"judge": "?"}, actor="ops"),
+            lambda: template_save(name="t", analysis={"judge": "statistical"}, actor="ops"),
         ),
     ]
     assert {case.service for case in cases} == ROLLOUT_SERVICES
@@ -888,3 +896,57 @@ def test_a_dry_run_records_every_verdict_and_acts_on_none(
     assert ">dry run</span>" in client.get(f"/rollouts/{rollout.pk}/").content.decode()
     with pytest.raises(PlanError, match=r"analysis\.dry_run: 'maybe' is not true or false"):
         Analysis.from_dict({"dry_run": "maybe"})
+
+
+# Analysis templates ----------------------------------------------------------------------------
+
+
+def test_a_template_is_versioned_audited_and_judges_the_rollouts_that_name_it(
+    fleet: Fleet, client: Client, release_manager: User
+) -> None:
+    first = template_save(name="careful", analysis={"judge": "statistical"}, actor="ops")
+    assert template_save(name="careful", analysis={"judge": "statistical"}, actor="ops") == first
+    second = template_save(
+        name="careful",
+        analysis={"judge": "statistical", "window_s": 120},
+        model_name="rag",
+        actor="ops",
+    )
+    assert (first.version, second.version) == (1, 2)
+    saves = AuditEvent.objects.filter(action="analysis_template.save").order_by("id")
+    assert [e.after["version"] for e in saves] == [1, 2]
+    rollout = start(template="careful", window_s=90)  # a field given overrides the template's
+    assert rollout.template == second
+    assert (rollout.analysis["judge"], rollout.analysis["window_s"]) == ("statistical", 90)
+    assert AuditEvent.objects.get(action="rollout.start").after["template"] == "careful v2"
+    client.force_login(release_manager)
+    page = client.get(f"/rollouts/{rollout.pk}/").content.decode()
+    assert "judged by the analysis template careful v2" in page
+    form = client.get("/rollouts/new/").content.decode()
+    assert '<option value="careful">careful</option>' in form
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        ({"name": "Bad Name", "analysis": {}}, "template name 'Bad Name': lowercase"),
+        ({"name": "t", "analysis": {"window_s": "x"}}, r"analysis\.window_s: 'x' is not a number"),
+        ({"name": "t", "analysis": {}, "model_name": "nope"}, "no model 'nope'"),
+        ({"name": "t", "analysis": {}, "pool_name": "nope"}, "no pool 'nope'"),
+    ],
+)
+def test_a_template_that_cannot_judge_is_refused_with_why(
+    fleet: Fleet, call: dict[str, Any], message: str
+) -> None:
+    with pytest.raises((RolloutError, PlanError), match=message):
+        template_save(**call, actor="ops")
+    assert not AnalysisTemplate.objects.exists()
+
+
+def test_a_rollout_names_a_template_it_may_use(fleet: Fleet) -> None:
+    with pytest.raises(RolloutError, match="no analysis template 'nope'"):
+        start(template="nope")
+    NodePool.objects.create(name="cpu")
+    template_save(name="cpu-only", analysis={}, pool_name="cpu", actor="ops")
+    with pytest.raises(RolloutError, match="analysis template cpu-only v1 is for cpu, not gpu"):
+        start(template="cpu-only")
