@@ -210,8 +210,8 @@ def desired_inputs(node: Node) -> tuple:
     """What a node's desired state is computed from, in two small queries: the deployments that
     target it, each as of its last change, and a stamp of the registry's released versions (a
     step pinned to the latest). A registered version's config never changes, and a version only
-    moves forward (draft, released, deprecated), so the stamp grows with every change: inputs
-    seen once never come back meaning something else."""
+    moves forward (draft, released, deprecated), so the stamp grows with every change; the
+    deployments' part can come back, which `node_desired` allows for."""
     deployments = targeting(node).order_by("id")
     stages = ModelVersion.objects.aggregate(
         released=Count("id", filter=Q(status=ModelVersion.Status.RELEASED)),
@@ -231,19 +231,23 @@ _COMPUTED_MAX = 256
 
 def node_desired(node: Node) -> Desired:
     """One node's desired state: the pool's deployments, with the node's own on top. Computed
-    again only when its inputs changed; they are read first, so a change made meanwhile shows
-    in the next call."""
+    again only when its inputs changed. A state is kept under its inputs only when they read
+    the same after it was computed: inputs can come back (a canary's node deployment dropped
+    leaves the pool's as it was; no deployment at all), and a change committed between the two
+    reads must not be kept under the inputs from before it."""
     key = desired_inputs(node)
     if key in _COMPUTED:
         _COMPUTED.move_to_end(key)
+        found = _COMPUTED[key]
     else:
         try:
-            _COMPUTED[key] = fleet_desired(pool_ids=[node.pool_id]).of(node)
+            found = fleet_desired(pool_ids=[node.pool_id]).of(node)
         except DesiredStateError as exc:
-            _COMPUTED[key] = exc
-        if len(_COMPUTED) > _COMPUTED_MAX:
-            _COMPUTED.popitem(last=False)
-    found = _COMPUTED[key]
+            found = exc
+        if desired_inputs(node) == key:
+            _COMPUTED[key] = found
+            if len(_COMPUTED) > _COMPUTED_MAX:
+                _COMPUTED.popitem(last=False)
     if isinstance(found, DesiredStateError):
         raise found
     return found

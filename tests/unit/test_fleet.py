@@ -123,6 +123,27 @@ def test_a_pools_nodes_share_one_desired_state_computed_again_on_every_change(
     assert desired.desired_inputs(node) != before
 
 
+def test_a_change_made_while_a_desired_state_is_computed_is_never_kept_as_the_one_before(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The inputs are read, a canary's node deployment commits, the state is computed with it;
+    once the canary is dropped the inputs read as before, and must not find the canary's."""
+    from apps.fleet import desired
+
+    deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
+    original = desired.fleet_desired
+
+    def racing(**kwargs: object) -> object:
+        monkeypatch.setattr(desired, "fleet_desired", original)  # once
+        deployment_set(model_name="embedder", version=2, node=node, actor="system:test")
+        return original(**kwargs)
+
+    monkeypatch.setattr(desired, "fleet_desired", racing)
+    assert node_desired(node)["embedder"].versions == (2,)  # what it read: the canary
+    Deployment.objects.filter(node=node).delete()  # the canary dropped: inputs as at first
+    assert node_desired(node)["embedder"].versions == (1,)
+
+
 def test_a_double_click_deploys_once(
     node: Node, django_capture_on_commit_callbacks: object
 ) -> None:
