@@ -73,9 +73,15 @@ def alerting(devfleet: Devfleet, state: FleetState, receiver: str, token: str) -
 
 
 def worst_p99(state: FleetState, *, over: str) -> float:
-    """The highest P99 (ms) the rule compared with its threshold over the last `over`."""
+    """The highest P99 (ms) the rule compared with its threshold over the last `over`; infinite
+    until the series holds the whole of `over` (a series a few seconds old has been under the
+    budget for those seconds only, and leaves the suspects nothing to compare v3 with)."""
     expression = RULES["groups"][0]["rules"][0]["expr"].rpartition(" > ")[0]  # type: ignore[index]
-    query = f"max(max_over_time(({expression})[{over}:1s]))"
+    seconds = int(over.removesuffix("m")) * 60
+    query = (
+        f"max(max_over_time(({expression})[{over}:1s]))"
+        f" and on() (min(count_over_time(({expression})[{over}:1s])) >= {seconds - 5})"
+    )
     found = _get(f"{state.prometheus_url}/api/v1/query?query={quote(query)}")
     return max((float(row["value"][1]) for row in found["data"]["result"]), default=math.inf)
 
