@@ -45,6 +45,8 @@ class ModelOut(Schema):
     backend: str
     team: str
     latency_budget_ms: int | None
+    slo_availability: float | None
+    slo_latency: float | None
     fallback_version: int | None
     versions: list[VersionSummary]
 
@@ -141,7 +143,7 @@ def _config(name: str, body: ConfigIn) -> Any:
 def _model_out(model: Model) -> dict[str, Any]:
     return {
         **{f: getattr(model, f) for f in ("name", "kind", "backend", "team")},
-        "latency_budget_ms": model.latency_budget_ms,
+        **{f: getattr(model, f) for f in ("latency_budget_ms", "slo_availability", "slo_latency")},
         "fallback_version": model.fallback_version,
         "versions": [
             {"version": v.version, "status": v.status, "created_at": v.created_at}

@@ -31,9 +31,22 @@ from apps.rollouts.services import (
 router = Router(tags=["rollouts"], auth=Token())
 
 
+class LockstepIn(Schema):
+    model: str
+    canary_version: int
+
+
+class LockstepOut(Schema):
+    model: str
+    baseline: int
+    canary: int
+
+
 class RolloutIn(Schema):
     """`plan`: one step per line (`1 node, hold 60s` / `50%, hold 2m` / `100%`) or the stored
-    list form; `analysis`: thresholds, defaults for what is left out."""
+    list form; `analysis`: thresholds, defaults for what is left out; `lockstep`: other models
+    the pool runs, released with this one as one (same canary nodes, judged together, promoted
+    or rolled back together)."""
 
     model: str
     pool: str
@@ -42,6 +55,7 @@ class RolloutIn(Schema):
     analysis: dict[str, Any] = {}
     accept_shares: bool = False  # a percent step may get more than twice its share (whole nodes)
     template: str = ""  # an analysis template's latest version; `analysis` overrides its fields
+    lockstep: list[LockstepIn] = []
 
 
 class ReasonIn(Schema):
@@ -66,6 +80,7 @@ class RolloutOut(Schema):
     pool: str
     baseline_version: int
     canary_version: int
+    lockstep: list[LockstepOut]
     state: str
     step: int
     plan: list[dict[str, Any]]
@@ -85,7 +100,8 @@ class ReleaseOut(Schema):
     version: int
 
 
-FIELDS = ["id", "baseline_version", "canary_version", "state", "step", "plan", "analysis"]
+FIELDS = ["id", "baseline_version", "canary_version", "lockstep", "state", "step", "plan"]
+FIELDS += ["analysis"]
 FIELDS += ["canary_nodes", "last_verdict", "reason", "started_by", "created_at", "finished_at"]
 
 
@@ -140,6 +156,7 @@ def start_rollout(request: HttpRequest, body: RolloutIn) -> Status[dict[str, Any
             analysis=body.analysis,
             accept_shares=body.accept_shares,
             template=body.template,
+            lockstep=[(m.model, m.canary_version) for m in body.lockstep],
             actor=current_user(request),
         )
     except (RolloutError, PlanError) as exc:

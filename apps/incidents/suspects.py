@@ -97,8 +97,7 @@ def _group(events: list[AuditEvent]) -> list[Suspect]:
         if kind == "rollout" and (rollout := rollouts.get(_number(event.target))):
             key: tuple = ("rollout", rollout.pk)
             pool = rollout.pool.name
-            versions = f"v{rollout.baseline_version} → v{rollout.canary_version}"
-            title = f"rollout #{rollout.pk}: {model} {versions} on {pool}"
+            title = f"rollout #{rollout.pk}: {rollout.release} on {pool}"
         elif kind in ("pool", "node"):
             pool = subject if kind == "pool" else pools.get(subject, "")
             owner = rollout_of.get((model, pool))
@@ -117,8 +116,9 @@ def _group(events: list[AuditEvent]) -> list[Suspect]:
             event.created_at, event.action, event.target, model, pool, title, rollout=rollout_id
         )
         found[key] = suspect
-        if rollout_id:
-            rollout_of.setdefault((model, pool), suspect)
+        if rollout_id:  # and what it released in lockstep with the model
+            for name in rollouts[rollout_id].model_names:
+                rollout_of.setdefault((name, pool), suspect)
     return list(found.values())
 
 

@@ -140,6 +140,19 @@ def canary_queries(*, model: str, pool: str, window_s: int) -> dict[str, str]:
     }
 
 
+def slo_queries(*, model: str, pool: str, window_s: int) -> dict[str, str]:
+    """Per node over the window: the requests that succeeded and failed, and each quantile of
+    Triton's request-duration summary averaged (us), by node and quantile."""
+    selector, window = _selector(model=model, pool=pool), f"{window_s}s"
+    counted = canary_queries(model=model, pool=pool, window_s=window_s)
+    return {
+        "ok": counted["ok"],
+        "failed": counted["failed"],
+        "quantiles": "max by (node, quantile) "
+        f"(avg_over_time(nv_inference_request_summary_us{{{selector}}}[{window}]))",
+    }
+
+
 def step_mean_latency_query(*, step: str, pool: str, window_s: int) -> str:
     """Mean latency (ms) per version over the window, from counters: unlike a summary's P99,
     which keeps a freshly loaded version's first slow requests for as long as its own age window,

@@ -17,6 +17,15 @@ class Model(models.Model):
         blank=True,
         help_text="P99 budget: per step for step models, end to end for ensembles",
     )
+    # Service level objectives, for the rollouts' burn-rate gate (apps/rollouts/slo.py).
+    slo_availability = models.FloatField(
+        null=True, blank=True, help_text="the share of requests that must succeed, e.g. 0.999"
+    )
+    slo_latency = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="the share of requests answered within the budget, e.g. 0.99",
+    )
     fallback_version = models.PositiveIntegerField(
         null=True,
         blank=True,
@@ -28,6 +37,20 @@ class Model(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def slo(self) -> str:
+        """Its objectives in words: "99.9% of requests succeed, 99% within 3000 ms"."""
+        found = []
+        if self.slo_availability is not None:
+            found.append(f"{_percent(self.slo_availability)} of requests succeed")
+        if self.slo_latency is not None and self.latency_budget_ms:
+            found.append(f"{_percent(self.slo_latency)} within {self.latency_budget_ms} ms")
+        return ", ".join(found)
+
+
+def _percent(share: float) -> str:
+    return f"{share * 100:.4f}".rstrip("0").rstrip(".") + "%"
 
 
 class ModelVersion(models.Model):

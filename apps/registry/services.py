@@ -177,7 +177,8 @@ def version_set_status(*, version_id: int, status: str, actor: Actor) -> ModelVe
 @audited("registry.budget_set", _model_target, (RegistryError,))
 def model_set_budget(*, model_name: str, latency_budget_ms: int | None, actor: Actor) -> Model:
     model = _model_locked(model_name)
-    return _model_set(model, "latency_budget_ms", latency_budget_ms, "registry.budget_set", actor)
+    values = {"latency_budget_ms": latency_budget_ms}
+    return _model_set(model, values, "registry.budget_set", actor)
 
 
 @audited("registry.fallback_set", _model_target, (RegistryError,))
@@ -188,7 +189,28 @@ def model_set_fallback(*, model_name: str, version: int | None, actor: Actor) ->
     if version is not None and not released.filter(version=version).exists():
         problem = Problem("error", model_name, "fallback_version", f"v{version} is not released")
         raise RegistryError([problem])
-    return _model_set(model, "fallback_version", version, "registry.fallback_set", actor)
+    return _model_set(model, {"fallback_version": version}, "registry.fallback_set", actor)
+
+
+@audited("registry.slo_set", _model_target, (RegistryError,))
+def model_set_slo(
+    *, model_name: str, availability: float | None, latency: float | None, actor: Actor
+) -> Model:
+    """The model's service level objectives, each a share of requests between 0 and 1 (None: no
+    objective); a latency objective is held to the model's latency budget, so it needs one."""
+    model = _model_locked(model_name)
+    problems = [
+        Problem("error", model_name, f"slo_{name}", f"{value!r} is not a share between 0 and 1")
+        for name, value in [("availability", availability), ("latency", latency)]
+        if value is not None and not 0 < value < 1
+    ]
+    if latency is not None and model.latency_budget_ms is None:
+        why = "a latency objective needs a latency budget (set_budgets) to be held to"
+        problems.append(Problem("error", model_name, "slo_latency", why))
+    if problems:
+        raise RegistryError(problems)
+    values = {"slo_availability": availability, "slo_latency": latency}
+    return _model_set(model, values, "registry.slo_set", actor)
 
 
 def _model_locked(name: str) -> Model:
@@ -198,16 +220,17 @@ def _model_locked(name: str) -> Model:
     return model
 
 
-def _model_set(model: Model, field: str, value: int | None, action: str, actor: Actor) -> Model:
-    """One field of a (locked) model changed, with its audit event."""
-    before = getattr(model, field)
-    setattr(model, field, value)
-    model.save(update_fields=[field])
+def _model_set(model: Model, values: dict[str, Any], action: str, actor: Actor) -> Model:
+    """Fields of a (locked) model changed, with its audit event."""
+    before = {name: getattr(model, name) for name in values}
+    for name, value in values.items():
+        setattr(model, name, value)
+    model.save(update_fields=list(values))
     audit_record(
         actor=actor,
         action=action,
         target=f"model:{model.name}",
-        before={field: before},
-        after={field: value},
+        before=before,
+        after=values,
     )
     return model

@@ -17,7 +17,12 @@ from datetime import timedelta
 
 from django.utils import timezone
 
-from apps.observability.catalog import canary_queries, sample_queries, step_mean_latency_query
+from apps.observability.catalog import (
+    canary_queries,
+    sample_queries,
+    slo_queries,
+    step_mean_latency_query,
+)
 from apps.observability.prometheus import (
     PrometheusUnavailable,
     escape_label,
@@ -27,6 +32,7 @@ from apps.observability.prometheus import (
 from apps.rollouts.judge import compare, score
 from apps.rollouts.models import Measurement
 from apps.rollouts.plans import Analysis
+from apps.rollouts.slo import Objectives, burn_rate, gate, over_budget
 
 Verdict = Measurement.Verdict
 
@@ -68,10 +74,11 @@ def measure(
     budget_ms: int | None,
     steps: list[ChangedStep],
     compare: bool = True,
+    slo: Objectives | None = None,
 ) -> list[Result]:
     """One round of analysis. `compare` is False when no node serves the baseline any more (a
-    100% step): the canary is then held to the budget and the error allowance alone. Raises
-    PrometheusUnavailable."""
+    100% step): the canary is then held to the budget and the error allowance alone. A model
+    with objectives is also held to them (`slo`), at every step. Raises PrometheusUnavailable."""
     text = canary_queries(model=model, pool=pool, window_s=spec.window_s)
     per_node = {name: _by("node", query) for name, query in text.items()}
     canary_set = set(canary_nodes)
@@ -147,6 +154,8 @@ def measure(
         results.append(
             _judge(label, query, c, b if compare else None, limit, enough, " ms", compare)
         )
+    if slo is not None:
+        results += _burn_rates(model, pool, canary_set, spec, slo, enough)
     return results
 
 
@@ -229,6 +238,75 @@ def _sampled(model: str, pool: str, canary: set[str], spec: Analysis, enough: bo
             )
         )
     return results
+
+
+def _burn_rates(
+    model: str, pool: str, canary: set[str], spec: Analysis, slo: Objectives, enough: bool
+) -> list[Result]:
+    """The SLO gate: each declared objective's burn rate on the canary nodes over the short
+    and the long window; beside it, for comparison, the other nodes' over the long one."""
+    windows = sorted({min(spec.slo_short_s, spec.window_s), spec.window_s})
+    bad: dict[tuple[int, bool], dict[str, float | None]] = {}
+    for window in windows:
+        text = slo_queries(model=model, pool=pool, window_s=window)
+        ok, failed = _by("node", text["ok"]), _by("node", text["failed"])
+        quantiles: dict[str, dict[float, float]] = {}
+        for labels, value in instant_query(text["quantiles"]):
+            if "node" in labels and "quantile" in labels:
+                quantiles.setdefault(labels["node"], {})[float(labels["quantile"])] = value
+        for side in (True, False):
+            nodes = {
+                n for n in ok.keys() | failed.keys() | quantiles.keys() if (n in canary) == side
+            }
+            bad[window, side] = _bad_shares(nodes, ok, failed, quantiles, slo.budget_ms)
+    long = windows[-1]
+    what = " and ".join(f"{w} s" for w in windows)
+    where = f"# canary nodes over {what}; the pool's other nodes over {long} s beside them"
+    text = slo_queries(model=model, pool=pool, window_s=long)
+    queries = {
+        "availability": f"{text['failed']} / ({text['ok']} + {text['failed']})",
+        "latency": f"{text['quantiles']}\n# the share above {slo.budget_ms} ms, interpolated",
+    }
+    results = []
+    for name, objective in [("availability", slo.availability), ("latency", slo.latency)]:
+        if objective is None:
+            continue
+        burns = {w: burn_rate(bad[w, True][name], objective) for w in windows}
+        found = gate(burns, spec.slo_burn_limit, objective, name)
+        results.append(
+            Result(
+                f"{name} burn rate",
+                f"{queries[name]}\n{where}",
+                burns[long],
+                burn_rate(bad[long, False][name], objective),
+                spec.slo_burn_limit,
+                found.verdict if enough else Verdict.INCONCLUSIVE,
+                found.detail if enough else "too few requests to judge",
+            )
+        )
+    return results
+
+
+def _bad_shares(
+    nodes: set[str],
+    ok: dict[str, float],
+    failed: dict[str, float],
+    quantiles: dict[str, dict[float, float]],
+    budget_ms: int | None,
+) -> dict[str, float | None]:
+    """Of `nodes`' requests in a window: the share that failed, and the share slower than the
+    budget (each node's from its summary, weighted by its successful requests)."""
+    served = sum(ok.get(n, 0.0) for n in nodes)
+    failures = sum(failed.get(n, 0.0) for n in nodes)
+    slow = weight = 0.0
+    for node in nodes:
+        share = over_budget(quantiles.get(node, {}), budget_ms * 1000) if budget_ms else None
+        if share is not None:
+            slow, weight = slow + share * ok.get(node, 0.0), weight + ok.get(node, 0.0)
+    return {
+        "availability": failures / (served + failures) if served + failures else None,
+        "latency": slow / weight if weight else None,
+    }
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ may be killed at any point and the next tick carries on without repeating a step
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from django.contrib.auth.models import User
@@ -28,6 +29,7 @@ from apps.rollouts.analysis import ChangedStep, measure, overall
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.notify import notify
 from apps.rollouts.plans import Analysis, canary_nodes, parse_plan
+from apps.rollouts.slo import Objectives
 
 log = logging.getLogger(__name__)
 ACTOR = "system:rollouts"
@@ -85,13 +87,37 @@ def _canary(rollout: Rollout, nodes: list[Node]) -> list[Node]:
     return [n for n in nodes if n.name in names]
 
 
-def canary_versions(rollout: Rollout) -> tuple[int, ...]:
-    """What a canary node serves: the baseline stays beside the canary, so that rolling back only
-    narrows the version policy; unless the canary's number is lower, since an unversioned request
-    goes to the highest READY version."""
-    if rollout.canary_version > rollout.baseline_version:
-        return (rollout.baseline_version, rollout.canary_version)
-    return (rollout.canary_version,)
+@dataclass(frozen=True)
+class Member:
+    """One model a rollout releases: its own, or one released in lockstep with it."""
+
+    model: Model
+    baseline: int
+    canary: int
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """What a canary node serves: the baseline stays beside the canary, so that rolling back
+        only narrows the version policy; unless the canary's number is lower, since an
+        unversioned request goes to the highest READY version."""
+        if self.canary > self.baseline:
+            return (self.baseline, self.canary)
+        return (self.canary,)
+
+
+def members(rollout: Rollout) -> list[Member]:
+    """The models a rollout releases, in dependency order: plain models before the pipelines
+    that may pin them. They go to the same nodes, are judged together and promote or roll back
+    as one."""
+    lead = Member(rollout.model, rollout.baseline_version, rollout.canary_version)
+    if not rollout.lockstep:
+        return [lead]
+    models = Model.objects.in_bulk([m["model"] for m in rollout.lockstep], field_name="name")
+    found = [
+        lead,
+        *(Member(models[m["model"]], m["baseline"], m["canary"]) for m in rollout.lockstep),
+    ]
+    return sorted(found, key=lambda m: m.model.kind == Model.Kind.ENSEMBLE)
 
 
 def transition(
@@ -132,15 +158,16 @@ def begin_abort(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
     read back everywhere."""
     if rollout.pool.traffic:  # no request reaches the canary from now on
         weights_set(rollout.pool, dict.fromkeys(rollout.canary_nodes, 0), actor_name(actor))
-    pool = Deployment.objects.filter(model=rollout.model, pool=rollout.pool).first()
-    if pool is not None and pool.version == rollout.canary_version:
-        deployment_set(
-            model_name=rollout.model.name,
-            version=rollout.baseline_version,
-            pool=rollout.pool,
-            actor=actor,
-        )
-    drop_node_deployments(rollout.model, rollout.pool, actor)
+    for member in reversed(members(rollout)):  # pipelines first, then what they pin
+        pool = Deployment.objects.filter(model=member.model, pool=rollout.pool).first()
+        if pool is not None and pool.version == member.canary:
+            deployment_set(
+                model_name=member.model.name,
+                version=member.baseline,
+                pool=rollout.pool,
+                actor=actor,
+            )
+        drop_node_deployments(member.model, rollout.pool, actor)
     transition(rollout, State.ABORTING, reason, actor=actor)
 
 
@@ -205,7 +232,6 @@ def _last_round_details(rollout: Rollout) -> str:
 def _apply_share(rollout: Rollout, canary: list[Node], nodes: list[Node]) -> None:
     """The step's canary nodes get the canary; on a pool whose balancer weighs nodes, they get
     the step's exact share of requests (the nodes loading it are drained meanwhile)."""
-    versions = canary_versions(rollout)
     rollout.canary_nodes = [node.name for node in canary]
     if rollout.pool.traffic:
         step = parse_plan(rollout.plan)[rollout.step]
@@ -214,27 +240,30 @@ def _apply_share(rollout: Rollout, canary: list[Node], nodes: list[Node]) -> Non
             each = rest
         weights = {node.name: each if node in canary else rest for node in nodes}
         weights_set(rollout.pool, weights, ACTOR)
-    for node in canary:
-        deployment_set(
-            model_name=rollout.model.name,
-            version=rollout.canary_version,
-            baseline=versions[0] if len(versions) == 2 else None,
-            node=node,
-            actor=ACTOR,
-        )
+    for member in members(rollout):
+        for node in canary:
+            deployment_set(
+                model_name=member.model.name,
+                version=member.canary,
+                baseline=member.versions[0] if len(member.versions) == 2 else None,
+                node=node,
+                actor=ACTOR,
+            )
 
 
 def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: datetime) -> None:
-    wanted = set(canary_versions(rollout))
-    readings = observed_many(canary, [rollout.model.name])
-    waiting = [n for n in canary if readings[(n.pk, rollout.model.name)][0] != wanted]
+    wanted = {m.model.name: set(m.versions) for m in members(rollout)}
+    readings = observed_many(canary, list(wanted))
+    waiting = [
+        n for n in canary if any(readings[(n.pk, name)][0] != v for name, v in wanted.items())
+    ]
     if not waiting:
         rollout.step_ready_at = now
         rollout.save()
         return None
     failed = (
         waiting[0]
-        .operations.filter(model_name=rollout.model.name, finished_at__gte=rollout.step_started_at)
+        .operations.filter(model_name__in=wanted, finished_at__gte=rollout.step_started_at)
         .exclude(status__in=["succeeded", "queued", "running", "cancelled"])
         .first()
     )
@@ -243,10 +272,8 @@ def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: dat
     assert rollout.step_started_at is not None
     if (now - rollout.step_started_at).total_seconds() > spec.converge_timeout_s:
         names = ", ".join(n.name for n in waiting)
-        return pause(
-            rollout,
-            f"v{rollout.canary_version} not READY on {names} after {spec.converge_timeout_s} s",
-        )
+        what = ", ".join(f"{m.model.name} v{m.canary}" for m in members(rollout))
+        return pause(rollout, f"{what} not READY on {names} after {spec.converge_timeout_s} s")
     return None
 
 
@@ -254,15 +281,23 @@ def _analyse(rollout: Rollout, spec: Analysis, compare: bool) -> None:
     now = timezone.now()
     rollout.last_measured_at = now
     try:
-        results = measure(
-            model=rollout.model.name,
-            pool=rollout.pool.name,
-            canary_nodes=rollout.canary_nodes,
-            spec=spec,
-            budget_ms=rollout.model.latency_budget_ms,
-            steps=changed_steps(rollout),
-            compare=compare,
-        )
+        results = [
+            # A lockstep member's metrics carry its name; any member failing fails the step.
+            found
+            if member.model == rollout.model
+            else replace(found, metric=f"{member.model.name}: {found.metric}")
+            for member in members(rollout)
+            for found in measure(
+                model=member.model.name,
+                pool=rollout.pool.name,
+                canary_nodes=rollout.canary_nodes,
+                spec=spec,
+                budget_ms=member.model.latency_budget_ms,
+                steps=changed_steps(member),
+                compare=compare,
+                slo=Objectives.of(member.model),
+            )
+        ]
     except PrometheusUnavailable as exc:
         Measurement.objects.create(
             rollout=rollout,
@@ -307,12 +342,12 @@ def _analyse(rollout: Rollout, spec: Analysis, compare: bool) -> None:
     return None
 
 
-def changed_steps(rollout: Rollout) -> list[ChangedStep]:
+def changed_steps(member: Member) -> list[ChangedStep]:
     """The steps an ensemble release pins at another version than its baseline does."""
     configs = dict(
-        rollout.model.versions.filter(
-            version__in=[rollout.baseline_version, rollout.canary_version]
-        ).values_list("version", "config")
+        member.model.versions.filter(version__in=[member.baseline, member.canary]).values_list(
+            "version", "config"
+        )
     )
     resolve = registry_resolver()
 
@@ -325,7 +360,7 @@ def changed_steps(rollout: Rollout) -> list[ChangedStep]:
             return {}
         return {name: number for name, number in steps}
 
-    canary, baseline = pins(rollout.canary_version), pins(rollout.baseline_version)
+    canary, baseline = pins(member.canary), pins(member.baseline)
     budgets = dict(Model.objects.filter(name__in=canary).values_list("name", "latency_budget_ms"))
     return [
         ChangedStep(name, version, before, budgets.get(name))
@@ -336,46 +371,65 @@ def changed_steps(rollout: Rollout) -> list[ChangedStep]:
 
 def _promote(rollout: Rollout) -> None:
     """The pool moves to the canary, canary nodes drop their own deployments and narrow; done when
-    every node is read back serving the canary alone."""
-    pool_deployment = Deployment.objects.filter(model=rollout.model, pool=rollout.pool).first()
-    if pool_deployment is None or pool_deployment.version != rollout.canary_version:
+    every node is read back serving the canary alone (of every model released together)."""
+    released = members(rollout)
+    deployed = dict(
+        Deployment.objects.filter(
+            model__in=[m.model for m in released], pool=rollout.pool
+        ).values_list("model__name", "version")
+    )
+    moving = [m for m in released if deployed.get(m.model.name) != m.canary]
+    if moving:
         try:
-            deployment_set(
-                model_name=rollout.model.name,
-                version=rollout.canary_version,
-                pool=rollout.pool,
-                actor=ACTOR,
-            )
+            for member in moving:  # in dependency order
+                deployment_set(
+                    model_name=member.model.name,
+                    version=member.canary,
+                    pool=rollout.pool,
+                    actor=ACTOR,
+                )
         except FleetError as exc:
             return transition(rollout, State.FAILED, f"promotion failed: {exc}")
-        drop_node_deployments(rollout.model, rollout.pool, ACTOR)
+        for member in moving:
+            drop_node_deployments(member.model, rollout.pool, ACTOR)
         return None
-    if _all_serve(rollout, rollout.canary_version) is not None:
+    if _all_serve(rollout, {m.model.name: m.canary for m in released}) is not None:
         weights_reset(rollout.pool, ACTOR)
         return transition(rollout, State.SUCCEEDED)
     return None
 
 
 def _aborting(rollout: Rollout) -> None:
-    drop_node_deployments(rollout.model, rollout.pool, ACTOR)  # a step may have raced the abort
-    pool_deployment = Deployment.objects.filter(model=rollout.model, pool=rollout.pool).first()
-    target = pool_deployment.version if pool_deployment else rollout.baseline_version
-    done_at = _all_serve(rollout, target, timed=rollout.canary_nodes)
+    released = members(rollout)
+    for member in released:  # a step may have raced the abort
+        drop_node_deployments(member.model, rollout.pool, ACTOR)
+    deployed = dict(
+        Deployment.objects.filter(
+            model__in=[m.model for m in released], pool=rollout.pool
+        ).values_list("model__name", "version")
+    )
+    targets = {m.model.name: deployed.get(m.model.name, m.baseline) for m in released}
+    done_at = _all_serve(rollout, targets, timed=rollout.canary_nodes)
     if done_at is not None:
         rollout.rolled_back_at = done_at
         weights_reset(rollout.pool, ACTOR)
         transition(rollout, State.ROLLED_BACK)
 
 
-def _all_serve(rollout: Rollout, version: int, timed: list[str] | None = None) -> datetime | None:
-    """None while a node of the pool is not read back serving `version` of the model alone;
-    then since when all of them (or all `timed` nodes) do."""
+def _all_serve(
+    rollout: Rollout, versions: dict[str, int], timed: list[str] | None = None
+) -> datetime | None:
+    """None while a node of the pool is not read back serving each model's version in
+    `versions` alone; then since when all of them (or all `timed` nodes) do."""
     nodes = _nodes(rollout)
-    found = observed_many(nodes, [rollout.model.name])
-    readings = {n.name: found[(n.pk, rollout.model.name)] for n in nodes}
-    if not readings or any(versions != {version} for versions, _ in readings.values()):
+    found = observed_many(nodes, list(versions))
+    if not nodes or any(
+        found[(n.pk, name)][0] != {version} for n in nodes for name, version in versions.items()
+    ):
         return None
-    since = [readings[n][1] for n in timed or readings if n in readings]
+    since = [
+        found[(n.pk, name)][1] for n in nodes if not timed or n.name in timed for name in versions
+    ]
     return max((at for at in since if at is not None), default=timezone.now())
 
 

@@ -18,6 +18,11 @@ class RolloutForm(forms.Form):
         initial=DEFAULT_PLAN,
         help_text="One step per line: '1 node, hold 60s', '50%, hold 2m', '100%'.",
     )
+    lockstep = forms.CharField(
+        required=False,
+        label="Release with it (lockstep)",
+        help_text="Other models the pool runs, released as one: 'embedder:2, generator:2'.",
+    )
     accept_shares = forms.BooleanField(
         required=False,
         label="Accept the real shares",
@@ -61,7 +66,7 @@ class RolloutForm(forms.Form):
         help_text="Measure and record every verdict, never act on one.",
     )
 
-    TARGET = ["model", "pool", "canary_version", "template"]
+    TARGET = ["model", "pool", "canary_version", "lockstep", "template"]
     ANALYSIS = [
         "interval_s",
         "window_s",
@@ -74,6 +79,15 @@ class RolloutForm(forms.Form):
         "judge",
         "dry_run",
     ]
+
+    def clean_lockstep(self) -> list[tuple[str, int]]:
+        found = []
+        for item in filter(None, (i.strip() for i in self.cleaned_data["lockstep"].split(","))):
+            name, _, version = item.partition(":")
+            if not name.strip() or not version.strip().isdecimal():
+                raise forms.ValidationError(f"{item!r} is not MODEL:VERSION, such as embedder:2")
+            found.append((name.strip(), int(version)))
+        return found
 
     def target_fields(self) -> list[forms.BoundField]:
         return [self[name] for name in self.TARGET]

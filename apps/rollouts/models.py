@@ -61,6 +61,11 @@ class Rollout(models.Model):
     pool = models.ForeignKey(NodePool, on_delete=models.PROTECT, related_name="rollouts")
     baseline_version = models.PositiveIntegerField()
     canary_version = models.PositiveIntegerField()
+    lockstep = models.JSONField(
+        default=list,
+        blank=True,
+        help_text='released with it, as one: [{"model": "m", "baseline": 1, "canary": 2}]',
+    )
     plan = models.JSONField(help_text='steps: [{"nodes": 1, "hold_s": 60}, {"percent": 100}]')
     analysis = models.JSONField(default=dict, help_text="thresholds; see rollouts.plans.Analysis")
     template = models.ForeignKey(
@@ -109,7 +114,18 @@ class Rollout(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.model.name} v{self.baseline_version} → v{self.canary_version} on {self.pool}"
+        return f"{self.release} on {self.pool}"
+
+    @property
+    def release(self) -> str:
+        """What it releases: "rag_pipeline v1 → v3", and its lockstep models after "with"."""
+        lead = f"{self.model.name} v{self.baseline_version} → v{self.canary_version}"
+        rest = [f"{m['model']} v{m['baseline']} → v{m['canary']}" for m in self.lockstep]
+        return " with ".join([lead, ", ".join(rest)]) if rest else lead
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.model.name, *(m["model"] for m in self.lockstep)]
 
     @property
     def active(self) -> bool:

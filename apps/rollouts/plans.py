@@ -36,6 +36,7 @@ class Step:
 
 UNITS = {"s": 1, "m": 60, "h": 3600}
 JUDGES = ("threshold", "statistical")
+POSITIVE = ("interval_s", "window_s", "sample_s", "slo_short_s")  # analysis fields, 1 at least
 LINE = re.compile(
     r"^\s*(?:(?P<nodes>\d+)\s*nodes?|(?P<percent>\d+)\s*%)\s*"
     r"(?:,?\s*hold\s+(?P<hold>\d+)\s*(?P<unit>[smh]))?\s*$",
@@ -109,15 +110,21 @@ class Analysis:
     failure_limit: int = 2  # failed measurements before the rollout rolls back
     error_limit: int = 3  # Prometheus errors in a row before it rolls back
     converge_timeout_s: int = 300  # a step's canary must be READY within this
-    # "threshold": single values over the window against the limits above; "statistical": the
-    # window's per-interval samples, canary against baseline (apps/rollouts/judge.py).
-    judge: str = "threshold"
+    # "statistical": the window's per-interval samples, canary against baseline
+    # (apps/rollouts/judge.py); "threshold": single values over the window against the limits
+    # above, which a fresh canary's first slow requests can fail on small traffic (issue 17).
+    judge: str = "statistical"
     sample_s: int = 5  # one sample per node every this, for the statistical judge
     confidence: float = 0.95  # "worse" when the Mann-Whitney p-value is below 1 - this
     latency_tolerance: float = 0.1  # the canary's median latency may be this much higher...
     latency_margin_ms: float = 5.0  # ...or this many ms: 10 % of 3 ms is noise
     error_tolerance: float = 0.01  # ...and its mean error ratio this much higher
     pass_score: float = 0.75  # the weighted share of metrics that pass, for a success
+    # The SLO burn-rate gate, for models that declare objectives (apps/rollouts/slo.py): a step
+    # fails when the canary spends its error budget faster than this many times the sustainable
+    # rate over both the last `slo_short_s` (two scrapes at least) and the whole window.
+    slo_burn_limit: float = 14.4
+    slo_short_s: int = 15
     # Measure and record every verdict, never act on one: to tune the analysis on a live release.
     dry_run: bool = False
 
@@ -144,7 +151,7 @@ class Analysis:
                 value = known[name](raw_value)
             except (TypeError, ValueError):
                 raise PlanError(f"analysis.{name}: {raw_value!r} is not a number") from None
-            positive = name.endswith("_limit") or name in ("interval_s", "window_s", "sample_s")
+            positive = name.endswith("_limit") or name in POSITIVE
             share = name in ("confidence", "pass_score")
             if value < 0 or (positive and value < 1) or (share and not 0 < value <= 1):
                 raise PlanError(f"analysis.{name}: {raw_value!r} is out of range")

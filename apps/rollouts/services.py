@@ -2,7 +2,7 @@
 row lock, checks the state it is allowed from, and writes one audit event with the change."""
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.contrib.auth.models import User
@@ -39,6 +39,7 @@ class Proposal:
     analysis: Analysis
     preview: list[PreviewStep]
     template: AnalysisTemplate | None = None
+    lockstep: list[dict[str, Any]] = field(default_factory=list)  # as Rollout.lockstep
 
 
 @audited(
@@ -114,13 +115,14 @@ def rollout_propose(
     analysis: dict[str, Any] | None = None,
     accept_shares: bool = False,
     template: str = "",
+    lockstep: list[tuple[str, int]] | None = None,
 ) -> Proposal:
     """Check a rollout before it starts and say what each step will do to which nodes (the
     dry run). A share in percent is whole nodes here, each taking its part of the requests: a
-    step that would get more than twice its share is refused unless `accept_shares`. Raises
+    step that would get more than twice its share is refused unless `accept_shares`.
+    `lockstep`: other models (name, canary version) released with it as one. Raises
     RolloutError or PlanError."""
-    model = Model.objects.filter(name=model_name).first()
-    if model is None:
+    if not Model.objects.filter(name=model_name).exists():
         raise RolloutError(f"no model {model_name!r} in the registry")
     pool = NodePool.objects.filter(name=pool_name).first()
     if pool is None:
@@ -128,20 +130,13 @@ def rollout_propose(
     nodes = list(pool.nodes.values_list("name", flat=True))
     if not nodes:
         raise RolloutError(f"pool {pool_name} has no nodes")
-    deployed = Deployment.objects.filter(model=model, pool=pool).first()
-    if deployed is None:
-        raise RolloutError(f"pool {pool_name} does not run {model_name}: deploy a baseline first")
-    canary = model.versions.filter(version=canary_version).first()
-    if canary is None:
-        raise RolloutError(f"{model_name} v{canary_version} is not in the registry")
-    if canary.status != ModelVersion.Status.RELEASED:
-        raise RolloutError(f"{model_name} v{canary_version} is {canary.status}, not released")
-    if canary_version == deployed.version:
-        raise RolloutError(f"pool {pool_name} already runs {model_name} v{canary_version}")
-    try:
-        pinned_steps(from_dict(canary.config), registry_resolver())
-    except UnresolvedStep as exc:
-        raise RolloutError(f"{model_name} v{canary_version}: {exc}") from None
+    model, baseline = _releasable(model_name, canary_version, pool)
+    together: list[dict[str, Any]] = []
+    for name, version in lockstep or []:
+        if name == model_name or any(m["model"] == name for m in together):
+            raise RolloutError(f"{name} is released twice in one rollout")
+        _, before = _releasable(name, version, pool)
+        together.append({"model": name, "baseline": before, "canary": version})
     steps = parse_plan(plan)
     counts = [s.canary_count(len(nodes)) for s in steps]
     shrinking = next((i for i in range(1, len(counts)) if counts[i] < counts[i - 1]), None)
@@ -162,18 +157,44 @@ def rollout_propose(
     return Proposal(
         model=model,
         pool=pool,
-        baseline=deployed.version,
+        baseline=baseline,
         canary=canary_version,
         plan=[s.as_dict() for s in steps],
         # What is given here overrides the template, which overrides the defaults.
         analysis=Analysis.from_dict((chosen.analysis if chosen else {}) | (analysis or {})),
         preview=rows,
         template=chosen,
+        lockstep=together,
     )
 
 
-def _active(model: Model, pool: NodePool) -> Rollout | None:
-    return Rollout.objects.filter(model=model, pool=pool, state__in=Rollout.ACTIVE).first()
+def _releasable(model_name: str, canary_version: int, pool: NodePool) -> tuple[Model, int]:
+    """The model and the version the pool runs of it (the baseline), if `canary_version` may
+    roll out over it."""
+    model = Model.objects.filter(name=model_name).first()
+    if model is None:
+        raise RolloutError(f"no model {model_name!r} in the registry")
+    deployed = Deployment.objects.filter(model=model, pool=pool).first()
+    if deployed is None:
+        raise RolloutError(f"pool {pool.name} does not run {model_name}: deploy a baseline first")
+    canary = model.versions.filter(version=canary_version).first()
+    if canary is None:
+        raise RolloutError(f"{model_name} v{canary_version} is not in the registry")
+    if canary.status != ModelVersion.Status.RELEASED:
+        raise RolloutError(f"{model_name} v{canary_version} is {canary.status}, not released")
+    if canary_version == deployed.version:
+        raise RolloutError(f"pool {pool.name} already runs {model_name} v{canary_version}")
+    try:
+        pinned_steps(from_dict(canary.config), registry_resolver())
+    except UnresolvedStep as exc:
+        raise RolloutError(f"{model_name} v{canary_version}: {exc}") from None
+    return model, deployed.version
+
+
+def _active(models: list[str], pool: NodePool) -> Rollout | None:
+    """The active rollout on `pool` that releases one of `models`, on its own or in lockstep."""
+    running = Rollout.objects.filter(pool=pool, state__in=Rollout.ACTIVE).select_related("model")
+    return next((r for r in running if set(r.model_names) & set(models)), None)
 
 
 def _pool_target(*, model_name: str, pool_name: str, **_: object) -> str:
@@ -196,6 +217,7 @@ def rollout_start(
     actor: Actor,
     accept_shares: bool = False,
     template: str = "",
+    lockstep: list[tuple[str, int]] | None = None,
 ) -> Rollout:
     proposal = rollout_propose(
         model_name=model_name,
@@ -205,20 +227,25 @@ def rollout_start(
         analysis=analysis,
         accept_shares=accept_shares,
         template=template,
+        lockstep=lockstep,
     )
     authorize(actor, "rollouts.add_rollout", proposal.pool)
-    running = _active(proposal.model, proposal.pool)
-    if running is not None:
-        raise RolloutError(
-            f"rollout #{running.pk} of {model_name} on {pool_name} is {running.state}"
-        )
+    names = [model_name, *(m["model"] for m in proposal.lockstep)]
     try:
         with transaction.atomic():  # the database has the last word on "one active rollout"
+            # Under the pool's lock, no other start can slip a rollout of a lockstep model in.
+            NodePool.objects.select_for_update().filter(pk=proposal.pool.pk).first()
+            running = _active(names, proposal.pool)
+            if running is not None:
+                raise RolloutError(
+                    f"rollout #{running.pk} of {running.release} on {pool_name} is {running.state}"
+                )
             rollout = Rollout.objects.create(
                 model=proposal.model,
                 pool=proposal.pool,
                 baseline_version=proposal.baseline,
                 canary_version=proposal.canary,
+                lockstep=proposal.lockstep,
                 plan=proposal.plan,
                 analysis=proposal.analysis.as_dict(),
                 template=proposal.template,
@@ -236,6 +263,7 @@ def rollout_start(
             "plan": proposal.plan,
             "pool": pool_name,
             "template": str(proposal.template or ""),
+            "lockstep": proposal.lockstep,
         },
     )
     notify(rollout, "started")
@@ -324,6 +352,7 @@ def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
         plan=rollout.plan,
         analysis=rollout.analysis,
         actor=actor,
+        lockstep=[(m["model"], m["canary"]) for m in rollout.lockstep],
     )
     audit_record(
         actor=actor,
@@ -414,7 +443,7 @@ def _switch(model: Model, pool: NodePool, version: int, action: str, actor: Acto
         deployment_set(model_name=model.name, version=version, pool=pool, actor=actor)
     except FleetError as exc:
         raise RolloutError(str(exc)) from exc
-    running = _active(model, pool)
+    running = _active([model.name], pool)
     if running is not None and running.state != State.ABORTING:
         why = f"pool switched to v{version} ({action}) by {actor_name(actor)}"
         rollout = _locked(running.pk, "abort", Rollout.ACTIVE, None)  # the switch was authorized

@@ -65,6 +65,7 @@ def rollout_new(request: HttpRequest) -> HttpResponse:
             "analysis": form.analysis(),
             "accept_shares": data["accept_shares"],
             "template": data["template"],
+            "lockstep": data["lockstep"],
         }
         try:
             if "start" in request.POST:
@@ -127,7 +128,7 @@ def evidence_charts(rollout: Rollout) -> list[tuple[str, Chart]]:
         size = "" if effect is None else f"effect {effect:+.3g}, "
         note = f"{test}{size}step {found.step + 1} at {found.taken_at:%H:%M:%S} UTC"
         sides = {"canary": evidence["canary"], "baseline": evidence["baseline"]}
-        unit = "ms" if found.metric.startswith("latency") else "ratio"
+        unit = "ms" if "latency" in found.metric else "ratio"
         chart = distributions(f"{found.metric}: {found.verdict}", sides, unit=unit, note=note)
         charts.append((f"evidence-{len(charts)}", chart))
     return charts

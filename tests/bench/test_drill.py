@@ -23,9 +23,10 @@ from tests.support.fleet import STEPS_V1, converged, traffic_to, wait_for
 from tests.support.services import Celery
 
 ROUNDS = 5
-# The statistical judge at the pace of a test: every 2 s, 4 s samples over the last 20 s, after a
-# 5 s warm-up; otherwise the defaults (confidence, tolerances, pass score, limits).
-JUDGED = {"judge": "statistical", "interval_s": 2, "sample_s": 4, "window_s": 20, "warmup_s": 5}
+# The default analysis (the statistical judge) at the pace of a test: every 2 s, 4 s samples
+# over the last 20 s, after a 5 s warm-up; otherwise the defaults (confidence, tolerances, pass
+# score, limits).
+JUDGED = {"interval_s": 2, "sample_s": 4, "window_s": 20, "warmup_s": 5}
 OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
 
 

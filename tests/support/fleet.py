@@ -31,6 +31,7 @@ STEPS_V1 = {
 # here, so latencies are noisy: a release passes unless 100 ms and 2x worse than its baseline;
 # the slow v3 adds 250 ms to every request.
 ANALYSIS = {
+    "judge": "threshold",  # which these tests' P99 and error ratio are about
     "interval_s": 2,
     "window_s": 10,
     "warmup_s": 5,

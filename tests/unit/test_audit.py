@@ -182,6 +182,7 @@ FLEET_REGISTRY_SERVICES = {
     registry.version_set_status,
     registry.model_set_budget,
     registry.model_set_fallback,
+    registry.model_set_slo,
     imports.candidates_import,
     fleet.pool_set_protected,
     fleet.pool_set_traffic,
@@ -318,6 +319,16 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             "registry.fallback_set",
             lambda: registry.model_set_fallback(model_name="rag", version=9, actor="ops"),
             lambda: registry.model_set_fallback(model_name="rag", version=2, actor="ops"),
+        ),
+        Case(
+            registry.model_set_slo,
+            "registry.slo_set",
+            lambda: registry.model_set_slo(
+                model_name="rag", availability=2.0, latency=None, actor="ops"
+            ),
+            lambda: registry.model_set_slo(
+                model_name="rag", availability=0.99, latency=None, actor="ops"
+            ),
         ),
     ]
     cases.append(

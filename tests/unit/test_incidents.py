@@ -127,13 +127,20 @@ def test_the_rollout_step_before_the_onset_is_ranked_first_on_its_evidence(
     onset = timezone.now() - timedelta(minutes=1)
     rag = Model.objects.get(name="rag_pipeline")
     rollout = Rollout.objects.create(
-        model=rag, pool=fleet, baseline_version=1, canary_version=3, plan=[], started_by="ann"
+        model=rag,
+        pool=fleet,
+        baseline_version=1,
+        canary_version=3,
+        lockstep=[{"model": "embedder", "baseline": 1, "canary": 2}],
+        plan=[],
+        started_by="ann",
     )
     step = onset - timedelta(minutes=4)
     changes = [
         (onset - timedelta(minutes=30), "ops", "deployment.set", "pool:demo:rag_pipeline"),
         (step, "ann", "rollout.start", f"rollout:{rollout.pk}:rag_pipeline"),
         (step, "system:rollouts", "deployment.set", "node:demo-1:rag_pipeline"),
+        (step, "system:rollouts", "deployment.set", "node:demo-1:embedder"),
         (step, "system:rollouts", "rollout.step", f"rollout:{rollout.pk}:rag_pipeline"),
         (onset - timedelta(minutes=2), "ops", "deployment.set", "pool:other:embedder"),
         (onset - timedelta(seconds=30), "bob", "registry.version_create", "model:generator"),
@@ -160,8 +167,12 @@ def test_the_rollout_step_before_the_onset_is_ranked_first_on_its_evidence(
     ranked, problem = suspects(incident)
     assert problem == ""
     first = ranked[0]
-    assert first.title == f"rollout #{rollout.pk}: rag_pipeline v1 → v3 on demo"
-    assert "deployment.set node:demo-1:rag_pipeline" in first.parts  # its controller's, folded
+    assert (
+        first.title == f"rollout #{rollout.pk}: rag_pipeline v1 → v3 with embedder v1 → v2 on demo"
+    )
+    # Its controller's deployments are folded into it, of the model released in lockstep too.
+    assert "deployment.set node:demo-1:rag_pipeline" in first.parts
+    assert "deployment.set node:demo-1:embedder" in first.parts
     assert first.p99 == (40.0, 300.0) and "P99 40 ms → 300 ms across it (x7.50)" in first.evidence
     assert (
         first.errors == (0.0, 0.1) and "errors 0.0% → 10.0% of requests across it" in first.evidence

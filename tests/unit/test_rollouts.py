@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from apps.accounts.roles import Role
+from apps.accounts.services import token_create
 from apps.audit.models import AuditEvent
 from apps.fleet import routing
 from apps.fleet.models import Deployment, Node, NodePool, Release
@@ -112,6 +113,7 @@ class Fleet:
     served: dict[str, set[int]] = field(default_factory=dict)
     verdict: str = "success"
     requests: dict[str, float] = field(default_factory=dict)  # by node, in the last minute
+    failing: set[str] = field(default_factory=set)  # models every round fails, whatever `verdict`
 
     def instant_query(self, query: str) -> list[tuple[dict[str, str], float]]:
         """Prometheus, as the rollout page's observed share asks it."""
@@ -119,18 +121,24 @@ class Fleet:
         return [({"node": node}, count) for node, count in self.requests.items()]
 
     def converge(self) -> None:
+        pooled = Deployment.objects.filter(pool=self.pool).select_related("model")
         for node in self.pool.nodes.all():
-            own = Deployment.objects.filter(node=node).first()
-            wanted = own or Deployment.objects.get(pool=self.pool)
-            self.served[node.name] = {wanted.version} | (
-                {wanted.baseline_version} if wanted.baseline_version else set()
-            )
+            wanted = {d.model.name: d for d in pooled}
+            wanted |= {d.model.name: d for d in node.deployments.select_related("model")}
+            for model, deployment in wanted.items():
+                baseline = {deployment.baseline_version} - {None}
+                self.served[self.key(node.name, model)] = {deployment.version} | baseline
+
+    @staticmethod
+    def key(node: str, model: str) -> str:
+        """gpu-1 for rag, the rollouts' model; gpu-1:embedder for any other."""
+        return node if model == "rag" else f"{node}:{model}"
 
     def observed(
         self, nodes: list[Node], models: list[str]
     ) -> dict[tuple[int, str], tuple[set[int], datetime]]:
         return {
-            (node.pk, model): (self.served.get(node.name, set()), timezone.now())
+            (node.pk, model): (self.served.get(self.key(node.name, model), set()), timezone.now())
             for node in nodes
             for model in models
         }
@@ -138,10 +146,11 @@ class Fleet:
     def measure(self, **kwargs: Any) -> list[Result]:
         if self.verdict == "error":
             raise PrometheusUnavailable("Prometheus at http://prom did not answer: stubbed.")
-        values = {"success": 100.0, "failure": 900.0, "inconclusive": None}[self.verdict]
+        verdict = "failure" if kwargs["model"] in self.failing else self.verdict
+        values = {"success": 100.0, "failure": 900.0, "inconclusive": None}[verdict]
         return [
             Result("requests", "q1", 50, 50, 20, "success", ""),
-            Result("p99", "q2", values, 100.0, 120.0, self.verdict, f"{self.verdict} detail"),
+            Result("p99", "q2", values, 100.0, 120.0, verdict, f"{verdict} detail"),
         ]
 
 
@@ -167,7 +176,13 @@ def fleet(db: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
     yield simulated
 
 
-def start(canary: int = 2, plan: str = PLAN, template: str = "", **analysis: Any) -> Rollout:
+def start(
+    canary: int = 2,
+    plan: str = PLAN,
+    template: str = "",
+    lockstep: list[tuple[str, int]] | None = None,
+    **analysis: Any,
+) -> Rollout:
     return rollout_start(
         model_name="rag",
         pool_name="gpu",
@@ -176,6 +191,7 @@ def start(canary: int = 2, plan: str = PLAN, template: str = "", **analysis: Any
         analysis={**FAST, **analysis} if not template else analysis,
         actor="release-manager",
         template=template,
+        lockstep=lockstep,
     )
 
 
@@ -234,6 +250,100 @@ def test_a_failing_canary_rolls_back_by_itself(fleet: Fleet) -> None:
     assert failing and failing.canary_value == 900.0 and failing.threshold == 120.0
 
 
+@pytest.fixture
+def embedder(fleet: Fleet) -> Model:
+    """A second model the pool runs (v1 of 1 and 2), to release in lockstep with rag."""
+    model = Model.objects.create(name="embedder")
+    for number in (1, 2):
+        ModelVersion.objects.create(
+            model=model,
+            version=number,
+            config={"name": "embedder", "backend": "python"},
+            status=ModelVersion.Status.RELEASED,
+        )
+    deployment_set(model_name="embedder", version=1, pool=fleet.pool, actor="ops")
+    fleet.converge()
+    return model
+
+
+def node_deployments() -> set[tuple[str, str, int, int | None]]:
+    found = Deployment.objects.filter(node__isnull=False)
+    return set(found.values_list("node__name", "model__name", "version", "baseline_version"))
+
+
+def test_a_lockstep_release_goes_to_the_same_nodes_and_promotes_as_one(
+    fleet: Fleet, embedder: Model
+) -> None:
+    rollout = start(lockstep=[("embedder", 2)])
+    assert rollout.lockstep == [{"model": "embedder", "baseline": 1, "canary": 2}]
+    assert str(rollout) == "rag v1 → v2 with embedder v1 → v2 on gpu"
+    rollout = tick(rollout)
+    assert node_deployments() == {("gpu-1", "rag", 2, 1), ("gpu-1", "embedder", 2, 1)}
+    fleet.converge()
+    fleet.served["gpu-1:embedder"] = {1}  # rag is READY there, the embedder not yet
+    assert tick(rollout).step_ready_at is None
+    fleet.converge()
+    rollout = tick(tick(rollout))
+    assert rollout.step == 1
+    metrics = set(rollout.measurements.values_list("metric", flat=True))
+    assert metrics == {"requests", "p99", "embedder: requests", "embedder: p99"}
+    fleet.converge()
+    rollout = tick(tick(tick(rollout)))  # measured, held; promoting
+    assert set(
+        Deployment.objects.filter(pool=fleet.pool).values_list("model__name", "version")
+    ) == {
+        ("rag", 2),
+        ("embedder", 2),
+    }
+    assert not node_deployments() and tick(rollout).state == State.PROMOTING
+    fleet.converge()
+    assert tick(rollout).state == State.SUCCEEDED
+
+
+def test_one_failing_lockstep_model_rolls_back_both(fleet: Fleet, embedder: Model) -> None:
+    rollout = tick(start(lockstep=[("embedder", 2)], failure_limit=1))
+    fleet.converge()
+    fleet.failing = {"embedder"}  # rag itself passes every round
+    rollout = tick(tick(rollout))
+    assert rollout.state == State.ABORTING
+    assert rollout.reason == "failure: embedder: p99: failure detail"
+    assert not node_deployments()
+    fleet.converge()
+    rollout = tick(rollout)
+    assert rollout.state == State.ROLLED_BACK
+    assert fleet.served["gpu-1"] == {1} and fleet.served["gpu-1:embedder"] == {1}
+    events = AuditEvent.objects.filter(target__startswith="rollout:").order_by("id")
+    assert {e.target for e in events} == {f"rollout:{rollout.pk}:rag"}  # one release
+
+
+def test_a_lockstep_start_checks_every_model(fleet: Fleet, embedder: Model) -> None:
+    with pytest.raises(RolloutError, match="no model 'nope' in the registry"):
+        start(lockstep=[("nope", 1)])
+    with pytest.raises(RolloutError, match="embedder v7 is not in the registry"):
+        start(lockstep=[("embedder", 7)])
+    with pytest.raises(RolloutError, match="pool gpu already runs embedder v1"):
+        start(lockstep=[("embedder", 1)])
+    with pytest.raises(RolloutError, match="rag is released twice in one rollout"):
+        start(lockstep=[("rag", 3)])
+    running = start(lockstep=[("embedder", 2)])
+    with pytest.raises(RolloutError, match=f"rollout #{running.pk} of rag v1 → v2 with embedder"):
+        rollout_start(
+            model_name="embedder",
+            pool_name="gpu",
+            canary_version=2,
+            plan=PLAN,
+            analysis=FAST,
+            actor="release-manager",
+        )
+    rollout_abort(rollout_id=running.pk, actor="release-manager")
+    assert set(
+        Deployment.objects.filter(pool=fleet.pool).values_list("model__name", "version")
+    ) == {
+        ("rag", 1),
+        ("embedder", 1),
+    }
+
+
 def test_prometheus_errors_past_the_limit_roll_back(fleet: Fleet) -> None:
     rollout = tick(start())
     fleet.converge()
@@ -275,7 +385,9 @@ def test_start_refuses_what_cannot_roll_out(fleet: Fleet) -> None:
     with pytest.raises(PlanError, match="step 2: 1 canary nodes after 2"):
         start(plan="2 nodes\n1 node")
     rollout = start()
-    with pytest.raises(RolloutError, match=f"rollout #{rollout.pk} of rag on gpu is pending"):
+    with pytest.raises(
+        RolloutError, match=f"rollout #{rollout.pk} of rag v1 → v2 on gpu is pending"
+    ):
         start()
     NodePool.objects.create(name="empty")
     with pytest.raises(RolloutError, match="pool empty has no nodes"):
@@ -581,7 +693,7 @@ def test_analysis_splits_by_node_and_compares_changed_steps_by_version(
         model="rag",
         pool="gpu",
         canary_nodes=["a"],
-        spec=Analysis(p99_tolerance=0.5, error_delta=0.01, min_requests=20),
+        spec=Analysis(judge="threshold", p99_tolerance=0.5, error_delta=0.01, min_requests=20),
         budget_ms=250,
         steps=[analysis.ChangedStep("reranker", 3, 1, None)],
     )
@@ -613,7 +725,7 @@ def test_with_the_canary_everywhere_only_the_budget_judges(monkeypatch: pytest.M
         model="rag",
         pool="gpu",
         canary_nodes=["a", "b"],
-        spec=Analysis(min_requests=20),
+        spec=Analysis(judge="threshold", min_requests=20),
         budget_ms=None,
         steps=[],
         compare=False,
@@ -703,6 +815,35 @@ def test_the_form_previews_then_starts(fleet: Fleet, client: Client, release_man
     rollout = Rollout.objects.get()
     assert started["Location"] == f"/rollouts/{rollout.pk}/"
     assert rollout.analysis["window_s"] == 60 and rollout.plan[0] == {"nodes": 1, "hold_s": 30}
+
+
+def test_the_form_and_the_api_start_a_lockstep_release(
+    fleet: Fleet, embedder: Model, client: Client, release_manager: User
+) -> None:
+    client.force_login(release_manager)
+    bad = client.post("/rollouts/new/", {**FORM, "lockstep": "embedder", "preview": ""})
+    assert "&#x27;embedder&#x27; is not MODEL:VERSION" in bad.content.decode()
+    preview = client.post("/rollouts/new/", {**FORM, "lockstep": "embedder:2", "preview": ""})
+    assert "<strong>embedder</strong> v1 → v2" in preview.content.decode()
+    client.post("/rollouts/new/", {**FORM, "lockstep": " embedder : 2 ", "start": ""})
+    rollout = Rollout.objects.get()
+    assert rollout.lockstep == [{"model": "embedder", "baseline": 1, "canary": 2}]
+    page = client.get(f"/rollouts/{rollout.pk}/").content.decode()
+    assert "judged and rolled back together: <strong>embedder</strong> v1 → v2" in page
+    rollout_abort(rollout_id=rollout.pk, actor="release-manager")
+    fleet.converge()
+    assert tick(rollout).state == State.ROLLED_BACK
+    _, token = token_create(user=release_manager, name="ci", actor="system:test")
+    body = {"model": "rag", "pool": "gpu", "canary_version": 2, "plan": PLAN}
+    body["lockstep"] = [{"model": "embedder", "canary_version": 2}]
+    auth = {"Authorization": f"Bearer {token}"}
+    started = client.post("/api/rollouts", body, content_type="application/json", headers=auth)
+    assert started.status_code == 201, started.content
+    assert started.json()["lockstep"] == [{"model": "embedder", "baseline": 1, "canary": 2}]
+    body["lockstep"] = [{"model": "nope", "canary_version": 2}]
+    refused = client.post("/api/rollouts", body, content_type="application/json", headers=auth)
+    assert refused.status_code == 409
+    assert "no model 'nope'" in refused.json()["error"]["message"]
 
 
 def test_a_percent_step_states_its_real_share_and_more_than_twice_it_needs_consent(

@@ -1,0 +1,76 @@
+"""SLO burn-rate gates, multi-window and multi-burn-rate as the SRE workbook's alerting chapter
+has them. A model may declare what share of its requests must succeed (availability) and what
+share must be answered within its latency budget (latency). The error budget is the rest; the
+burn rate is how many times faster than sustainable a window spends it (a burn rate of 1 spends
+exactly the budget). A step fails when the canary burns faster than the limit over both the short
+window (it is still happening) and the long one (it is not a blip); over one of them only, it is
+marginal.
+
+Availability is counted from Triton's request counters. Triton has no latency histogram, only a
+summary (quantiles 0.5, 0.9, 0.95, 0.99, 0.999), so the share of requests over the budget is
+interpolated between its quantiles, each averaged over the window."""
+
+import math
+from dataclasses import dataclass
+
+from apps.registry.models import Model
+from apps.rollouts.judge import FAIL, INCONCLUSIVE, MARGINAL, PASS
+
+
+@dataclass(frozen=True)
+class Objectives:
+    availability: float | None  # 0.999: 99.9 % of requests succeed
+    latency: float | None  # 0.99: 99 % are answered within budget_ms
+    budget_ms: int | None
+
+    @classmethod
+    def of(cls, model: Model) -> "Objectives | None":
+        if model.slo_availability is None and model.slo_latency is None:
+            return None
+        latency = model.slo_latency if model.latency_budget_ms else None  # nothing to hold it to
+        return cls(model.slo_availability, latency, model.latency_budget_ms)
+
+
+def over_budget(quantiles: dict[float, float], budget: float) -> float | None:
+    """The share of requests slower than `budget`, from a summary's {quantile: value}: linear
+    between two quantiles, 0 above the highest one (at most 1 - that quantile, in truth), and
+    from the origin below the lowest. None without a finite value."""
+    points = sorted((q, v) for q, v in quantiles.items() if math.isfinite(v))
+    if not points:
+        return None
+    within = [i for i, (_, v) in enumerate(points) if v <= budget]
+    if not within:
+        q, v = points[0]
+        return 1 - q * budget / v if v > 0 else 1.0
+    i = within[-1]
+    if i == len(points) - 1:
+        return 0.0
+    (q1, v1), (q2, v2) = points[i], points[i + 1]
+    return 1 - (q1 + (q2 - q1) * (budget - v1) / (v2 - v1))
+
+
+def burn_rate(bad: float | None, objective: float) -> float | None:
+    """How many times the sustainable rate a window with `bad` share of bad requests spends the
+    error budget at."""
+    return None if bad is None else bad / (1 - objective)
+
+
+@dataclass(frozen=True)
+class Gate:
+    verdict: str
+    detail: str
+
+
+def gate(burns: dict[int, float | None], limit: float, objective: float, what: str) -> Gate:
+    """The verdict from the burn rate over each window (seconds: burn rate)."""
+    if any(burn is None for burn in burns.values()):
+        missing = [f"{w} s" for w, burn in burns.items() if burn is None]
+        return Gate(INCONCLUSIVE, f"no {what} data over {' and '.join(missing)}")
+    over = [w for w, burn in burns.items() if burn is not None and burn > limit]
+    if not over:
+        return Gate(PASS, "")
+    rates = " and ".join(f"{burn:.3g}x over {w} s" for w, burn in burns.items())
+    detail = f"{what} burn rate {rates} (limit {limit:g}x, objective {objective:.4g})"
+    if len(over) == len(burns):
+        return Gate(FAIL, detail)
+    return Gate(MARGINAL, f"{detail}: over the {' s and '.join(map(str, over))} s window only")
