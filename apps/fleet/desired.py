@@ -153,7 +153,13 @@ class FleetDesired:
     def of(self, node: Node) -> Desired:
         """Raises DesiredStateError when a deployment cannot be resolved (a version or a step
         missing from the registry)."""
-        wanted = self._pools.get(node.pool_id, {}) | self._overrides.get(node.pk, {})
+        return self.with_change(node, {})
+
+    def with_change(self, node: Node, change: Wanted) -> Desired:
+        """The node's desired state were `change` deployed on it too: a preview. Raises
+        DesiredStateError as `of` does."""
+        self._registry.fetch(_pairs([change]))
+        wanted = self._pools.get(node.pool_id, {}) | self._overrides.get(node.pk, {}) | change
         key = tuple(sorted(wanted.items()))
         if key not in self._states:
             try:

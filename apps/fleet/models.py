@@ -1,5 +1,6 @@
 from django.db import models
 
+from apps.fleet import failures
 from apps.registry.models import Model
 
 
@@ -44,6 +45,10 @@ class NodePool(models.Model):
     warmup_requests = models.PositiveSmallIntegerField(
         default=5, help_text="requests a node answers after a load, before it takes traffic"
     )
+    rollback_window_s = models.PositiveIntegerField(
+        default=900,
+        help_text="seconds the release before stays loaded after a promotion (0: none)",
+    )
     drain_timeout_s = models.PositiveSmallIntegerField(
         default=30, help_text="how long a drained node's in-flight requests may take to finish"
     )
@@ -83,6 +88,11 @@ class Node(models.Model):
     index = models.JSONField(default=list, blank=True, help_text="last repository index read")
     gpus = models.JSONField(
         default=list, blank=True, help_text="GPU inventory from nv_gpu_* metrics"
+    )
+    memory_limit_mb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="MiB models may take on a CPU node; loads are checked against it",
     )
     # The models this product loaded here and has not yet unloaded (a release being drained) or
     # that a person adopted: the only ones the reconciler may unload when no deployment names them.
@@ -145,6 +155,11 @@ class Deployment(models.Model):
         null=True,
         blank=True,
         help_text="kept READY beside `version`, a canary's baseline: a rollback only narrows",
+    )
+    baseline_until = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="the baseline is let go then: the rollback window after a promotion",
     )
     created_by = models.CharField(max_length=150)
     updated_at = models.DateTimeField(auto_now=True)
@@ -241,6 +256,13 @@ class Operation(models.Model):
     )
     attempts = models.PositiveIntegerField(default=0)
     error = models.TextField(blank=True, help_text="Triton's own words when it refused")
+    failure = models.CharField(max_length=15, choices=failures.CHOICES, blank=True)
+    retry_at = models.DateTimeField(
+        null=True, blank=True, help_text="when the reconciler tries a transient failure again"
+    )
+    override = models.TextField(
+        blank=True, help_text="why a person sent it although it would not fit in memory"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -267,3 +289,30 @@ class Heartbeat(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} at {self.at:%H:%M:%S}"
+
+
+class Footprint(models.Model):
+    """The memory a model version was measured to take on one kind of device, from the node's
+    memory before and after its loads: the mean of `samples` loads."""
+
+    class Device(models.TextChoices):
+        CPU = "cpu"
+        GPU = "gpu"
+
+    model_name = models.CharField(max_length=120)
+    version = models.PositiveIntegerField()
+    device = models.CharField(max_length=3, choices=Device.choices)
+    mb = models.FloatField(help_text="mean of the measured samples, MiB")
+    samples = models.PositiveIntegerField(default=1)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["model_name", "version", "device"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["model_name", "version", "device"], name="one_footprint_per_device"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model_name} v{self.version} on {self.device}: {self.mb:.0f} MiB"

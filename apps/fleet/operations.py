@@ -18,6 +18,7 @@ from django.utils import timezone
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
+from apps.fleet import failures, memory
 from apps.fleet.desired import (
     Desired,
     DesiredStateError,
@@ -25,7 +26,7 @@ from apps.fleet.desired import (
     plan_digest,
     targeting,
 )
-from apps.fleet.models import Node, Operation
+from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Observed, plan
 from apps.fleet.polling import node_read_index
 from apps.fleet.routing import drained, warm_up
@@ -55,6 +56,7 @@ def observed_state(node: Node) -> dict[str, Observed]:
             busy.add(entry["model"])
     last_ok: dict[str, str] = {}
     failed: dict[str, set[str]] = {}
+    now = timezone.now()
     done = [Operation.Status.SUCCEEDED, Operation.Status.FAILED, Operation.Status.UNKNOWN]
     for op in node.operations.filter(status__in=done).order_by("finished_at", "id"):
         if op.status == Operation.Status.UNKNOWN:
@@ -64,8 +66,10 @@ def observed_state(node: Node) -> dict[str, Observed]:
         elif op.status == Operation.Status.SUCCEEDED:
             last_ok[op.model_name] = op.config_digest
             failed.pop(op.model_name, None)
-        else:
+        elif op.retry_at is None or op.retry_at > now:
             failed.setdefault(op.model_name, set()).add(op.config_digest)
+        else:  # a transient failure, due to be tried again
+            failed.get(op.model_name, set()).discard(op.config_digest)
     return {
         name: Observed(
             ready=frozenset(versions),
@@ -115,7 +119,12 @@ def node_reconcile(*, node_id: int, wanted: "Wanted | None" = None) -> list[Oper
             ensembles = Model.objects.filter(name__in=drained, kind=Model.Kind.ENSEMBLE)
             kinds = set(ensembles.values_list("name", flat=True))
             managed |= {name: name in kinds for name in drained}
-        actions = plan(desired, observed, managed)
+        room = None
+        if memory.aware(node):
+            ready = {name: set(seen.ready) for name, seen in observed.items()}
+            coming = {(m.name, v) for m in desired.values() for v in m.versions}
+            room = memory.room(node, ready, coming)
+        actions = plan(desired, observed, managed, room)
         digest = plan_digest(desired)
         if wanted is not None:
             wanted.seed(node, digest)
@@ -179,6 +188,29 @@ def _record_drift(node: Node, operations: list[str]) -> None:
         audit_record(
             actor=RECONCILER, action="node.drift", target=target, after={"operations": operations}
         )
+
+
+def rollback_windows_close() -> int:
+    """Let go of every baseline whose rollback window has passed; the reconcile that follows
+    narrows its nodes to the release itself. Returns how many closed."""
+    with transaction.atomic():
+        closing = list(
+            Deployment.objects.filter(baseline_until__lt=timezone.now())
+            .select_related("model", "pool", "node")
+            .select_for_update(of=("self",))
+        )
+        for deployment in closing:
+            kept = deployment.baseline_version
+            deployment.baseline_version, deployment.baseline_until = None, None
+            deployment.save(update_fields=["baseline_version", "baseline_until", "updated_at"])
+            audit_record(
+                actor=RECONCILER,
+                action="deployment.window_closed",
+                target=f"{deployment.target}:{deployment.model.name}",
+                before={"version": deployment.version, "baseline": kept},
+                after={"version": deployment.version},
+            )
+    return len(closing)
 
 
 class Lease:
@@ -332,17 +364,28 @@ def _execute(node: Node, op: Operation) -> str:
     if claimed != 1:
         return Operation.Status.CANCELLED
     client = TritonClient(node.http_url, node=node.name)
+    measured: tuple[int, float] | None = None
     try:
         if op.kind == Operation.Kind.UNLOAD:
             # Never unload_dependents: that would take down ensembles we may not manage. The
             # planner unloads our own ensembles by name, before their steps.
             client.unload(op.model_name)
         else:
+            if memory.aware(node):
+                refused, measured = _memory_check(node, client, op)
+                refused = "" if op.override else refused  # a person vouched for the room
+                if refused:
+                    return _finish(op, refused, failure=failures.MEMORY)
             client.load(op.model_name, config_json=_json(op.config))
     except TritonTimeout as exc:
         # Sent, but no answer in time: Triton may still be at it. Never re-sent blindly; the
         # reconciler reads the node's index and decides.
-        return _finish(op, f"no answer in time: {exc.message}", Operation.Status.UNKNOWN)
+        return _finish(
+            op,
+            f"no answer in time: {exc.message}",
+            Operation.Status.UNKNOWN,
+            failure=failures.TIMEOUT,
+        )
     except TritonUnreachable:
         # Not sent (connection refused): back in the queue, and the task retries with backoff.
         Operation.objects.filter(pk=op.pk).update(status=Operation.Status.QUEUED)
@@ -355,7 +398,32 @@ def _execute(node: Node, op: Operation) -> str:
         return _finish(
             op, f"sent, but the index could not be read back: {exc}", Operation.Status.UNKNOWN
         )
+    if measured is not None and not error:
+        try:
+            memory.measure(node, op.model_name, *measured)
+        except TritonError:  # no footprint this time; the load itself is done
+            log.warning("node %s: no memory reading after loading %s", node.name, op.model_name)
     return _finish(op, error)
+
+
+def _memory_check(
+    node: Node, client: TritonClient, op: Operation
+) -> tuple[str, tuple[int, float] | None]:
+    """Before a load on a memory-aware node: why it does not fit ("" if it does), and the
+    (version, memory in use now) to measure it by, when it adds one version still measured."""
+    ready: dict[str, set[int]] = {}
+    for entry in client.repository_index():
+        if entry.state == "READY" and entry.version is not None:
+            ready.setdefault(entry.model, set()).add(entry.version)
+    adding = set(op.versions) - ready.get(op.model_name, set())
+    refused = memory.refusal(node, op.model_name, adding, ready)
+    if refused or len(adding) != 1:
+        return refused, None
+    (version,) = adding
+    if not memory.measuring(node, op.model_name, version):
+        return "", None
+    before = memory.used_mb(node)
+    return "", None if before is None else (version, before)
 
 
 def _read_back(client: TritonClient, op: Operation) -> str:
@@ -378,12 +446,21 @@ def _read_back(client: TritonClient, op: Operation) -> str:
     )
 
 
-def _finish(op: Operation, error: str, status: str = "") -> str:
+def _finish(op: Operation, error: str, status: str = "", failure: str = "") -> str:
+    """Record how the operation ended; a failure is classified (`failure`, or from `error`) and,
+    if transient, given a time to be tried again."""
     status = status or (Operation.Status.FAILED if error else Operation.Status.SUCCEEDED)
+    now = timezone.now()
+    failure = failure or (failures.classify(error) if error else "")
+    retry_at = None
+    if status == Operation.Status.FAILED:
+        retry_at = failures.retry_at(failure, _tries(op), now)
+        if retry_at is not None:
+            error += f" (tried again at {retry_at:%H:%M:%S} UTC)"
     with transaction.atomic():
         # Only from running: another worker may have declared this operation lost meanwhile.
         Operation.objects.filter(pk=op.pk, status=Operation.Status.RUNNING).update(
-            status=status, error=error, finished_at=timezone.now()
+            status=status, error=error, finished_at=now, failure=failure, retry_at=retry_at
         )
         # A load of a model the node owns changes nothing: while this operation is open no
         # reconcile prunes the node's models, so `owned` as read with the operation still holds.
@@ -399,6 +476,19 @@ def _finish(op: Operation, error: str, status: str = "") -> str:
             message=error,
         )
     return status
+
+
+def _tries(op: Operation) -> int:
+    """This failure and those of the same load before it, since the model last loaded here."""
+    same = Operation.objects.filter(node_id=op.node_id, model_name=op.model_name)
+    since = (
+        same.filter(status=Operation.Status.SUCCEEDED)
+        .order_by("-finished_at")
+        .values_list("finished_at", flat=True)
+        .first()
+    )
+    failed = same.filter(status=Operation.Status.FAILED, config_digest=op.config_digest)
+    return 1 + (failed.filter(finished_at__gt=since) if since else failed).count()
 
 
 def _own(node_id: int, model_name: str, owned: bool) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from apps.fleet.desired import DesiredModel, digest, with_versions
+from apps.fleet.memory import Room
 from apps.registry.codec import step_names
 
 
@@ -31,10 +32,16 @@ class Action:
 
 
 def plan(
-    desired: dict[str, DesiredModel], observed: dict[str, Observed], managed: dict[str, bool]
+    desired: dict[str, DesiredModel],
+    observed: dict[str, Observed],
+    managed: dict[str, bool],
+    room: Room | None = None,
 ) -> list[Action]:
     """`managed` maps the models the reconciler may unload (those the node owns) to
-    whether each is an ensemble; any other model on the node is left alone."""
+    whether each is an ensemble; any other model on the node is left alone. On a memory-aware
+    node, `room` says what it has free: a step whose old and new versions would not fit side by
+    side unloads first and loads its new versions alone (break before make; on a pool behind a
+    balancer the node is out of traffic meanwhile)."""
     first: list[Action] = []
     narrow: list[Action] = []
     held: set[str] = set()  # models this plan cannot bring to their wanted versions
@@ -58,6 +65,15 @@ def plan(
         # Narrowing waits until the ensembles have switched; missing versions load first, beside
         # the ones still serving.
         if not wanted <= seen.ready:
+            if room is not None:
+                added = room.need((model.name, v) for v in wanted - seen.ready)
+                freed = room.need((model.name, v) for v in seen.ready - wanted)
+                if not room.fits(added) and room.fits(added, freed=freed):
+                    if final.digest not in seen.failed:
+                        first += [Action("unload", model.name, ()), final]
+                    room.take(added - freed)
+                    continue
+                room.take(added)  # what does not fit at all is refused when it is sent
             versions = tuple(sorted(seen.ready | wanted))
             config = with_versions(model.config, list(versions))
             union = Action("load", model.name, versions, config, digest(config))

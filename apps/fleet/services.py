@@ -1,4 +1,5 @@
 import re
+from datetime import datetime
 from urllib.parse import urlsplit
 
 from django.contrib.auth.models import User
@@ -10,7 +11,7 @@ from apps.accounts.permissions import authorize, second_person
 from apps.accounts.services import RoleError, user_role
 from apps.audit.context import REQUEST_ID
 from apps.audit.services import actor_name, audit_record, audited
-from apps.fleet import addresses
+from apps.fleet import addresses, failures
 from apps.fleet.desired import node_desired
 from apps.fleet.haproxy import HAProxyError, Runtime
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
@@ -94,9 +95,10 @@ def deployment_set(
     pool: NodePool | None = None,
     node: Node | None = None,
     baseline: int | None = None,
+    baseline_until: datetime | None = None,
 ) -> Deployment:
     """Desire `model_name` at `version` on a pool (every node) or on one node, with `baseline`
-    kept READY beside it when given; idempotent."""
+    kept READY beside it when given (until `baseline_until`, when given); idempotent."""
     if (pool is None) == (node is None):
         raise FleetError("a deployment targets a pool or a node")
     authorize(actor, "fleet.operate_node", pool or node.pool)  # type: ignore[union-attr]
@@ -138,6 +140,7 @@ def deployment_set(
         defaults={
             "version": version,
             "baseline_version": baseline,
+            "baseline_until": baseline_until if baseline else None,
             "created_by": actor_name(actor),
             "request_id": REQUEST_ID.get(),
         },
@@ -230,6 +233,41 @@ def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor)
     return op
 
 
+@audited("operation.override", lambda operation_id, **_: f"operation:{operation_id}", (FleetError,))
+def operation_override(*, operation_id: int, reason: str, actor: Actor) -> Operation:
+    """Send a load the memory preflight refused, as it was planned, because a person says the
+    node has the room (say, a footprint measured while something else loaded)."""
+    refused = (
+        Operation.objects.select_related("node__pool")
+        .filter(pk=operation_id, failure=failures.MEMORY)
+        .first()
+    )
+    if refused is None:
+        raise FleetError(f"operation #{operation_id} was not refused for want of memory")
+    authorize(actor, "fleet.operate_node", refused.node.pool)
+    if not reason.strip():
+        raise FleetError("an override needs a reason, for the audit trail")
+    op = Operation.objects.create(
+        node=refused.node,
+        kind=refused.kind,
+        model_name=refused.model_name,
+        versions=refused.versions,
+        config=refused.config,
+        config_digest=refused.config_digest,
+        requested_by=actor_name(actor),
+        override=reason.strip(),
+    )
+    audit_record(
+        actor=actor,
+        action="operation.override",
+        target=f"node:{refused.node.name}:{refused.model_name}",
+        after={"refused": operation_id, "operation": op.pk, "versions": op.versions},
+        message=reason.strip(),
+    )
+    transaction.on_commit(lambda: enqueue_run(refused.node_id))
+    return op
+
+
 def _release_switch(*, pool: NodePool, model: Model, version: int | None, actor: Actor) -> None:
     """End the pool's current release of `model` and, unless it is being removed, start one."""
     now = timezone.now()
@@ -277,6 +315,37 @@ def pool_set_queue(*, pool_name: str, queue: str, actor: Actor) -> NodePool:
 def pool_set_protected(*, pool_name: str, protected: bool, actor: Actor) -> NodePool:
     """A protected pool's deployments, promotions and rollbacks need two people."""
     return _pool_set(pool_name, "pool.set_protected", {"protected": protected}, actor)
+
+
+@audited("node.set_memory", lambda node_name, **_: f"node:{node_name}", (FleetError,))
+def node_set_memory(*, node_name: str, limit_mb: int | None, actor: Actor) -> Node:
+    """The memory models may take on the node (None: no limit). Set, every load there is
+    checked against it first and its footprint measured (apps/fleet/memory.py)."""
+    node = Node.objects.select_for_update().filter(name=node_name).first()
+    if node is None:
+        raise FleetError(f"no node {node_name!r}")
+    if limit_mb is not None and limit_mb < 1:
+        raise FleetError(f"node {node_name}: a memory limit of {limit_mb} MiB is not one")
+    if node.memory_limit_mb != limit_mb:
+        audit_record(
+            actor=actor,
+            action="node.set_memory",
+            target=f"node:{node_name}",
+            before={"memory_limit_mb": node.memory_limit_mb},
+            after={"memory_limit_mb": limit_mb},
+        )
+        node.memory_limit_mb = limit_mb
+        node.save(update_fields=["memory_limit_mb"])
+    return node
+
+
+@audited("pool.set_rollback_window", lambda pool_name, **_: f"pool:{pool_name}", (FleetError,))
+def pool_set_rollback_window(*, pool_name: str, seconds: int, actor: Actor) -> NodePool:
+    """How long, after a promotion, the release before stays loaded beside the new one (0:
+    not at all): a rollback inside the window only narrows the version policy."""
+    if seconds < 0:
+        raise FleetError(f"pool {pool_name}: a rollback window of {seconds} s is not one")
+    return _pool_set(pool_name, "pool.set_rollback_window", {"rollback_window_s": seconds}, actor)
 
 
 BACKEND_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,100}")

@@ -10,7 +10,13 @@ from celery import Task, shared_task
 from django.utils import timezone
 
 from apps.fleet.models import Heartbeat, Node, NodePool
-from apps.fleet.operations import NodeBusy, Wanted, node_reconcile, node_run
+from apps.fleet.operations import (
+    NodeBusy,
+    Wanted,
+    node_reconcile,
+    node_run,
+    rollback_windows_close,
+)
 from apps.fleet.polling import node_poll
 from apps.fleet.routing import PoolAtCapacity, pool_sync
 from apps.fleet.triton import TritonUnreachable
@@ -53,7 +59,9 @@ def poll_node(node_id: int) -> None:
 @shared_task(name="fleet.reconcile_all", acks_late=True, expires=30)
 def reconcile_all() -> None:
     """Level-triggered: every node, every period; a lost message is healed by the next one.
-    Pools with a traffic strategy get their balancer's weights checked, once per pool."""
+    Pools with a traffic strategy get their balancer's weights checked, once per pool; rollback
+    windows that have passed close first."""
+    rollback_windows_close()
     send_per_node(reconcile_node)
     for pool_id, queue in NodePool.objects.exclude(traffic="").values_list("id", "queue"):
         send_to(queue, sync_traffic, pool_id)

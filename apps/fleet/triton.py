@@ -175,6 +175,15 @@ def parse_gpu_memory(metrics_text: str) -> list[dict[str, Any]]:
     return list(gpus.values())
 
 
+_CPU_METRIC = re.compile(r"^nv_cpu_memory_(used)_bytes(?:\{[^}]*\})?\s+(?P<value>\S+)", re.M)
+
+
+def parse_cpu_memory_used(metrics_text: str) -> float | None:
+    """The host memory in use (bytes) from Triton's /metrics text; None if it is not there."""
+    found = _CPU_METRIC.search(metrics_text)
+    return float(found["value"]) if found else None
+
+
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
     """A node's answer never sends us elsewhere: a redirect is an error, not a new address."""
 

@@ -1,5 +1,6 @@
 from urllib.parse import urlencode
 
+from django.conf import settings
 from django.contrib import messages
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
@@ -10,8 +11,9 @@ from django.views.decorators.http import require_POST
 
 from apps.accounts.permissions import current_user, require
 from apps.audit.models import AuditEvent
-from apps.fleet.desired import DesiredStateError
-from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.desired import DesiredStateError, fleet_desired
+from apps.fleet.memory import capacity
+from apps.fleet.models import Deployment, Footprint, Node, NodePool, Operation
 from apps.fleet.selectors import (
     NodeFilters,
     failing_operations,
@@ -25,6 +27,7 @@ from apps.fleet.services import (
     deployment_remove,
     deployment_set,
     node_adopt,
+    operation_override,
     operation_request,
 )
 from apps.registry.models import ModelVersion
@@ -55,6 +58,20 @@ def serving(request: HttpRequest) -> HttpResponse:
         if number in node.ready_versions.get(model, [])
     ]
     return render(request, "fleet/partials/serving.html", {"nodes": found})
+
+
+def footprints(request: HttpRequest) -> HttpResponse:
+    """The memory `model` at `version` was measured to take, per kind of device, and its
+    declared estimate (a fragment for the version page)."""
+    model, version = request.GET.get("model", ""), request.GET.get("version", "")
+    number = int(version) if version.isascii() and version.isdecimal() else 0
+    context = {
+        "footprints": Footprint.objects.filter(model_name=model, version=number),
+        "declared": ModelVersion.objects.filter(model__name=model, version=number)
+        .values_list("memory_mb", flat=True)
+        .first(),
+    }
+    return render(request, "fleet/partials/footprints.html", context)
 
 
 NODES_PER_PAGE = 50
@@ -142,6 +159,14 @@ def node_operate(request: HttpRequest, name: str) -> HttpResponse:
         if kind == "adopt":
             node_adopt(node_id=node.pk, model_name=model, actor=actor)
             done = f"{model} on {name} is managed now: it unloads unless a deployment names it."
+        elif kind == "override":
+            number = request.POST.get("operation", "")
+            operation_override(
+                operation_id=int(number) if number.isdecimal() else 0,
+                reason=request.POST.get("reason", ""),
+                actor=actor,
+            )
+            done = f"{model} on {name}: sent anyway, as you asked."
         elif kind in (Operation.Kind.RELOAD, Operation.Kind.UNLOAD):
             operation_request(node_id=node.pk, kind=kind, model_name=model, actor=actor)
             done = f"{kind.capitalize()} of {model} on {name} queued."
@@ -170,6 +195,27 @@ def deployments(request: HttpRequest) -> HttpResponse:
     # The options are rendered once, not once per pool: hundreds of versions, ten pools.
     context = {"page": page, "pools": pool_views(page), "release_options": _release_options()}
     return render(request, "fleet/deployments.html", context)
+
+
+CAPACITY_PER_PAGE = 50
+
+
+def pool_capacity(request: HttpRequest, pool: str) -> HttpResponse:
+    """A pool's memory, node by node, a page at a time: what each has free, what its desired
+    state reserves, and whether what it still has to load fits."""
+    found = get_object_or_404(NodePool, name=pool)
+    page = Paginator(found.nodes.order_by("name"), CAPACITY_PER_PAGE).get_page(
+        request.GET.get("page")
+    )
+    rows = capacity(list(page), fleet_desired(pool_ids=[found.pk]))
+    context = {
+        "pool": found,
+        "page": page,
+        "rows": rows,
+        "short": [row for row in rows if not row.fits],
+        "headroom": f"{settings.FLEET_MEMORY_HEADROOM:.0%}",
+    }
+    return render(request, "fleet/capacity.html", context)
 
 
 @require_POST

@@ -61,6 +61,11 @@ class ModelVersion(models.Model):
 
     model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="versions")
     version = models.PositiveIntegerField()
+    memory_mb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="declared memory estimate (MiB), used until a footprint is measured",
+    )
     config = models.JSONField(help_text="canonical ModelConfig, as Triton's JSON")
     artifact = models.CharField(
         max_length=500,

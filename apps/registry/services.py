@@ -213,6 +213,32 @@ def model_set_slo(
     return _model_set(model, values, "registry.slo_set", actor)
 
 
+@audited("registry.memory_set", _model_target, (RegistryError,))
+def version_set_memory(
+    *, model_name: str, version: int, memory_mb: int | None, actor: Actor
+) -> ModelVersion:
+    """A version's declared memory estimate, which memory-aware loads use until its footprint
+    is measured (None: none)."""
+    found = ModelVersion.objects.select_for_update().filter(model__name=model_name, version=version)
+    row = found.first()
+    if row is None:
+        raise RegistryError([Problem("error", model_name, "version", f"no v{version}")])
+    if memory_mb is not None and memory_mb < 1:
+        raise RegistryError(
+            [Problem("error", model_name, "memory_mb", f"{memory_mb} MiB is not an estimate")]
+        )
+    audit_record(
+        actor=actor,
+        action="registry.memory_set",
+        target=f"model:{model_name}:v{version}",
+        before={"memory_mb": row.memory_mb},
+        after={"memory_mb": memory_mb},
+    )
+    row.memory_mb = memory_mb
+    row.save(update_fields=["memory_mb"])
+    return row
+
+
 def _model_locked(name: str) -> Model:
     model = Model.objects.select_for_update().filter(name=name).first()
     if model is None:

@@ -9,7 +9,7 @@ may be killed at any point and the next tick carries on without repeating a step
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.contrib.auth.models import User
 from django.db import transaction
@@ -370,30 +370,41 @@ def changed_steps(member: Member) -> list[ChangedStep]:
 
 
 def _promote(rollout: Rollout) -> None:
-    """The pool moves to the canary, canary nodes drop their own deployments and narrow; done when
-    every node is read back serving the canary alone (of every model released together)."""
+    """The pool moves to the canary, canary nodes drop their own deployments; done when every
+    node is read back serving the canary (of every model released together) and, for the pool's
+    rollback window, the baseline beside it, loaded but not served: an unversioned request goes
+    to the highest version, and a rollback inside the window only narrows."""
     released = members(rollout)
-    deployed = dict(
-        Deployment.objects.filter(
+    deployed = {
+        name: (version, kept)
+        for name, version, kept in Deployment.objects.filter(
             model__in=[m.model for m in released], pool=rollout.pool
-        ).values_list("model__name", "version")
-    )
-    moving = [m for m in released if deployed.get(m.model.name) != m.canary]
+        ).values_list("model__name", "version", "baseline_version")
+    }
+    moving = [m for m in released if deployed.get(m.model.name, (None,))[0] != m.canary]
     if moving:
+        window = rollout.pool.rollback_window_s
+        until = timezone.now() + timedelta(seconds=window)
         try:
             for member in moving:  # in dependency order
+                keep = window and len(member.versions) == 2
                 deployment_set(
                     model_name=member.model.name,
                     version=member.canary,
                     pool=rollout.pool,
                     actor=ACTOR,
+                    baseline=member.baseline if keep else None,
+                    baseline_until=until if keep else None,
                 )
         except FleetError as exc:
             return transition(rollout, State.FAILED, f"promotion failed: {exc}")
         for member in moving:
             drop_node_deployments(member.model, rollout.pool, ACTOR)
         return None
-    if _all_serve(rollout, {m.model.name: m.canary for m in released}) is not None:
+    serving = {
+        name: {version} | ({kept} if kept else set()) for name, (version, kept) in deployed.items()
+    }
+    if _all_serve(rollout, serving) is not None:
         weights_reset(rollout.pool, ACTOR)
         return transition(rollout, State.SUCCEEDED)
     return None
@@ -408,7 +419,7 @@ def _aborting(rollout: Rollout) -> None:
             model__in=[m.model for m in released], pool=rollout.pool
         ).values_list("model__name", "version")
     )
-    targets = {m.model.name: deployed.get(m.model.name, m.baseline) for m in released}
+    targets = {m.model.name: {deployed.get(m.model.name, m.baseline)} for m in released}
     done_at = _all_serve(rollout, targets, timed=rollout.canary_nodes)
     if done_at is not None:
         rollout.rolled_back_at = done_at
@@ -417,14 +428,14 @@ def _aborting(rollout: Rollout) -> None:
 
 
 def _all_serve(
-    rollout: Rollout, versions: dict[str, int], timed: list[str] | None = None
+    rollout: Rollout, versions: dict[str, set[int]], timed: list[str] | None = None
 ) -> datetime | None:
-    """None while a node of the pool is not read back serving each model's version in
-    `versions` alone; then since when all of them (or all `timed` nodes) do."""
+    """None while a node of the pool is not read back serving exactly each model's `versions`;
+    then since when all of them (or all `timed` nodes) do."""
     nodes = _nodes(rollout)
     found = observed_many(nodes, list(versions))
     if not nodes or any(
-        found[(n.pk, name)][0] != {version} for n in nodes for name, version in versions.items()
+        found[(n.pk, name)][0] != wanted for n in nodes for name, wanted in versions.items()
     ):
         return None
     since = [

@@ -10,6 +10,8 @@ from django.db import IntegrityError, transaction
 
 from apps.accounts.permissions import authorize, second_person
 from apps.audit.services import actor_name, audit_record, audited
+from apps.fleet.desired import fleet_desired
+from apps.fleet.memory import shortfalls
 from apps.fleet.models import Deployment, NodePool, Release
 from apps.fleet.services import FleetError, deployment_set
 from apps.registry.codec import from_dict
@@ -40,6 +42,7 @@ class Proposal:
     preview: list[PreviewStep]
     template: AnalysisTemplate | None = None
     lockstep: list[dict[str, Any]] = field(default_factory=list)  # as Rollout.lockstep
+    memory: list[str] = field(default_factory=list)  # nodes where it would not fit, and why
 
 
 @audited(
@@ -154,6 +157,14 @@ def rollout_propose(
             "on, or give the step in nodes"
         )
     chosen = _template(template, model, pool) if template else None
+    releases = [(model_name, canary_version, baseline)]
+    releases += [(m["model"], m["canary"], m["baseline"]) for m in together]
+    # Each node as a canary node would be, the baseline beside the canary: the widest step.
+    change = {
+        name: (canary, baseline if canary > baseline else None, f"{name} v{canary}, a canary")
+        for name, canary, baseline in releases
+    }
+    short = shortfalls(list(pool.nodes.all()), fleet_desired(pool_ids=[pool.pk]), change)
     return Proposal(
         model=model,
         pool=pool,
@@ -165,6 +176,7 @@ def rollout_propose(
         preview=rows,
         template=chosen,
         lockstep=together,
+        memory=short,
     )
 
 

@@ -1,7 +1,8 @@
 """Shared code of the demo RAG models: real (small) text computation plus drill knobs.
 
 Each model version's `model.py` names one class from here; all subclass `StepModel`, which reads
-the `delay_ms` and `error_rate` config parameters so drills can slow a model down or make it fail.
+the `delay_ms` and `error_rate` config parameters so drills can slow a model down or make it fail,
+and `alloc_mb`, memory it holds while loaded (a footprint for memory-aware loads to measure).
 """
 
 import hashlib
@@ -98,6 +99,8 @@ class StepModel:
         parameters = config.get("parameters", {})
         self.delay_s = float(parameters.get("delay_ms", {}).get("string_value", "0")) / 1000
         self.error_rate = float(parameters.get("error_rate", {}).get("string_value", "0"))
+        held = float(parameters.get("alloc_mb", {}).get("string_value", "0"))
+        self.ballast = np.ones(int(held * 2**20), dtype=np.uint8)  # written: really resident
 
     def execute(self, requests: list) -> list:
         import triton_python_backend_utils as pb_utils  # only importable inside Triton's stub

@@ -4,7 +4,10 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
-from apps.fleet.models import Node
+from apps.fleet.desired import fleet_desired
+from apps.fleet.memory import capacity
+from apps.fleet.models import Footprint, Node, NodePool
+from apps.registry.models import ModelVersion
 from apps.rollouts.seed import Size, seed_fleet
 from tests.support.browser import screenshot, sign_in
 from tests.support.users import make_user
@@ -65,3 +68,28 @@ def test_an_operator_adopts_a_model_someone_else_loaded(page: Page, live_server:
     expect(page.locator("#model-hand-loaded")).not_to_contain_text("unmanaged")
     expect(page.locator("#model-hand-loaded").get_by_role("button", name="Unload")).to_be_visible()
     assert "hand-loaded" in Node.objects.get(pk=node.pk).owned
+
+
+def test_a_pools_capacity_page_warns_of_what_will_not_fit(page: Page, live_server: object) -> None:
+    seed_fleet(size=Size(nodes=60, pools=1, models=5, versions=2, operations=5, events=5))
+    versions = ModelVersion.objects.values_list("model__name", "version")
+    Footprint.objects.bulk_create(
+        Footprint(model_name=m, version=v, device="cpu", mb=100 + v, samples=2) for m, v in versions
+    )
+    Node.objects.update(memory_limit_mb=100_000)
+    pool = NodePool.objects.get()
+    rows = capacity(list(pool.nodes.order_by("name")), fleet_desired(pool_ids=[pool.pk]))
+    tight = next(row for row in rows if row.pending)  # a drifting node, a version still to load
+    taken = sum(mb for _, mb in tight.room.taken)
+    Node.objects.filter(pk=tight.node.pk).update(memory_limit_mb=round(taken) + 10)
+    sign_in(page, str(live_server), make_user(Role.VIEWER).username)
+    page.goto(f"{live_server}/deployments/")
+    page.locator(f"#pool-{pool.name}").get_by_role("link", name="memory").click()
+    expect(page.get_by_role("heading", name=f"Memory of pool {pool.name}")).to_be_visible()
+    expect(page.locator("#short")).to_contain_text(f"{tight.node.name} needs")
+    expect(page.locator("#capacity tbody tr")).to_have_count(50)
+    expect(page.locator(f"#capacity-{tight.node.name}")).to_contain_text("does not fit")
+    screenshot(page, "pool-capacity")
+    page.get_by_role("link", name="Next").click()
+    expect(page.locator("#capacity tbody tr")).to_have_count(10)
+    assert not page.console_errors  # type: ignore[attr-defined]

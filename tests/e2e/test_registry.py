@@ -5,6 +5,7 @@ from django.core.management import call_command
 from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
+from apps.fleet.models import Footprint
 from apps.registry.imports import repository_import
 from tests.support.browser import screenshot, sign_in
 from tests.support.users import make_user
@@ -48,6 +49,20 @@ def test_the_ensemble_is_drawn_as_a_graph(page: Page, signed_in: str) -> None:
     expect(graph.locator("text.edge-label", has_text="candidates")).to_have_count(1)
     expect(page.locator("#problems")).to_contain_text("Valid")
     screenshot(page, "registry-version")
+
+
+def test_a_version_page_shows_its_measured_footprint(page: Page, signed_in: str) -> None:
+    Footprint.objects.create(model_name="generator", version=1, device="cpu", mb=118.4, samples=3)
+    call_command("set_memory", "--model-version", "generator:1", "--mb", "150")
+    page.goto(f"{signed_in}/models/generator/v1/")
+    memory = page.locator("#footprints")
+    expect(memory.locator("tbody tr")).to_have_count(1)
+    expect(memory.locator("tbody tr")).to_contain_text("CPU118 MiB3")
+    expect(page.get_by_text("Declared estimate: 150 MiB")).to_be_visible()
+    screenshot(page, "registry-version-memory")
+    page.goto(f"{signed_in}/models/generator/v2/")
+    expect(page.locator("#footprints")).to_contain_text("Not measured yet")
+    assert page.console_errors == []  # type: ignore[attr-defined]
 
 
 def test_two_versions_side_by_side(page: Page, signed_in: str) -> None:

@@ -17,7 +17,7 @@ from apps.audit.models import AuditEvent
 from apps.fleet.devfleet import Devfleet, FleetState
 from apps.fleet.models import NodePool
 from apps.fleet.services import node_register
-from tests.support.fleet import ANALYSIS, STEPS_V2, converged, traffic_to, wait_for
+from tests.support.fleet import ANALYSIS, STEPS_V1, STEPS_V2, converged, traffic_to, wait_for
 from tests.support.services import Celery
 from tests.support.users import make_user
 
@@ -98,8 +98,11 @@ def test_a_pipeline_releases_v2_through_the_api_only(
         )
     assert final["state"] == "succeeded", final["reason"]
     assert {m["verdict"] for m in final["measurements"]} >= {"success"}
-    wait_for("v2 is READY on every node", converged(NodePool.objects.get(name="trio"), STEPS_V2))
-    assert api("GET", f"/deployments/{deployment['id']}")["version"] == 2
+    # v1 stays loaded beside v2 for the pool's rollback window (the default, 15 minutes).
+    pool = NodePool.objects.get(name="trio")
+    wait_for("v2 is READY on every node", converged(pool, STEPS_V1 | STEPS_V2))
+    promoted = api("GET", f"/deployments/{deployment['id']}")
+    assert (promoted["version"], promoted["baseline_version"]) == (2, 1)
     # Every change is in the trail under the token's owner.
     mine = set(
         AuditEvent.objects.filter(actor="release_manager-user").values_list("action", flat=True)

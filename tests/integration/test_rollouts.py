@@ -242,6 +242,23 @@ def test_a_lockstep_release_rolls_back_both_models_when_one_fails(
         assert f"<strong>deployment.set</strong> node:{canary.name}:{model}" in page
 
 
+def test_after_a_promotion_the_release_before_stays_loaded_and_a_rollback_only_narrows(
+    serving_v1: NodePool, traffic: None
+) -> None:
+    NodePool.objects.filter(pk=serving_v1.pk).update(rollback_window_s=300)
+    rollout = start(serving_v1, 2, "1 node, hold 5s\n100%", **HEALTHY)
+    rollout = until_state(rollout, State.SUCCEEDED, State.PAUSED, State.ROLLED_BACK)
+    assert rollout.state == State.SUCCEEDED, rollout.reason
+    # v1 loaded, not served: unversioned requests go to the highest version, v2.
+    wait_for("v1 kept beside v2", converged(serving_v1, STEPS_V1 | STEPS_V2), timeout=60)
+    clicked = timezone.now()
+    assert release_rollback(model_name="rag_pipeline", pool_name="trio", actor="oncall") == 1
+    wait_for("v1 alone everywhere", converged(serving_v1, STEPS_V1), timeout=60)
+    after = Operation.objects.filter(node__pool=serving_v1, created_at__gte=clicked)
+    assert after.exists()
+    assert all(op.kind == "load" and op.versions == [1] for op in after)  # narrowing only
+
+
 def test_without_traffic_a_rollout_pauses_as_inconclusive(serving_v1: NodePool) -> None:
     rollout = start(serving_v1, 2, "1 node, hold 3s\n100%")
     rollout = until_state(rollout, State.PAUSED, State.SUCCEEDED, State.ROLLED_BACK)

@@ -159,6 +159,9 @@ def pool(trio: tuple[Devfleet, FleetState], repository: Path, celery: Celery) ->
         node_register(name=proc.name, pool="trio", actor="system:test", **state.node_urls(proc))
     results = repository_import(path=repository, actor="system:test")
     assert all(r.ok for r in results)
+    # No rollback window: a promoted release serves alone at once, as these tests expect (the
+    # window has its own tests).
+    NodePool.objects.filter(name="trio").update(rollback_window_s=0)
     return NodePool.objects.get(name="trio")
 
 

@@ -19,7 +19,7 @@ from apps.accounts.permissions import ApprovalRequired
 from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
 from apps.fleet import services as fleet
-from apps.fleet.models import Deployment, Node, NodePool
+from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.registry import imports
 from apps.registry import services as registry
 from apps.registry.models import Model, ModelVersion
@@ -186,6 +186,10 @@ FLEET_REGISTRY_SERVICES = {
     imports.candidates_import,
     fleet.pool_set_protected,
     fleet.pool_set_traffic,
+    fleet.node_set_memory,
+    fleet.operation_override,
+    fleet.pool_set_rollback_window,
+    registry.version_set_memory,
     approvals.approval_request,
     approvals.approval_approve,
 }
@@ -342,6 +346,40 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
     bob = accounts.user_ensure(username="bob", password="pw", role=Role.RELEASE_MANAGER)
     change = {"pool": "gpu", "model": "rag", "version": 2, "baseline": None}
     cases += [
+        Case(
+            fleet.node_set_memory,
+            "node.set_memory",
+            lambda: fleet.node_set_memory(node_name="nope", limit_mb=1024, actor="ops"),
+            lambda: fleet.node_set_memory(node_name="gpu-1", limit_mb=1024, actor="ops"),
+        ),
+        Case(
+            fleet.operation_override,
+            "operation.override",
+            lambda: fleet.operation_override(operation_id=0, reason="fits", actor="ops"),
+            lambda: fleet.operation_override(
+                operation_id=Operation.objects.create(
+                    node=node, kind="load", model_name="rag", failure="memory", requested_by="x"
+                ).pk,
+                reason="fits",
+                actor="ops",
+            ),
+        ),
+        Case(
+            fleet.pool_set_rollback_window,
+            "pool.set_rollback_window",
+            lambda: fleet.pool_set_rollback_window(pool_name="gpu", seconds=-1, actor="ops"),
+            lambda: fleet.pool_set_rollback_window(pool_name="gpu", seconds=60, actor="ops"),
+        ),
+        Case(
+            registry.version_set_memory,
+            "registry.memory_set",
+            lambda: registry.version_set_memory(
+                model_name="rag", version=9, memory_mb=512, actor="ops"
+            ),
+            lambda: registry.version_set_memory(
+                model_name="rag", version=2, memory_mb=512, actor="ops"
+            ),
+        ),
         Case(
             fleet.pool_set_protected,
             "pool.set_protected",

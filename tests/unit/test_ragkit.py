@@ -55,9 +55,14 @@ def test_embeddings_are_unit_vectors_of_fixed_size() -> None:
 
 def test_drill_parameters_come_from_the_model_config() -> None:
     model = ragkit.GeneratorV1()
-    parameters = {"delay_ms": {"string_value": "250"}, "error_rate": {"string_value": "0.5"}}
+    parameters = {
+        "delay_ms": {"string_value": "250"},
+        "error_rate": {"string_value": "0.5"},
+        "alloc_mb": {"string_value": "2"},
+    }
     model.initialize({"model_config": json.dumps({"parameters": parameters})})
     assert (model.delay_s, model.error_rate) == (0.25, 0.5)
+    assert model.ballast.nbytes == 2 * 2**20 and model.ballast.all()  # written, so resident
 
 
 def test_candidates_survive_the_string_tensor_encoding() -> None:

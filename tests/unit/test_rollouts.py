@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.core.management import call_command
 from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 from django.test import Client
@@ -223,11 +224,52 @@ def test_a_good_canary_goes_step_by_step_to_the_whole_pool(fleet: Fleet) -> None
     rollout = tick(rollout)
     assert Deployment.objects.get(pool__name="gpu").version == 2
     assert not Deployment.objects.filter(node__isnull=False).exists()
-    assert tick(rollout).state == State.PROMOTING  # until every node is read back on v2 alone
+    fleet.served["gpu-3"] = {2}  # not yet what the pool's deployment asks
+    assert tick(rollout).state == State.PROMOTING  # until every node is read back on it
     fleet.converge()
     rollout = tick(rollout)
     assert rollout.state == State.SUCCEEDED and rollout.finished_at
-    assert fleet.served == {"gpu-1": {2}, "gpu-2": {2}, "gpu-3": {2}}
+    # For the pool's rollback window, v1 stays loaded beside v2 (unversioned requests go to v2).
+    assert fleet.served == {"gpu-1": {1, 2}, "gpu-2": {1, 2}, "gpu-3": {1, 2}}
+    kept = Deployment.objects.get(pool__name="gpu")
+    assert (kept.version, kept.baseline_version) == (2, 1)
+    assert kept.baseline_until is not None
+    window = (kept.baseline_until - timezone.now()).total_seconds()
+    assert 890 < window <= 900
+
+
+def test_the_rollback_window_closes_and_a_rollback_inside_it_only_narrows(fleet: Fleet) -> None:
+    from apps.fleet.operations import rollback_windows_close
+
+    rollout = tick(start())
+    for _ in range(6):  # converge, measure and hold each step, promote
+        fleet.converge()
+        rollout = tick(rollout)
+    assert rollout.state == State.SUCCEEDED, rollout.state
+    assert release_rollback(model_name="rag", pool_name="gpu", actor="oncall") == 1
+    pool = Deployment.objects.get(pool__name="gpu")
+    assert (pool.version, pool.baseline_version, pool.baseline_until) == (1, None, None)
+    fleet.converge()
+    assert fleet.served["gpu-1"] == {1}  # v1 was there all along: the load only narrows
+    deployment_set(
+        model_name="rag",
+        version=2,
+        pool=fleet.pool,
+        baseline=1,
+        baseline_until=timezone.now() - timedelta(seconds=1),
+        actor="ops",
+    )
+    assert rollback_windows_close() == 1 and rollback_windows_close() == 0
+    pool = Deployment.objects.get(pool__name="gpu")
+    assert (pool.version, pool.baseline_version, pool.baseline_until) == (2, None, None)
+    closed = AuditEvent.objects.get(action="deployment.window_closed")
+    assert (closed.before, closed.after) == ({"version": 2, "baseline": 1}, {"version": 2})
+    call_command("set_rollback_window", "gpu", "0")
+    again = tick(start(canary=3))
+    for _ in range(6):
+        fleet.converge()
+        again = tick(again)
+    assert again.state == State.SUCCEEDED and fleet.served["gpu-1"] == {3}  # no window
 
 
 def test_a_failing_canary_rolls_back_by_itself(fleet: Fleet) -> None:
@@ -289,12 +331,12 @@ def test_a_lockstep_release_goes_to_the_same_nodes_and_promotes_as_one(
     assert metrics == {"requests", "p99", "embedder: requests", "embedder: p99"}
     fleet.converge()
     rollout = tick(tick(tick(rollout)))  # measured, held; promoting
-    assert set(
-        Deployment.objects.filter(pool=fleet.pool).values_list("model__name", "version")
-    ) == {
-        ("rag", 2),
-        ("embedder", 2),
+    pooled = Deployment.objects.filter(pool=fleet.pool)
+    assert set(pooled.values_list("model__name", "version", "baseline_version")) == {
+        ("rag", 2, 1),  # each with its baseline kept for the rollback window
+        ("embedder", 2, 1),
     }
+    fleet.served["gpu-2:embedder"] = {2}
     assert not node_deployments() and tick(rollout).state == State.PROMOTING
     fleet.converge()
     assert tick(rollout).state == State.SUCCEEDED
@@ -844,6 +886,23 @@ def test_the_form_and_the_api_start_a_lockstep_release(
     refused = client.post("/api/rollouts", body, content_type="application/json", headers=auth)
     assert refused.status_code == 409
     assert "no model 'nope'" in refused.json()["error"]["message"]
+
+
+def test_the_preview_warns_where_the_canary_would_not_fit_in_memory(
+    fleet: Fleet, client: Client, release_manager: User
+) -> None:
+    ModelVersion.objects.filter(model__name="rag", version=2).update(memory_mb=200)
+    assert (
+        rollout_propose(model_name="rag", pool_name="gpu", canary_version=2, plan=PLAN).memory == []
+    )
+    Node.objects.filter(name="gpu-2").update(memory_limit_mb=100)
+    proposal = rollout_propose(model_name="rag", pool_name="gpu", canary_version=2, plan=PLAN)
+    assert proposal.memory == [
+        "gpu-2 needs 220 MiB for rag v2 with headroom; the node's 100 MiB limit has 100 MiB free"
+    ]
+    client.force_login(release_manager)
+    preview = client.post("/rollouts/new/", {**FORM, "preview": ""}).content.decode()
+    assert "Will not fit in memory" in preview and "<li>gpu-2 needs 220 MiB" in preview
 
 
 def test_a_percent_step_states_its_real_share_and_more_than_twice_it_needs_consent(

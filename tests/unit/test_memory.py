@@ -1,0 +1,199 @@
+"""Memory-aware loads: footprints (measured over declared), the room a node has, the refusal's
+words, break before make in the planner, and a measurement, with Triton's metrics stubbed at
+their module boundary."""
+
+from datetime import timedelta
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from apps.audit.models import AuditEvent
+from apps.fleet import memory
+from apps.fleet.models import Footprint, Node, NodePool
+from apps.fleet.planner import plan
+from apps.fleet.services import FleetError, node_set_memory
+from apps.registry.models import Model, ModelVersion
+from tests.unit.test_planner import MANAGED, desired, kinds, ready
+
+pytestmark = pytest.mark.django_db
+GIB = 2**30
+
+
+@pytest.fixture
+def node() -> Node:
+    model = Model.objects.create(name="step")
+    for number in (1, 2, 3):
+        ModelVersion.objects.create(model=model, version=number, config={"name": "step"})
+    Footprint.objects.create(model_name="step", version=1, device="cpu", mb=300, samples=2)
+    ModelVersion.objects.filter(version__in=[1, 2]).update(memory_mb=400)  # 1 is measured
+    pool = NodePool.objects.create(name="cpu")
+    return Node.objects.create(name="cpu-1", pool=pool, http_url="http://cpu-1:8000")
+
+
+def test_a_measured_footprint_wins_over_the_declared_estimate(node: Node) -> None:
+    found = memory.sizes({("step", 1), ("step", 2), ("step", 3)}, "cpu")
+    assert found == {("step", 1): (300.0, "measured, 2 loads"), ("step", 2): (400.0, "declared")}
+    assert memory.sizes({("step", 1)}, "gpu") == {("step", 1): (400.0, "declared")}
+
+
+def test_a_nodes_room_is_its_limit_less_what_it_serves(node: Node) -> None:
+    assert not memory.aware(node)
+    assert memory.room(node, {"step": {1}}).free_mb is None  # no limit: anything fits
+    node_set_memory(node_name="cpu-1", limit_mb=1000, actor="sre")
+    node.refresh_from_db()
+    assert memory.aware(node)
+    found = memory.room(node, {"step": {1}, "other": {1}})
+    assert (found.free_mb, found.where, found.taken) == (
+        700.0,
+        "the node's 1000 MiB limit",
+        [("step v1", 300.0)],
+    )
+    assert found.fits(600) and not found.fits(700)  # 10 % headroom
+    assert found.fits(700, freed=300)
+
+
+def test_a_gpu_nodes_room_is_its_emptiest_device_read_recently(node: Node) -> None:
+    node.gpus = [
+        {"uuid": "GPU-a", "total": 16 * GIB, "used": 15 * GIB},
+        {"uuid": "GPU-b", "total": 16 * GIB, "used": 4 * GIB},
+    ]
+    node.last_seen = timezone.now()
+    found = memory.room(node, {"step": {1}})
+    assert (found.free_mb, found.where) == (12 * 1024, "GPU GPU-b of 16384 MiB")
+    node.last_seen -= timedelta(minutes=5)
+    assert memory.room(node, {}).free_mb is None  # a stale reading decides nothing
+
+
+def test_a_refusal_says_what_is_needed_what_is_free_and_what_to_unload(node: Node) -> None:
+    node_set_memory(node_name="cpu-1", limit_mb=700, actor="sre")
+    node.refresh_from_db()
+    assert memory.refusal(node, "step", {2}, {"step": {1}}) == (
+        "does not fit, not sent: step v2 400 MiB (declared) needs 440 MiB with 10% headroom; "
+        "the node's 700 MiB limit has 400 MiB free; unloading step v1 (300 MiB) would free "
+        "the most"
+    )
+    assert memory.refusal(node, "step", {3}, {"step": {1}}) == ""  # unknown: let through
+    assert memory.refusal(node, "step", {2}, {}) == ""
+
+
+def test_a_step_that_fits_only_alone_is_unloaded_before_it_loads(node: Node) -> None:
+    want = {"pipe": desired("pipe", 2, ensemble=True), "step": desired("step", 2)}
+    seen = {"pipe": ready(1), "step": ready(1)}
+    tight = memory.Room(400, "test", {("step", 1): (300, ""), ("step", 2): (400, "")})
+    assert kinds(plan(want, seen, MANAGED, tight)) == [
+        ("unload", "step", ()),  # v2 beside v1 needs 440 of 400 free, v2 alone 440 of 700
+        ("load", "step", (2,)),
+        ("load", "pipe", (2,)),
+    ]
+    roomy = memory.Room(2000, "test", {("step", 1): (300, ""), ("step", 2): (400, "")})
+    assert kinds(plan(want, seen, MANAGED, roomy))[0] == ("load", "step", (1, 2))
+    hopeless = memory.Room(10, "test", {("step", 1): (300, ""), ("step", 2): (400, "")})
+    # Fits neither way: planned as usual, and refused with its numbers when it is sent.
+    assert kinds(plan(want, seen, MANAGED, hopeless))[0] == ("load", "step", (1, 2))
+
+
+def test_a_measurement_is_the_memory_taken_by_the_load_averaged(
+    node: Node, monkeypatch: pytest.MonkeyPatch, settings: object
+) -> None:
+    settings.FLEET_FOOTPRINT_SETTLE_S = 0  # type: ignore[attr-defined]
+    readings = iter([1300.0, 800.0, 1200.0])  # after each load
+    monkeypatch.setattr(memory, "used_mb", lambda node: next(readings))
+    assert memory.measuring(node, "step", 2)
+    memory.measure(node, "step", 2, before_mb=1000)
+    memory.measure(node, "step", 2, before_mb=1000)  # memory went down: says nothing
+    memory.measure(node, "step", 2, before_mb=1000)
+    found = Footprint.objects.get(model_name="step", version=2, device="cpu")
+    assert (found.mb, found.samples) == (250.0, 2)
+    Footprint.objects.filter(pk=found.pk).update(samples=3)
+    assert not memory.measuring(node, "step", 2)
+
+
+def test_the_memory_in_use_is_read_from_tritons_metrics(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = "# TYPE nv_cpu_memory_used_bytes gauge\nnv_cpu_memory_used_bytes 2147483648\n"
+    monkeypatch.setattr(memory, "read_metrics", lambda url, node: text)
+    assert memory.used_mb(node) == 2048
+    node.gpus = [{"uuid": "GPU-a", "total": GIB, "used": 0}]
+    text = (
+        'nv_gpu_memory_used_bytes{gpu_uuid="GPU-a"} 1073741824\n'
+        'nv_gpu_memory_used_bytes{gpu_uuid="GPU-b"} 1073741824\n'
+    )
+    assert memory.used_mb(node) == 2048  # both devices
+    monkeypatch.setattr(memory, "read_metrics", lambda url, node: "")
+    node.gpus = []
+    assert memory.used_mb(node) is None
+
+
+def test_limits_and_estimates_are_set_audited_and_checked(node: Node) -> None:
+    call_command("set_memory", "--node", "cpu-1", "--limit-mb", "2048")
+    call_command("set_memory", "--model-version", "step:3", "--mb", "512")
+    assert Node.objects.get(name="cpu-1").memory_limit_mb == 2048
+    assert ModelVersion.objects.get(version=3).memory_mb == 512
+    assert set(AuditEvent.objects.values_list("action", flat=True)) == {
+        "node.set_memory",
+        "registry.memory_set",
+    }
+    with pytest.raises(FleetError, match="no node 'nope'"):
+        node_set_memory(node_name="nope", limit_mb=1, actor="sre")
+    with pytest.raises(CommandError, match="expected MODEL:VERSION"):
+        call_command("set_memory", "--model-version", "step", "--mb", "5")
+    with pytest.raises(CommandError, match="give --node with --limit-mb"):
+        call_command("set_memory", "--node", "cpu-1")
+    call_command("set_memory", "--node", "cpu-1", "--limit-mb", "0")
+    assert Node.objects.get(name="cpu-1").memory_limit_mb is None
+
+
+def test_the_capacity_page_shows_each_nodes_room_and_what_will_not_fit(
+    node: Node, admin_client: object
+) -> None:
+    from apps.fleet.services import deployment_set
+
+    ModelVersion.objects.filter(model__name="step").update(status=ModelVersion.Status.RELEASED)
+    node_set_memory(node_name="cpu-1", limit_mb=600, actor="sre")
+    Node.objects.filter(pk=node.pk).update(
+        index=[{"model": "step", "version": "1", "state": "READY", "reason": ""}]
+    )
+    other = Node.objects.create(name="cpu-2", pool=node.pool, http_url="http://cpu-2:8000")
+    deployment_set(model_name="step", version=2, pool=node.pool, actor="ops")
+    page = admin_client.get("/pools/cpu/capacity/").content.decode()  # type: ignore[attr-defined]
+    # cpu-1: 600 less step v1's 300 measured; step v2 (400 declared, 440 with headroom) to load.
+    assert "Will not fit:</strong> cpu-1 needs 400 MiB for step v2, has 300 MiB free" in page
+    assert "step v1 (300 MiB)" in page and "the node&#x27;s 600 MiB limit" in page
+    assert f'id="capacity-{other.name}"' in page  # no limit: unknown room, anything fits
+    rows = page.split('id="capacity-')
+    assert "does not fit" in rows[1] and "fits" in rows[2] and "unknown" in rows[2]
+
+
+def test_a_refused_load_is_sent_anyway_when_an_operator_gives_a_reason(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from apps.fleet.models import Operation
+    from apps.fleet.operations import node_run
+    from apps.fleet.services import operation_override
+    from apps.fleet.triton import IndexEntry, TritonClient
+
+    sent: list[str] = []
+    monkeypatch.setattr(TritonClient, "load", lambda self, model, config_json: sent.append(model))
+    served: list[IndexEntry] = []
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: served)
+    monkeypatch.setattr(memory, "used_mb", lambda node: None)
+    node_set_memory(node_name="cpu-1", limit_mb=100, actor="sre")
+    Operation.objects.create(
+        node=node, kind="load", model_name="step", versions=[2], requested_by="ops"
+    )
+    node_run(node_id=node.pk)
+    refused = Operation.objects.get()
+    assert (refused.status, refused.failure, sent) == ("failed", "memory", [])
+    with pytest.raises(FleetError, match="needs a reason"):
+        operation_override(operation_id=refused.pk, reason=" ", actor="ops")
+    with pytest.raises(FleetError, match="was not refused for want of memory"):
+        operation_override(operation_id=refused.pk + 1, reason="x", actor="ops")
+    forced = operation_override(operation_id=refused.pk, reason="v1 is leaving", actor="ops")
+    served.append(IndexEntry("step", 2, "READY", ""))  # what Triton shows once it loaded
+    node_run(node_id=node.pk)
+    forced.refresh_from_db()
+    assert (forced.status, forced.override, sent) == ("succeeded", "v1 is leaving", ["step"])
+    event = AuditEvent.objects.get(action="operation.override", result="ok")
+    assert event.message == "v1 is leaving" and event.after["refused"] == refused.pk
