@@ -7,8 +7,6 @@ backend error; no answer in time) is tried again after 15 s, 30 s and 60 s, then
 import re
 from datetime import datetime, timedelta
 
-from django.utils import timezone
-
 MEMORY = "memory"  # refused before it was sent (apps/fleet/memory.py)
 OUT_OF_MEMORY = "out_of_memory"
 MISSING = "missing"
@@ -54,8 +52,3 @@ def retry_at(kind: str, tries: int, finished_at: datetime) -> datetime | None:
     if kind not in TRANSIENT or tries >= TRIES:
         return None
     return finished_at + timedelta(seconds=RETRY_BASE_S * 2 ** (tries - 1))
-
-
-def due(kind: str, tries: int, finished_at: datetime) -> bool:
-    at = retry_at(kind, tries, finished_at)
-    return at is not None and at <= timezone.now()

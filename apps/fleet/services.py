@@ -245,7 +245,8 @@ def operation_override(*, operation_id: int, reason: str, actor: Actor) -> Opera
     if refused is None:
         raise FleetError(f"operation #{operation_id} was not refused for want of memory")
     authorize(actor, "fleet.operate_node", refused.node.pool)
-    if not reason.strip():
+    reason = reason.strip()
+    if not reason:
         raise FleetError("an override needs a reason, for the audit trail")
     op = Operation.objects.create(
         node=refused.node,
@@ -255,14 +256,14 @@ def operation_override(*, operation_id: int, reason: str, actor: Actor) -> Opera
         config=refused.config,
         config_digest=refused.config_digest,
         requested_by=actor_name(actor),
-        override=reason.strip(),
+        override=reason,
     )
     audit_record(
         actor=actor,
         action="operation.override",
         target=f"node:{refused.node.name}:{refused.model_name}",
         after={"refused": operation_id, "operation": op.pk, "versions": op.versions},
-        message=reason.strip(),
+        message=reason,
     )
     transaction.on_commit(lambda: enqueue_run(refused.node_id))
     return op

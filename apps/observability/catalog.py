@@ -140,17 +140,14 @@ def canary_queries(*, model: str, pool: str, window_s: int) -> dict[str, str]:
     }
 
 
-def slo_queries(*, model: str, pool: str, window_s: int) -> dict[str, str]:
-    """Per node over the window: the requests that succeeded and failed, and each quantile of
-    Triton's request-duration summary averaged (us), by node and quantile."""
+def quantiles_query(*, model: str, pool: str, window_s: int) -> str:
+    """Each quantile of Triton's request-duration summary averaged over the window (us), by
+    node and quantile."""
     selector, window = _selector(model=model, pool=pool), f"{window_s}s"
-    counted = canary_queries(model=model, pool=pool, window_s=window_s)
-    return {
-        "ok": counted["ok"],
-        "failed": counted["failed"],
-        "quantiles": "max by (node, quantile) "
-        f"(avg_over_time(nv_inference_request_summary_us{{{selector}}}[{window}]))",
-    }
+    return (
+        "max by (node, quantile) "
+        f"(avg_over_time(nv_inference_request_summary_us{{{selector}}}[{window}]))"
+    )
 
 
 def step_mean_latency_query(*, step: str, pool: str, window_s: int) -> str:

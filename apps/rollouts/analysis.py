@@ -19,8 +19,8 @@ from django.utils import timezone
 
 from apps.observability.catalog import (
     canary_queries,
+    quantiles_query,
     sample_queries,
-    slo_queries,
     step_mean_latency_query,
 )
 from apps.observability.prometheus import (
@@ -155,7 +155,7 @@ def measure(
             _judge(label, query, c, b if compare else None, limit, enough, " ms", compare)
         )
     if slo is not None:
-        results += _burn_rates(model, pool, canary_set, spec, slo, enough)
+        results += _burn_rates(model, pool, canary_set, spec, slo, enough, per_node)
     return results
 
 
@@ -241,17 +241,29 @@ def _sampled(model: str, pool: str, canary: set[str], spec: Analysis, enough: bo
 
 
 def _burn_rates(
-    model: str, pool: str, canary: set[str], spec: Analysis, slo: Objectives, enough: bool
+    model: str,
+    pool: str,
+    canary: set[str],
+    spec: Analysis,
+    slo: Objectives,
+    enough: bool,
+    counted: dict[str, dict[str, float]],
 ) -> list[Result]:
     """The SLO gate: each declared objective's burn rate on the canary nodes over the short
-    and the long window; beside it, for comparison, the other nodes' over the long one."""
+    and the long window; beside it, for comparison, the other nodes' over the long one. The long
+    window is the analysis window, whose requests by node `measure` has read (`counted`)."""
     windows = sorted({min(spec.slo_short_s, spec.window_s), spec.window_s})
     bad: dict[tuple[int, bool], dict[str, float | None]] = {}
     for window in windows:
-        text = slo_queries(model=model, pool=pool, window_s=window)
-        ok, failed = _by("node", text["ok"]), _by("node", text["failed"])
+        if window == spec.window_s:
+            ok, failed = counted["ok"], counted["failed"]
+        else:
+            text = canary_queries(model=model, pool=pool, window_s=window)
+            ok, failed = _by("node", text["ok"]), _by("node", text["failed"])
         quantiles: dict[str, dict[float, float]] = {}
-        for labels, value in instant_query(text["quantiles"]):
+        for labels, value in instant_query(
+            quantiles_query(model=model, pool=pool, window_s=window)
+        ):
             if "node" in labels and "quantile" in labels:
                 quantiles.setdefault(labels["node"], {})[float(labels["quantile"])] = value
         for side in (True, False):
@@ -262,10 +274,11 @@ def _burn_rates(
     long = windows[-1]
     what = " and ".join(f"{w} s" for w in windows)
     where = f"# canary nodes over {what}; the pool's other nodes over {long} s beside them"
-    text = slo_queries(model=model, pool=pool, window_s=long)
+    text = canary_queries(model=model, pool=pool, window_s=long)
     queries = {
         "availability": f"{text['failed']} / ({text['ok']} + {text['failed']})",
-        "latency": f"{text['quantiles']}\n# the share above {slo.budget_ms} ms, interpolated",
+        "latency": f"{quantiles_query(model=model, pool=pool, window_s=long)}\n"
+        f"# the share above {slo.budget_ms} ms, interpolated",
     }
     results = []
     for name, objective in [("availability", slo.availability), ("latency", slo.latency)]:

@@ -96,13 +96,16 @@ class Member:
     canary: int
 
     @property
-    def versions(self) -> tuple[int, ...]:
-        """What a canary node serves: the baseline stays beside the canary, so that rolling back
-        only narrows the version policy; unless the canary's number is lower, since an
-        unversioned request goes to the highest READY version."""
-        if self.canary > self.baseline:
-            return (self.baseline, self.canary)
-        return (self.canary,)
+    def beside(self) -> int | None:
+        """The baseline kept READY beside the canary, so that rolling back only narrows the
+        version policy; none when the canary's number is lower, since an unversioned request
+        goes to the highest READY version."""
+        return self.baseline if self.canary > self.baseline else None
+
+    @property
+    def versions(self) -> set[int]:
+        """What a canary node serves."""
+        return {self.canary} | ({self.beside} if self.beside else set())
 
 
 def members(rollout: Rollout) -> list[Member]:
@@ -158,8 +161,10 @@ def begin_abort(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
     read back everywhere."""
     if rollout.pool.traffic:  # no request reaches the canary from now on
         weights_set(rollout.pool, dict.fromkeys(rollout.canary_nodes, 0), actor_name(actor))
-    for member in reversed(members(rollout)):  # pipelines first, then what they pin
-        pool = Deployment.objects.filter(model=member.model, pool=rollout.pool).first()
+    released = members(rollout)
+    pooled = _pooled(rollout, released)
+    for member in reversed(released):  # pipelines first, then what they pin
+        pool = pooled.get(member.model.name)
         if pool is not None and pool.version == member.canary:
             deployment_set(
                 model_name=member.model.name,
@@ -245,14 +250,15 @@ def _apply_share(rollout: Rollout, canary: list[Node], nodes: list[Node]) -> Non
             deployment_set(
                 model_name=member.model.name,
                 version=member.canary,
-                baseline=member.versions[0] if len(member.versions) == 2 else None,
+                baseline=member.beside,
                 node=node,
                 actor=ACTOR,
             )
 
 
 def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: datetime) -> None:
-    wanted = {m.model.name: set(m.versions) for m in members(rollout)}
+    released = members(rollout)
+    wanted = {m.model.name: m.versions for m in released}
     readings = observed_many(canary, list(wanted))
     waiting = [
         n for n in canary if any(readings[(n.pk, name)][0] != v for name, v in wanted.items())
@@ -272,7 +278,7 @@ def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: dat
     assert rollout.step_started_at is not None
     if (now - rollout.step_started_at).total_seconds() > spec.converge_timeout_s:
         names = ", ".join(n.name for n in waiting)
-        what = ", ".join(f"{m.model.name} v{m.canary}" for m in members(rollout))
+        what = ", ".join(f"{m.model.name} v{m.canary}" for m in released)
         return pause(rollout, f"{what} not READY on {names} after {spec.converge_timeout_s} s")
     return None
 
@@ -375,25 +381,22 @@ def _promote(rollout: Rollout) -> None:
     rollback window, the baseline beside it, loaded but not served: an unversioned request goes
     to the highest version, and a rollback inside the window only narrows."""
     released = members(rollout)
-    deployed = {
-        name: (version, kept)
-        for name, version, kept in Deployment.objects.filter(
-            model__in=[m.model for m in released], pool=rollout.pool
-        ).values_list("model__name", "version", "baseline_version")
-    }
-    moving = [m for m in released if deployed.get(m.model.name, (None,))[0] != m.canary]
+    pooled = _pooled(rollout, released)
+    moving = [
+        m for m in released if (d := pooled.get(m.model.name)) is None or d.version != m.canary
+    ]
     if moving:
         window = rollout.pool.rollback_window_s
         until = timezone.now() + timedelta(seconds=window)
         try:
             for member in moving:  # in dependency order
-                keep = window and len(member.versions) == 2
+                keep = member.beside if window else None
                 deployment_set(
                     model_name=member.model.name,
                     version=member.canary,
                     pool=rollout.pool,
                     actor=ACTOR,
-                    baseline=member.baseline if keep else None,
+                    baseline=keep,
                     baseline_until=until if keep else None,
                 )
         except FleetError as exc:
@@ -402,7 +405,7 @@ def _promote(rollout: Rollout) -> None:
             drop_node_deployments(member.model, rollout.pool, ACTOR)
         return None
     serving = {
-        name: {version} | ({kept} if kept else set()) for name, (version, kept) in deployed.items()
+        name: {v for v in (d.version, d.baseline_version) if v} for name, d in pooled.items()
     }
     if _all_serve(rollout, serving) is not None:
         weights_reset(rollout.pool, ACTOR)
@@ -414,17 +417,22 @@ def _aborting(rollout: Rollout) -> None:
     released = members(rollout)
     for member in released:  # a step may have raced the abort
         drop_node_deployments(member.model, rollout.pool, ACTOR)
-    deployed = dict(
-        Deployment.objects.filter(
-            model__in=[m.model for m in released], pool=rollout.pool
-        ).values_list("model__name", "version")
-    )
-    targets = {m.model.name: {deployed.get(m.model.name, m.baseline)} for m in released}
+    pooled = _pooled(rollout, released)
+    targets = {
+        m.model.name: {d.version if (d := pooled.get(m.model.name)) else m.baseline}
+        for m in released
+    }
     done_at = _all_serve(rollout, targets, timed=rollout.canary_nodes)
     if done_at is not None:
         rollout.rolled_back_at = done_at
         weights_reset(rollout.pool, ACTOR)
         transition(rollout, State.ROLLED_BACK)
+
+
+def _pooled(rollout: Rollout, released: list[Member]) -> dict[str, Deployment]:
+    """The pool's own deployments of the models the rollout releases, by model name."""
+    found = Deployment.objects.filter(model__in=[m.model for m in released], pool=rollout.pool)
+    return {d.model.name: d for d in found.select_related("model")}
 
 
 def _all_serve(

@@ -130,16 +130,16 @@ def rollout_propose(
     pool = NodePool.objects.filter(name=pool_name).first()
     if pool is None:
         raise RolloutError(f"no pool {pool_name!r}")
-    nodes = list(pool.nodes.values_list("name", flat=True))
+    pool_nodes = list(pool.nodes.all())
+    nodes = [node.name for node in pool_nodes]
     if not nodes:
         raise RolloutError(f"pool {pool_name} has no nodes")
     model, baseline = _releasable(model_name, canary_version, pool)
-    together: list[dict[str, Any]] = []
+    releases = [controller.Member(model, baseline, canary_version)]
     for name, version in lockstep or []:
-        if name == model_name or any(m["model"] == name for m in together):
+        if any(m.model.name == name for m in releases):
             raise RolloutError(f"{name} is released twice in one rollout")
-        _, before = _releasable(name, version, pool)
-        together.append({"model": name, "baseline": before, "canary": version})
+        releases.append(controller.Member(*_releasable(name, version, pool), version))
     steps = parse_plan(plan)
     counts = [s.canary_count(len(nodes)) for s in steps]
     shrinking = next((i for i in range(1, len(counts)) if counts[i] < counts[i - 1]), None)
@@ -157,14 +157,12 @@ def rollout_propose(
             "on, or give the step in nodes"
         )
     chosen = _template(template, model, pool) if template else None
-    releases = [(model_name, canary_version, baseline)]
-    releases += [(m["model"], m["canary"], m["baseline"]) for m in together]
     # Each node as a canary node would be, the baseline beside the canary: the widest step.
     change = {
-        name: (canary, baseline if canary > baseline else None, f"{name} v{canary}, a canary")
-        for name, canary, baseline in releases
+        m.model.name: (m.canary, m.beside, f"{m.model.name} v{m.canary}, a canary")
+        for m in releases
     }
-    short = shortfalls(list(pool.nodes.all()), fleet_desired(pool_ids=[pool.pk]), change)
+    short = shortfalls(pool_nodes, fleet_desired(pool_ids=[pool.pk]), change)
     return Proposal(
         model=model,
         pool=pool,
@@ -175,7 +173,10 @@ def rollout_propose(
         analysis=Analysis.from_dict((chosen.analysis if chosen else {}) | (analysis or {})),
         preview=rows,
         template=chosen,
-        lockstep=together,
+        lockstep=[
+            {"model": m.model.name, "baseline": m.baseline, "canary": m.canary}
+            for m in releases[1:]
+        ],
         memory=short,
     )
 
