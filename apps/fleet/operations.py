@@ -410,14 +410,19 @@ def _memory_check(
     node: Node, client: TritonClient, op: Operation
 ) -> tuple[str, tuple[int, float] | None]:
     """Before a load on a memory-aware node: why it does not fit ("" if it does), and the
-    (version, memory in use now) to measure it by, when it adds one version still measured."""
+    (version, memory in use now) to measure it by, when it adds one version still measured and
+    nothing else changes meanwhile: it ends no version, and no unload is still under way (Triton
+    ends versions in the background, and their memory comes back during the measurement)."""
     ready: dict[str, set[int]] = {}
-    for entry in client.repository_index():
+    index = client.repository_index()
+    for entry in index:
         if entry.state == "READY" and entry.version is not None:
             ready.setdefault(entry.model, set()).add(entry.version)
     adding = set(op.versions) - ready.get(op.model_name, set())
     refused = memory.refusal(node, op.model_name, adding, ready)
-    if refused or len(adding) != 1:
+    ending = ready.get(op.model_name, set()) - set(op.versions)
+    unloading = any(entry.state == "UNLOADING" for entry in index)
+    if refused or len(adding) != 1 or ending or unloading:
         return refused, None
     (version,) = adding
     if not memory.measuring(node, op.model_name, version):

@@ -120,14 +120,16 @@ def weights_set(pool: NodePool, weights: dict[str, int], actor: str) -> None:
     recorded when they change (a rollout's step, abort or end)."""
     if not pool.traffic:
         return
-    before = dict(pool.nodes.filter(name__in=weights).values_list("name", "weight"))
-    changed = {name: w for name, w in weights.items() if before.get(name, w) != w}
-    if not changed:
-        return
-    for weight in set(changed.values()):
-        names = [name for name, w in changed.items() if w == weight]
-        pool.nodes.filter(name__in=names).update(weight=weight)
-    traffic_sync(pool.pk)
+    with transaction.atomic():
+        _lock(pool.pk)
+        before = dict(pool.nodes.filter(name__in=weights).values_list("name", "weight"))
+        changed = {name: w for name, w in weights.items() if before.get(name, w) != w}
+        if not changed:
+            return
+        for weight in set(changed.values()):
+            names = [name for name, w in changed.items() if w == weight]
+            pool.nodes.filter(name__in=names).update(weight=weight)
+        _sync(pool)
     audit_record(
         actor=actor,
         action="pool.weights",
@@ -144,30 +146,41 @@ def weights_reset(pool: NodePool, actor: str) -> None:
         weights_set(pool, dict.fromkeys(names, DEFAULT_WEIGHT), actor)
 
 
+def _lock(pool_id: int) -> NodePool:
+    """The pool's row, locked for the transaction: every change of its nodes' weights or drains
+    and the balancer's sync with it happen under this lock, together. A sync that ran between a
+    change and its own sync would take the change for drift."""
+    return NodePool.objects.select_for_update().get(pk=pool_id)
+
+
 def traffic_sync(pool_id: int) -> dict[str, int]:
     """The balancer made to agree with the pool's nodes, read back; returns what it changed
-    (node -> the weight it had). A drain whose worker is gone (no lease on the node) is over.
-    A balancer that does not answer is recorded on every node, for their pages, and the next
-    sync tries again."""
+    (node -> the weight it had)."""
     with transaction.atomic():
-        pool = NodePool.objects.select_for_update().get(pk=pool_id)
-        target = balancer(pool)
-        if target is None:
-            return {}
-        lapsed = Q(lease_until__isnull=True) | Q(lease_until__lt=timezone.now())
-        pool.nodes.filter(lapsed, draining=True).update(draining=False)
-        nodes = list(pool.nodes.all())
-        wanted = {node.name: node.wanted_weight for node in nodes}
-        try:
-            reading = target.sync(wanted)
-        except BalancerError as exc:
-            pool.nodes.update(traffic_error=str(exc))
-            log.warning("pool %s: %s", pool.name, exc)
-            return {}
-        for node in nodes:
-            now = (reading.served.get(node.name), reading.problems.get(node.name, ""))
-            if (node.served_weight, node.traffic_error) != now:
-                Node.objects.filter(pk=node.pk).update(served_weight=now[0], traffic_error=now[1])
+        return _sync(_lock(pool_id))
+
+
+def _sync(pool: NodePool) -> dict[str, int]:
+    """`traffic_sync`, the pool locked. A drain whose worker is gone (no lease on the node) is
+    over. A balancer that does not answer is recorded on every node, for their pages, and the
+    next sync tries again."""
+    target = balancer(pool)
+    if target is None:
+        return {}
+    lapsed = Q(lease_until__isnull=True) | Q(lease_until__lt=timezone.now())
+    pool.nodes.filter(lapsed, draining=True).update(draining=False)
+    nodes = list(pool.nodes.all())
+    wanted = {node.name: node.wanted_weight for node in nodes}
+    try:
+        reading = target.sync(wanted)
+    except BalancerError as exc:
+        pool.nodes.update(traffic_error=str(exc))
+        log.warning("pool %s: %s", pool.name, exc)
+        return {}
+    for node in nodes:
+        now = (reading.served.get(node.name), reading.problems.get(node.name, ""))
+        if (node.served_weight, node.traffic_error) != now:
+            Node.objects.filter(pk=node.pk).update(served_weight=now[0], traffic_error=now[1])
     return reading.changed
 
 
@@ -200,7 +213,7 @@ def drained(node: Node) -> Iterator[None]:
         yield
         return
     with transaction.atomic():
-        NodePool.objects.select_for_update().get(pk=pool.pk)
+        _lock(pool.pk)
         weight = Node.objects.values_list("weight", flat=True).get(pk=node.pk)
         serving = pool.nodes.exclude(pk=node.pk).filter(
             health=Node.Health.READY, draining=False, weight__gt=0
@@ -209,18 +222,20 @@ def drained(node: Node) -> Iterator[None]:
         refused = weight and count < pool.min_serving  # at weight 0 it serves nobody already
         if not refused:
             Node.objects.filter(pk=node.pk).update(draining=True)
+            _sync(pool)
     if refused:
         why = f"pool {pool.name} keeps {pool.min_serving} nodes serving and {count} other"
         why += f"{' does' if count == 1 else 's do'}; the load waits for one to return"
         Node.objects.filter(pk=node.pk).update(traffic_error=why)
         raise PoolAtCapacity(why)
     try:
-        traffic_sync(pool.pk)
         _wait_idle(node, pool, target)
         yield
     finally:
-        Node.objects.filter(pk=node.pk).update(draining=False)
-        traffic_sync(pool.pk)
+        with transaction.atomic():
+            _lock(pool.pk)
+            Node.objects.filter(pk=node.pk).update(draining=False)
+            _sync(pool)
 
 
 def _wait_idle(node: Node, pool: NodePool, target: Balancer) -> None:

@@ -70,9 +70,8 @@ def test_a_switch_that_fits_only_without_the_old_version_unloads_it_first(
 
 def test_a_load_that_would_not_fit_is_refused_before_it_is_sent(limited: NodePool) -> None:
     node = Node.objects.get(pool=limited)
-    # The fixture's narrowing loads ended versions whose Python stub processes exit in the
-    # background, so its measurements taken meanwhile are noise (a footprint may not even be
-    # recorded). The refusal is under test here, not the measurement (the test above): the
+    # The node kept the test above's v2: the fixture's loads of v1 ended v2 and were not
+    # measured. The refusal is under test here, not the measurement (the test above): the
     # generator v1 gets a known size, declared, with no measurement standing over it.
     Footprint.objects.filter(model_name="generator", version=1).delete()
     version_set_memory(model_name="generator", version=1, memory_mb=5_000, actor="sre")

@@ -197,3 +197,30 @@ def test_a_refused_load_is_sent_anyway_when_an_operator_gives_a_reason(
     assert (forced.status, forced.override, sent) == ("succeeded", "v1 is leaving", ["step"])
     event = AuditEvent.objects.get(action="operation.override", result="ok")
     assert event.message == "v1 is leaving" and event.after["refused"] == refused.pk
+
+
+def test_a_load_is_measured_only_when_nothing_else_changes_meanwhile(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from apps.fleet.models import Operation
+    from apps.fleet.operations import _memory_check
+    from apps.fleet.triton import IndexEntry
+
+    class Client:  # Triton's index, at the client's boundary
+        def __init__(self, *entries: IndexEntry) -> None:
+            self.entries = list(entries)
+
+        def repository_index(self) -> list[IndexEntry]:
+            return self.entries
+
+    monkeypatch.setattr(memory, "used_mb", lambda node: 1000.0)
+    node_set_memory(node_name="cpu-1", limit_mb=100_000, actor="sre")
+    op = Operation(node=node, kind="load", model_name="step", versions=[1, 2])
+    v1 = IndexEntry("step", 1, "READY", "")
+    assert _memory_check(node, Client(v1), op) == ("", (2, 1000.0))  # v2 added, alone
+    both = Operation(node=node, kind="load", model_name="step", versions=[2, 3])
+    assert _memory_check(node, Client(), both) == ("", None)  # two at once: whose memory?
+    switch = Operation(node=node, kind="load", model_name="step", versions=[2])
+    assert _memory_check(node, Client(v1), switch) == ("", None)  # v1 ends meanwhile
+    leaving = IndexEntry("other", 1, "UNLOADING", "")
+    assert _memory_check(node, Client(v1, leaving), op) == ("", None)

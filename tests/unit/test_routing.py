@@ -2,10 +2,12 @@
 same paths run against a real HAProxy in tests/integration/test_traffic.py."""
 
 import math
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 from hypothesis import given
 from hypothesis import strategies as st
@@ -217,3 +219,40 @@ def test_what_a_node_just_loaded_is_warmed_on_the_node_itself_once_per_pipeline(
     failed = AuditEvent.objects.get(action="node.warmup")
     assert (failed.target, failed.result) == ("node:gpu-1:broken", "failed")
     assert "model 'broken' is not ready" in failed.message
+
+
+def _seen_elsewhere(name: str) -> tuple[int, bool]:
+    """The node's weight and drain as another connection sees them: what is committed."""
+    seen: list[tuple[int, bool]] = []
+
+    def read() -> None:
+        try:
+            seen.append(Node.objects.values_list("weight", "draining").get(name=name))
+        finally:
+            connection.close()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join()
+    return seen[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_one_sees_a_drain_or_a_weight_before_the_balancer_has_it(
+    balancer: Balancer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A periodic sync that saw a change the balancer did not have yet would take it for drift
+    and record it (and "repair" it): the change and its sync share one locked transaction."""
+    seen = []
+    sync = balancer.sync
+
+    def watched(wanted: dict[str, int]) -> Reading:
+        seen.append((wanted["gpu-1"], _seen_elsewhere("gpu-1")))
+        return sync(wanted)
+
+    monkeypatch.setattr(balancer, "sync", watched)
+    with drained(node("gpu-1")):
+        pass
+    routing.weights_set(node("gpu-1").pool, {"gpu-1": 22}, "release")
+    # What the balancer is asked for, and what others saw meanwhile: the change before it.
+    assert seen == [(0, (100, False)), (100, (100, True)), (22, (100, False))]
