@@ -248,7 +248,8 @@ FLEET_LEASE_S = env_float("FLEET_LEASE_S", 15.0)
 # Memory-aware loads (apps/fleet/memory.py), on nodes with a memory limit or GPUs: a load needs
 # its footprint plus this share of it free; a footprint is measured from Triton's memory metrics
 # this long after a load (one metrics interval, Triton's --metrics-interval-ms, and a margin),
-# for its first FLEET_FOOTPRINT_SAMPLES loads; GPU readings older than the age are not trusted.
+# for its first FLEET_FOOTPRINT_SAMPLES loads; GPU readings Prometheus took longer ago than the
+# age are not trusted.
 FLEET_MEMORY_HEADROOM = env_float("FLEET_MEMORY_HEADROOM", 0.1)
 FLEET_FOOTPRINT_SETTLE_S = env_float("FLEET_FOOTPRINT_SETTLE_S", 2.5)
 FLEET_FOOTPRINT_SAMPLES = 3

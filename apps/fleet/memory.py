@@ -1,28 +1,29 @@
 """Memory-aware loads, on nodes with a memory limit (CPU) or GPUs. Each model version's
 footprint per kind of device is measured from the node's memory in use (Triton's CPU memory
-metric, or its GPUs' summed) just before and
-one metrics interval after a load that added it alone; a declared estimate (the registry's
-`memory_mb`) stands in until one is measured. Before a load, the versions it adds must fit, with
-headroom, in what the node has free: its limit less what its READY versions take, or its GPUs'
-total less their use (read within FLEET_MEMORY_MAX_AGE_S). A version whose footprint is known
-neither way is let through, and measured."""
+metric, or its GPUs' summed) just before and one metrics interval after a load that added it
+alone; a declared estimate (the registry's `memory_mb`) stands in until one is measured. Before a
+load, the versions it adds must fit, with headroom, in what the node has free: its limit less
+what its READY versions take, or its emptiest GPU's total less its use, as Prometheus read them
+within FLEET_MEMORY_MAX_AGE_S. A version whose footprint is known neither way, or a node whose
+room is unknown, is let through, and measured."""
 
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.utils import timezone
 
 from apps.fleet.desired import DesiredStateError, FleetDesired, Wanted
 from apps.fleet.models import Footprint, Node
 from apps.fleet.triton import parse_cpu_memory_used, parse_gpu_memory, read_metrics
+from apps.observability.catalog import gpu_memory_query
+from apps.observability.prometheus import PrometheusUnavailable, instant_query
 from apps.registry.models import ModelVersion
 
 MIB = 2**20
 Pair = tuple[str, int]  # (model, version)
+Devices = list[dict] | str  # a node's GPUs (uuid, total and used bytes), or why none are known
 
 
 def aware(node: Node) -> bool:
@@ -86,14 +87,34 @@ class Room:
             self.free_mb -= mb
 
 
+def gpu_memory(nodes: Iterable[Node]) -> dict[str, Devices]:
+    """The GPUs of those of `nodes` that have any, as Prometheus last read them: one query,
+    however many nodes."""
+    names = [node.name for node in nodes if node.gpus]
+    if not names:
+        return {}
+    try:
+        rows = instant_query(gpu_memory_query(names, settings.FLEET_MEMORY_MAX_AGE_S))
+    except PrometheusUnavailable as exc:
+        return dict.fromkeys(names, str(exc))
+    found: dict[str, dict[str, dict]] = {name: {} for name in names}
+    for labels, value in rows:
+        uuid = labels["gpu_uuid"]
+        gpu = found[labels["node"]].setdefault(uuid, {"uuid": uuid, "total": 0.0, "used": 0.0})
+        gpu["total" if "total" in labels["__name__"] else "used"] = value
+    return {name: list(gpus.values()) for name, gpus in found.items()}
+
+
 def room(
     node: Node,
     ready: dict[str, set[int]],
     coming: Iterable[Pair] = (),
     known: dict[Pair, tuple[float, str]] | None = None,
+    devices: Devices | None = None,
 ) -> Room:
     """The node's room now, `ready` being what it serves; `coming`: versions whose footprints
-    the caller will ask about (or `known`, footprints the caller has read)."""
+    the caller will ask about (or `known`, footprints the caller has read); `devices`: its GPUs,
+    where the caller has read them (`gpu_memory`)."""
     serving = {(name, v) for name, versions in ready.items() for v in versions}
     if known is None:
         known = sizes(serving | set(coming), device(node))
@@ -102,12 +123,15 @@ def room(
         key=lambda item: -item[1],
     )
     if node.gpus:
-        fresh = node.last_seen and timezone.now() - node.last_seen < timedelta(
-            seconds=settings.FLEET_MEMORY_MAX_AGE_S
-        )
-        if not fresh:
-            return Room(None, "its GPUs (no fresh reading)", known, taken)
-        best = max(node.gpus, key=lambda gpu: gpu["total"] - gpu["used"])
+        if devices is None:
+            devices = gpu_memory([node])[node.name]
+        if isinstance(devices, str):
+            return Room(None, f"its GPUs (unknown: {devices})", known, taken)
+        if not devices:
+            age = f"{settings.FLEET_MEMORY_MAX_AGE_S:g} s"
+            why = f"its GPUs (Prometheus has no reading of the last {age})"
+            return Room(None, why, known, taken)
+        best = max(devices, key=lambda gpu: gpu["total"] - gpu["used"])
         free = (best["total"] - best["used"]) / MIB
         return Room(free, f"GPU {best['uuid']} of {best['total'] / MIB:.0f} MiB", known, taken)
     if node.memory_limit_mb is None:
@@ -223,7 +247,11 @@ def _rooms(plans: list[_Plan]) -> list[Room]:
         )
         for kind in {device(p.node) for p in plans}
     }
-    return [room(p.node, p.serving, known=known[device(p.node)]) for p in plans]
+    gpus = gpu_memory(p.node for p in plans)
+    return [
+        room(p.node, p.serving, known=known[device(p.node)], devices=gpus.get(p.node.name))
+        for p in plans
+    ]
 
 
 def capacity(nodes: list[Node], desired: FleetDesired) -> list[Capacity]:

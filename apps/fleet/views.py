@@ -214,6 +214,7 @@ def pool_capacity(request: HttpRequest, pool: str) -> HttpResponse:
         "rows": rows,
         "short": [row for row in rows if not row.fits],
         "headroom": f"{settings.FLEET_MEMORY_HEADROOM:.0%}",
+        "max_age": f"{settings.FLEET_MEMORY_MAX_AGE_S:g} s",
     }
     return render(request, "fleet/capacity.html", context)
 

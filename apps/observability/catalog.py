@@ -1,5 +1,6 @@
 """Every PromQL query over Triton's own series (docs/user_guide/metrics.md): one per chart, the
-overview's tiles, the step breakdown and a rollout's analysis."""
+overview's tiles, the step breakdown, a rollout's analysis and the GPUs' room for a load. It
+imports no other app: every app may use it, as it may the Prometheus client."""
 
 import re
 from dataclasses import dataclass
@@ -76,6 +77,17 @@ def _selector(*, model: str = "", pool: str = "", node: str = "") -> str:
         f'{name}="{escape_label(value)}"'
         for name, value in [("model", model), ("pool", pool), ("node", node)]
         if value
+    )
+
+
+def gpu_memory_query(nodes: list[str], max_age_s: float) -> str:
+    """Each GPU of these nodes: its memory in all and in use, where Prometheus read it within
+    `max_age_s` (an instant query alone would answer with readings up to 5 minutes old)."""
+    names = "|".join(re.escape(name) for name in sorted(nodes))
+    selector = f'node=~"{escape_label(names)}"'
+    return (
+        f'{{__name__=~"nv_gpu_memory_(total|used)_bytes",{selector}}} and on (node, gpu_uuid) '
+        f"(time() - timestamp(nv_gpu_memory_used_bytes{{{selector}}}) < {max_age_s:g})"
     )
 
 

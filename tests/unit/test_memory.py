@@ -2,11 +2,8 @@
 words, break before make in the planner, and a measurement, with Triton's metrics stubbed at
 their module boundary."""
 
-from datetime import timedelta
-
 import pytest
 from django.core.management import CommandError, call_command
-from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 from apps.fleet import memory
@@ -53,16 +50,36 @@ def test_a_nodes_room_is_its_limit_less_what_it_serves(node: Node) -> None:
     assert found.fits(700, freed=300)
 
 
-def test_a_gpu_nodes_room_is_its_emptiest_device_read_recently(node: Node) -> None:
-    node.gpus = [
-        {"uuid": "GPU-a", "total": 16 * GIB, "used": 15 * GIB},
-        {"uuid": "GPU-b", "total": 16 * GIB, "used": 4 * GIB},
-    ]
-    node.last_seen = timezone.now()
+def test_a_gpu_nodes_room_is_its_emptiest_device_as_prometheus_read_it(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node.gpus = [{"uuid": "GPU-a"}, {"uuid": "GPU-b"}]  # the poll's inventory: a GPU node
+    asked = []
+
+    def answer(query: str) -> list[tuple[dict[str, str], float]]:
+        asked.append(query)
+        return [
+            ({"__name__": f"nv_gpu_memory_{kind}_bytes", "node": "cpu-1", "gpu_uuid": uuid}, v)
+            for uuid, used in (("GPU-a", 15 * GIB), ("GPU-b", 4 * GIB))
+            for kind, v in (("used", used), ("total", 16 * GIB))
+        ]
+
+    monkeypatch.setattr(memory, "instant_query", answer)
     found = memory.room(node, {"step": {1}})
     assert (found.free_mb, found.where) == (12 * 1024, "GPU GPU-b of 16384 MiB")
-    node.last_seen -= timedelta(minutes=5)
-    assert memory.room(node, {}).free_mb is None  # a stale reading decides nothing
+    assert 'node=~"cpu\\\\-1"' in asked[0] and "timestamp(" in asked[0] and "< 30)" in asked[0]
+    monkeypatch.setattr(memory, "instant_query", lambda query: [])
+    stale = memory.room(node, {"step": {1}})
+    assert stale.free_mb is None and "no reading of the last 30 s" in stale.where
+
+    def away(query: str) -> list:
+        raise memory.PrometheusUnavailable("Prometheus at http://p:9090 did not answer")
+
+    monkeypatch.setattr(memory, "instant_query", away)
+    assert memory.room(node, {}).where == (
+        "its GPUs (unknown: Prometheus at http://p:9090 did not answer)"
+    )
+    assert memory.refusal(node, "step", {2}, {}) == ""  # unknown room: let through
 
 
 def test_a_refusal_says_what_is_needed_what_is_free_and_what_to_unload(node: Node) -> None:
