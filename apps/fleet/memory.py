@@ -1,11 +1,12 @@
 """Memory-aware loads, on nodes with a memory limit (CPU) or GPUs. Each model version's
-footprint per kind of device is measured from the node's memory in use (Triton's CPU memory
-metric, or its GPUs' summed) just before and one metrics interval after a load that added it
-alone; a declared estimate (the registry's `memory_mb`) stands in until one is measured. Before a
-load, the versions it adds must fit, with headroom, in what the node has free: its limit less
-what its READY versions take, or its emptiest GPU's total less its use, as Prometheus read them
-within FLEET_MEMORY_MAX_AGE_S. A version whose footprint is known neither way, or a node whose
-room is unknown, is let through, and measured."""
+footprint per kind of device is what its backend reports it holds after a load that added it
+alone (Triton's statistics, `memory_usage`) or, where the backend reports nothing, the node's
+memory in use (Triton's CPU memory metric, or its GPUs' summed) just before and one metrics
+interval after that load; a declared estimate (the registry's `memory_mb`) stands in until one
+is measured. Before a load, the versions it adds must fit, with headroom, in what the node has
+free: its limit less what its READY versions take, or its emptiest GPU's total less its use, as
+Prometheus read them within FLEET_MEMORY_MAX_AGE_S. A version whose footprint is known neither
+way, or a node whose room is unknown, is let through, and measured."""
 
 import time
 from collections.abc import Iterable
@@ -16,7 +17,12 @@ from django.db import transaction
 
 from apps.fleet.desired import DesiredStateError, FleetDesired, Wanted
 from apps.fleet.models import Footprint, Node
-from apps.fleet.triton import parse_cpu_memory_used, parse_gpu_memory, read_metrics
+from apps.fleet.triton import (
+    TritonClient,
+    parse_cpu_memory_used,
+    parse_gpu_memory,
+    read_metrics,
+)
 from apps.observability.catalog import gpu_memory_query
 from apps.observability.prometheus import PrometheusUnavailable, instant_query
 from apps.registry.models import ModelVersion
@@ -163,22 +169,35 @@ def refusal(node: Node, model: str, adding: set[int], ready: dict[str, set[int]]
     )
 
 
-def measure(node: Node, model: str, version: int, before_mb: float) -> None:
-    """Record the load of `version` alone: the node's memory one metrics interval later, less
-    `before_mb`. A reading that went down (something else freed memory meanwhile) says nothing."""
+def measure(node: Node, client: TritonClient, model: str, version: int, before_mb: float) -> None:
+    """Record the load of `version` alone: what its backend reports it holds on the node's kind
+    of device (Triton's statistics) or, where it reports nothing, the node's memory one metrics
+    interval later less `before_mb`. A reading that went down (something else freed memory
+    meanwhile) says nothing."""
+    kinds = ("GPU",) if node.gpus else ("CPU", "CPU_PINNED")
+    reported = client.memory_usage(model, version)
+    if held := sum(reported.get(kind, 0) for kind in kinds):
+        _record(node, model, version, held / MIB, Footprint.Source.BACKEND)
+        return
     time.sleep(settings.FLEET_FOOTPRINT_SETTLE_S)
     after = used_mb(node)
-    if after is None or after <= before_mb:
-        return
-    delta = after - before_mb
+    if after is not None and after > before_mb:
+        _record(node, model, version, after - before_mb, Footprint.Source.METRICS)
+
+
+def _record(node: Node, model: str, version: int, mb: float, source: str) -> None:
     with transaction.atomic():
         found, created = Footprint.objects.select_for_update().get_or_create(
-            model_name=model, version=version, device=device(node), defaults={"mb": delta}
+            model_name=model,
+            version=version,
+            device=device(node),
+            defaults={"mb": mb, "source": source},
         )
         if not created:
-            found.mb = (found.mb * found.samples + delta) / (found.samples + 1)
+            found.mb = (found.mb * found.samples + mb) / (found.samples + 1)
             found.samples += 1
-            found.save(update_fields=["mb", "samples", "updated_at"])
+            found.source = source
+            found.save(update_fields=["mb", "samples", "source", "updated_at"])
 
 
 def measuring(node: Node, model: str, version: int) -> bool:

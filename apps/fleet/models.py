@@ -292,18 +292,29 @@ class Heartbeat(models.Model):
 
 
 class Footprint(models.Model):
-    """The memory a model version was measured to take on one kind of device, from the node's
-    memory before and after its loads: the mean of `samples` loads."""
+    """The memory a model version was measured to take on one kind of device, as its backend
+    reported it after a load or from the node's memory before and after: the mean of `samples`
+    loads."""
 
     class Device(models.TextChoices):
         CPU = "cpu"
         GPU = "gpu"
+
+    class Source(models.TextChoices):
+        BACKEND = "backend", "reported by its backend"
+        METRICS = "metrics", "the node's memory before and after"
 
     model_name = models.CharField(max_length=120)
     version = models.PositiveIntegerField()
     device = models.CharField(max_length=3, choices=Device.choices)
     mb = models.FloatField(help_text="mean of the measured samples, MiB")
     samples = models.PositiveIntegerField(default=1)
+    source = models.CharField(
+        max_length=7,
+        choices=Source.choices,
+        default=Source.METRICS,
+        help_text="where the last sample came from",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -400,7 +400,7 @@ def _execute(node: Node, op: Operation) -> str:
         )
     if measured is not None and not error:
         try:
-            memory.measure(node, op.model_name, *measured)
+            memory.measure(node, client, op.model_name, *measured)
         except TritonError:  # no footprint this time; the load itself is done
             log.warning("node %s: no memory reading after loading %s", node.name, op.model_name)
     return _finish(op, error)

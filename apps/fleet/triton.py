@@ -139,6 +139,17 @@ class TritonClient:
         with self._client() as client:
             return dict(client.get_model_config(model))
 
+    def memory_usage(self, model: str, version: int) -> dict[str, int]:
+        """The bytes the loaded version holds by kind of memory (GPU, CPU, CPU_PINNED), as its
+        backend reports them (statistics extension); empty where the backend does not."""
+        with self._client() as client:
+            stats = client.get_inference_statistics(model, str(version))
+        found: dict[str, int] = {}
+        for row in stats.get("model_stats", []):
+            for usage in row.get("memory_usage", []):
+                found[usage["type"]] = found.get(usage["type"], 0) + int(usage["byte_size"])
+        return found
+
     def model_inputs(self, model: str) -> list[tuple[str, str, list[int]]]:
         """(name, datatype, shape) of each input of the loaded `model`."""
         with self._client() as client:

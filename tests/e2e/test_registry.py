@@ -57,7 +57,9 @@ def test_a_version_page_shows_its_measured_footprint(page: Page, signed_in: str)
     page.goto(f"{signed_in}/models/generator/v1/")
     memory = page.locator("#footprints")
     expect(memory.locator("tbody tr")).to_have_count(1)
-    expect(memory.locator("tbody tr")).to_contain_text("CPU118 MiB3")
+    expect(memory.locator("tbody tr")).to_contain_text(
+        "CPU118 MiB3the node's memory before and after"
+    )
     expect(page.get_by_text("Declared estimate: 150 MiB")).to_be_visible()
     screenshot(page, "registry-version-memory")
     page.goto(f"{signed_in}/models/generator/v2/")

@@ -110,6 +110,16 @@ def test_a_step_that_fits_only_alone_is_unloaded_before_it_loads(node: Node) -> 
     assert kinds(plan(want, seen, MANAGED, hopeless))[0] == ("load", "step", (1, 2))
 
 
+class Reports:
+    """Triton's statistics at the client's boundary: what the backend says a version holds."""
+
+    def __init__(self, **held: int) -> None:
+        self.held = held
+
+    def memory_usage(self, model: str, version: int) -> dict[str, int]:
+        return self.held
+
+
 def test_a_measurement_is_the_memory_taken_by_the_load_averaged(
     node: Node, monkeypatch: pytest.MonkeyPatch, settings: object
 ) -> None:
@@ -117,13 +127,28 @@ def test_a_measurement_is_the_memory_taken_by_the_load_averaged(
     readings = iter([1300.0, 800.0, 1200.0])  # after each load
     monkeypatch.setattr(memory, "used_mb", lambda node: next(readings))
     assert memory.measuring(node, "step", 2)
-    memory.measure(node, "step", 2, before_mb=1000)
-    memory.measure(node, "step", 2, before_mb=1000)  # memory went down: says nothing
-    memory.measure(node, "step", 2, before_mb=1000)
+    silent = Reports()  # the Python backend's: it reports no memory
+    memory.measure(node, silent, "step", 2, before_mb=1000)  # type: ignore[arg-type]
+    memory.measure(node, silent, "step", 2, before_mb=1000)  # type: ignore[arg-type]  # down
+    memory.measure(node, silent, "step", 2, before_mb=1000)  # type: ignore[arg-type]
     found = Footprint.objects.get(model_name="step", version=2, device="cpu")
-    assert (found.mb, found.samples) == (250.0, 2)
+    assert (found.mb, found.samples, found.source) == (250.0, 2, "metrics")
     Footprint.objects.filter(pk=found.pk).update(samples=3)
     assert not memory.measuring(node, "step", 2)
+
+
+def test_what_the_backend_reports_it_holds_is_its_footprint_on_that_device(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(memory, "used_mb", lambda node: pytest.fail("no need to read the node"))
+    reports = Reports(GPU=3 * GIB, CPU=GIB, CPU_PINNED=GIB // 2)  # TensorRT on a GPU, say
+    memory.measure(node, reports, "step", 2, before_mb=1000)  # type: ignore[arg-type]
+    cpu = Footprint.objects.get(model_name="step", version=2, device="cpu")
+    assert (cpu.mb, cpu.source) == (1536.0, "backend")  # host memory, pinned included
+    node.gpus = [{"uuid": "GPU-a"}]
+    memory.measure(node, reports, "step", 2, before_mb=1000)  # type: ignore[arg-type]
+    gpu = Footprint.objects.get(model_name="step", version=2, device="gpu")
+    assert (gpu.mb, gpu.source) == (3072.0, "backend")
 
 
 def test_the_memory_in_use_is_read_from_tritons_metrics(
@@ -241,3 +266,25 @@ def test_a_load_is_measured_only_when_nothing_else_changes_meanwhile(
     assert _memory_check(node, Client(v1), switch) == ("", None)  # v1 ends meanwhile
     leaving = IndexEntry("other", 1, "UNLOADING", "")
     assert _memory_check(node, Client(v1, leaving), op) == ("", None)
+
+
+def test_tritons_statistics_are_summed_by_kind_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tritonclient.http as httpclient
+
+    from apps.fleet.triton import TritonClient
+
+    usage = [
+        {"type": "GPU", "id": 0, "byte_size": 2 * GIB},
+        {"type": "GPU", "id": 1, "byte_size": GIB},  # a model spread over two GPUs
+        {"type": "CPU", "id": 0, "byte_size": 1024},
+    ]
+    stats = {"model_stats": [{"name": "step", "version": "2", "memory_usage": usage}]}
+    asked = []
+
+    def answer(self: object, model_name: str, model_version: str) -> dict:
+        asked.append((model_name, model_version))
+        return stats
+
+    monkeypatch.setattr(httpclient.InferenceServerClient, "get_inference_statistics", answer)
+    found = TritonClient("http://127.0.0.1:8000").memory_usage("step", 2)
+    assert (found, asked) == ({"GPU": 3 * GIB, "CPU": 1024}, [("step", "2")])
