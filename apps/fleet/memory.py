@@ -216,6 +216,7 @@ class Capacity:
     reserved_mb: float  # what its desired state takes once converged, as far as is known
     pending: list[tuple[str, float | None]]  # desired versions not READY yet, and their need
     unknown: int  # desired versions with no footprint, measured or declared
+    freed_mb: float = 0.0  # what the models it switches give back first, where they must
     error: str = ""  # its desired state cannot be computed
 
     @property
@@ -225,7 +226,7 @@ class Capacity:
     @property
     def fits(self) -> bool:
         """Whether what it still has to load fits in what it has free."""
-        return self.room.fits(self.need_mb)
+        return self.room.fits(self.need_mb, self.freed_mb)
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,12 @@ class _Plan:
     @property
     def have(self) -> set[Pair]:
         return {(m, v) for m, versions in self.serving.items() for v in versions}
+
+    def freed(self, room: Room) -> float:
+        """What the versions it drops of the models it switches take: where new and old would
+        not fit side by side, the planner unloads the old first (break before make)."""
+        switching = {model for model, _ in self.wanted - self.have}
+        return room.need(pair for pair in self.have - self.wanted if pair[0] in switching)
 
 
 def _plans(nodes: list[Node], desired: FleetDesired, change: Wanted) -> list[_Plan]:
@@ -287,6 +294,7 @@ def capacity(nodes: list[Node], desired: FleetDesired) -> list[Capacity]:
                 here.need(plan.wanted),
                 [(f"{m} v{v}", sized[m, v][0] if (m, v) in sized else None) for m, v in pending],
                 sum(1 for pair in plan.wanted if pair not in sized),
+                plan.freed(here),
                 plan.error,
             )
         )
@@ -301,12 +309,13 @@ def shortfalls(nodes: list[Node], desired: FleetDesired, change: Wanted) -> list
     short = []
     for plan, here in zip(plans, _rooms(plans), strict=True):
         pending = plan.wanted - plan.have
-        need = here.need(pending)
-        if need and not here.fits(need):
+        need, freed = here.need(pending), plan.freed(here)
+        if need and not here.fits(need, freed):
             names = ", ".join(f"{m} v{v}" for m, v in sorted(pending) if (m, v) in here.known)
             short.append(
                 f"{plan.node.name} needs {need * (1 + settings.FLEET_MEMORY_HEADROOM):.0f} MiB "
                 f"for {names} with headroom; {here.where} has "
                 f"{max(here.free_mb or 0, 0):.0f} MiB free"
+                + (f", {freed:.0f} more once it unloads what it switches from" if freed else "")
             )
     return short

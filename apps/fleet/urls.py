@@ -13,6 +13,7 @@ urlpatterns = [
     path("nodes/<slug:name>/operate/", views.node_operate, name="node_operate"),
     path("deployments/", views.deployments, name="deployments"),
     path("pools/<slug:pool>/capacity/", views.pool_capacity, name="pool_capacity"),
+    path("pools/<slug:pool>/fit/", views.pool_fit, name="pool_fit"),
     path("deployments/<slug:pool>/", views.deployment_create, name="deployment_create"),
     path(
         "deployments/<int:deployment_id>/remove/", views.deployment_delete, name="deployment_delete"

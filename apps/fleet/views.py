@@ -11,8 +11,8 @@ from django.views.decorators.http import require_POST
 
 from apps.accounts.permissions import current_user, require
 from apps.audit.models import AuditEvent
-from apps.fleet.desired import DesiredStateError, fleet_desired
-from apps.fleet.memory import capacity
+from apps.fleet.desired import DesiredStateError, Wanted, fleet_desired
+from apps.fleet.memory import capacity, shortfalls
 from apps.fleet.models import Deployment, Footprint, Node, NodePool, Operation
 from apps.fleet.selectors import (
     NodeFilters,
@@ -217,6 +217,22 @@ def pool_capacity(request: HttpRequest, pool: str) -> HttpResponse:
         "max_age": f"{settings.FLEET_MEMORY_MAX_AGE_S:g} s",
     }
     return render(request, "fleet/capacity.html", context)
+
+
+FIT_SHOWN = 5
+
+
+def pool_fit(request: HttpRequest, pool: str) -> HttpResponse:
+    """Whether a release chosen in the deploy form ("model:version") would fit on each of the
+    pool's memory-aware nodes beside what it serves: said before the form is sent."""
+    found = get_object_or_404(NodePool, name=pool)
+    model, _, version = request.GET.get("model_version", "").partition(":")
+    short = []
+    if version.isdigit():
+        change: Wanted = {model: (int(version), None, f"{model} v{version}")}
+        short = shortfalls(list(found.nodes.all()), fleet_desired(pool_ids=[found.pk]), change)
+    context = {"pool": found, "short": short[:FIT_SHOWN], "more": len(short) - FIT_SHOWN}
+    return render(request, "fleet/partials/fit.html", context)
 
 
 @require_POST

@@ -16,6 +16,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.audit.services import actor_name, audit_record
+from apps.fleet.desired import Wanted, fleet_desired
+from apps.fleet.memory import shortfalls
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.routing import share_weights, weights_reset, weights_set
 from apps.fleet.selectors import observed_many
@@ -387,6 +389,15 @@ def _promote(rollout: Rollout) -> None:
     ]
     if moving:
         window = rollout.pool.rollback_window_s
+        if window and (short := _no_room_beside(rollout, moving)):
+            window = 0
+            audit_record(
+                actor=ACTOR,
+                action="rollout.window_skipped",
+                target=f"rollout:{rollout.pk}:{rollout.model.name}",
+                message="the release before is not kept loaded for the rollback window, for "
+                f"want of memory beside the new one: {'; '.join(short)}",
+            )
         until = timezone.now() + timedelta(seconds=window)
         try:
             for member in moving:  # in dependency order
@@ -411,6 +422,20 @@ def _promote(rollout: Rollout) -> None:
         weights_reset(rollout.pool, ACTOR)
         return transition(rollout, State.SUCCEEDED)
     return None
+
+
+def _no_room_beside(rollout: Rollout, moving: list[Member]) -> list[str]:
+    """Where the releases before, kept loaded beside the new ones for the rollback window, would
+    not fit (on the pool's memory-aware nodes)."""
+    change: Wanted = {
+        m.model.name: (m.canary, m.beside, f"{m.model.name} v{m.canary}, promoted")
+        for m in moving
+        if m.beside
+    }
+    if not change:
+        return []
+    nodes = list(rollout.pool.nodes.all())
+    return shortfalls(nodes, fleet_desired(pool_ids=[rollout.pool.pk]), change)
 
 
 def _aborting(rollout: Rollout) -> None:

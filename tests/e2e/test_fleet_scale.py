@@ -81,7 +81,8 @@ def test_a_pools_capacity_page_warns_of_what_will_not_fit(page: Page, live_serve
     rows = capacity(list(pool.nodes.order_by("name")), fleet_desired(pool_ids=[pool.pk]))
     tight = next(row for row in rows if row.pending)  # a drifting node, a version still to load
     taken = sum(mb for _, mb in tight.room.taken)
-    Node.objects.filter(pk=tight.node.pk).update(memory_limit_mb=round(taken) + 10)
+    # Too little even once what it switches from is unloaded first.
+    Node.objects.filter(pk=tight.node.pk).update(memory_limit_mb=max(1, round(taken) - 50))
     sign_in(page, str(live_server), make_user(Role.VIEWER).username)
     page.goto(f"{live_server}/deployments/")
     page.locator(f"#pool-{pool.name}").get_by_role("link", name="memory").click()
@@ -92,4 +93,29 @@ def test_a_pools_capacity_page_warns_of_what_will_not_fit(page: Page, live_serve
     screenshot(page, "pool-capacity")
     page.get_by_role("link", name="Next").click()
     expect(page.locator("#capacity tbody tr")).to_have_count(10)
+    assert not page.console_errors  # type: ignore[attr-defined]
+
+
+def test_the_deploy_form_warns_before_a_release_that_will_not_fit_is_sent(
+    page: Page, live_server: object
+) -> None:
+    seed_fleet(size=Size(nodes=8, pools=1, models=3, versions=2, operations=3, events=3))
+    pool = NodePool.objects.get()
+    # The pool runs v2 of each model; going back to model-000 v1 takes 50 GB.
+    ModelVersion.objects.filter(model__name="model-000", version=1).update(memory_mb=50_000)
+    ModelVersion.objects.filter(model__name="model-001").update(memory_mb=10)
+    Node.objects.filter(name__in=["node-0001", "node-0002"]).update(memory_limit_mb=8_000)
+    sign_in(page, str(live_server), make_user(Role.OPERATOR).username)
+    page.goto(f"{live_server}/deployments/")
+    section = page.locator(f"#pool-{pool.name}")
+    section.get_by_label("Deploy").select_option("model-000:1")
+    warning = section.locator(f"#fit-{pool.name} [role=alert]")
+    expect(warning).to_contain_text(
+        "Will not fit beside what they serve: node-0001 needs 55000 MiB"
+    )
+    expect(warning).to_contain_text("node-0002 needs 55000 MiB")
+    expect(warning.get_by_role("link", name=f"memory of pool {pool.name}")).to_be_visible()
+    screenshot(page, "deploy-fit-warning")
+    section.get_by_label("Deploy").select_option("model-001:1")
+    expect(section.locator(f"#fit-{pool.name} [role=alert]")).to_have_count(0)
     assert not page.console_errors  # type: ignore[attr-defined]

@@ -193,19 +193,55 @@ def test_the_capacity_page_shows_each_nodes_room_and_what_will_not_fit(
     from apps.fleet.services import deployment_set
 
     ModelVersion.objects.filter(model__name="step").update(status=ModelVersion.Status.RELEASED)
-    node_set_memory(node_name="cpu-1", limit_mb=600, actor="sre")
+    node_set_memory(node_name="cpu-1", limit_mb=400, actor="sre")
     Node.objects.filter(pk=node.pk).update(
         index=[{"model": "step", "version": "1", "state": "READY", "reason": ""}]
     )
     other = Node.objects.create(name="cpu-2", pool=node.pool, http_url="http://cpu-2:8000")
     deployment_set(model_name="step", version=2, pool=node.pool, actor="ops")
     page = admin_client.get("/pools/cpu/capacity/").content.decode()  # type: ignore[attr-defined]
-    # cpu-1: 600 less step v1's 300 measured; step v2 (400 declared, 440 with headroom) to load.
-    assert "Will not fit:</strong> cpu-1 needs 400 MiB for step v2, has 300 MiB free" in page
-    assert "step v1 (300 MiB)" in page and "the node&#x27;s 600 MiB limit" in page
+    # cpu-1: 400 less step v1's 300 measured; step v2 (400 declared, 440 with headroom) to load,
+    # which does not fit even once v1 is unloaded first.
+    assert (
+        "Will not fit:</strong> cpu-1 needs 400 MiB for step v2, has 100 MiB free, 300 more once"
+        " it unloads what it switches from"
+    ) in page
+    assert "step v1 (300 MiB)" in page and "the node&#x27;s 400 MiB limit" in page
     assert f'id="capacity-{other.name}"' in page  # no limit: unknown room, anything fits
     rows = page.split('id="capacity-')
     assert "does not fit" in rows[1] and "fits" in rows[2] and "unknown" in rows[2]
+
+
+def test_the_deploy_form_warns_of_the_nodes_a_release_will_not_fit_before_it_is_sent(
+    node: Node, admin_client: object
+) -> None:
+    ModelVersion.objects.filter(model__name="step").update(status=ModelVersion.Status.RELEASED)
+    node_set_memory(node_name="cpu-1", limit_mb=400, actor="sre")
+    Node.objects.filter(pk=node.pk).update(
+        index=[{"model": "step", "version": "1", "state": "READY", "reason": ""}]
+    )
+    Node.objects.create(name="cpu-2", pool=node.pool, http_url="http://cpu-2:8000")  # no limit
+    page = admin_client.get("/deployments/").content.decode()  # type: ignore[attr-defined]
+    assert 'hx-get="/pools/cpu/fit/" hx-trigger="change" hx-target="#fit-cpu"' in page
+
+    def fit(choice: str) -> str:
+        url = f"/pools/cpu/fit/?model_version={choice}"
+        return admin_client.get(url).content.decode()  # type: ignore[attr-defined]
+
+    # step v2 (400 declared, 440 with headroom) in 400 MiB, even once v1 (300) is unloaded.
+    assert "<strong>Will not fit</strong> beside what they serve: cpu-1 needs 440 MiB for" in (
+        warned := fit("step:2")
+    )
+    assert (
+        "the node&#x27;s 400 MiB limit has 100 MiB free, 300 more once it unloads what it"
+        " switches from. Those loads would be refused"
+    ) in warned
+    assert "cpu-2" not in warned and 'href="/pools/cpu/capacity/"' in warned
+    node_set_memory(node_name="cpu-1", limit_mb=600, actor="sre")
+    assert "Will not fit" not in fit("step:2")  # v1 unloads first: v2 fits alone
+    assert "Will not fit" not in fit("step:1")  # it serves it already
+    assert "Will not fit" not in fit("step:3")  # no footprint known: let through, measured
+    assert "Will not fit" not in fit("nonsense")
 
 
 def test_a_refused_load_is_sent_anyway_when_an_operator_gives_a_reason(

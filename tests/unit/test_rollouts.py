@@ -238,6 +238,27 @@ def test_a_good_canary_goes_step_by_step_to_the_whole_pool(fleet: Fleet) -> None
     assert 890 < window <= 900
 
 
+def test_the_release_before_is_not_kept_where_memory_does_not_allow(fleet: Fleet) -> None:
+    from apps.fleet.services import node_set_memory
+
+    ModelVersion.objects.filter(model__name="rag").update(memory_mb=400)
+    # gpu-2 has room for one version, with headroom: v2 alone, not v1 beside it.
+    node_set_memory(node_name="gpu-2", limit_mb=500, actor="sre")
+    rollout = tick(start())
+    for _ in range(6):  # converge, measure and hold each step, promote
+        fleet.converge()
+        rollout = tick(rollout)
+    assert rollout.state == State.SUCCEEDED, rollout.state
+    pooled = Deployment.objects.get(pool__name="gpu")
+    assert (pooled.version, pooled.baseline_version, pooled.baseline_until) == (2, None, None)
+    skipped = AuditEvent.objects.get(action="rollout.window_skipped")
+    assert skipped.message == (
+        "the release before is not kept loaded for the rollback window, for want of memory"
+        " beside the new one: gpu-2 needs 880 MiB for rag v1, rag v2 with headroom;"
+        " the node's 500 MiB limit has 500 MiB free"
+    )
+
+
 def test_the_rollback_window_closes_and_a_rollback_inside_it_only_narrows(fleet: Fleet) -> None:
     from apps.fleet.operations import rollback_windows_close
 
