@@ -13,10 +13,11 @@
 })();
 
 // A confirmation that names what is being done: a form with data-confirm="... {choice} ..." asks
-// with the selected option's label in place of {choice}.
+// with the selected option's label in place of {choice}, when it is sent (not when a field in it
+// asks for something, as the deploy form's check of a release's fit does).
 document.addEventListener("htmx:confirm", function (event) {
-  var form = event.target.closest && event.target.closest("form[data-confirm]");
-  if (!form) return;
+  var form = event.target;
+  if (!form.matches || !form.matches("form[data-confirm]")) return;
   event.preventDefault();
   var select = form.querySelector("select");
   var choice = select ? select.options[select.selectedIndex].text : "";

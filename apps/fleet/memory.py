@@ -231,12 +231,14 @@ class Capacity:
 
 @dataclass(frozen=True)
 class _Plan:
-    """A node, what it serves, and what some desired state wants of it."""
+    """A node, what it serves, and what some desired state wants of it (`before`: what it
+    wanted before the change asked about)."""
 
     node: Node
     serving: dict[str, set[int]]
     wanted: set[Pair]
     error: str = ""
+    before: set[Pair] = field(default_factory=set)
 
     @property
     def have(self) -> set[Pair]:
@@ -254,13 +256,14 @@ def _plans(nodes: list[Node], desired: FleetDesired, change: Wanted) -> list[_Pl
     for node in nodes:
         serving = {m: set(versions) for m, versions in node.ready_versions.items()}
         try:
-            after = desired.with_change(node, change)
+            before, after = (desired.with_change(node, c) for c in ({}, change))
         except DesiredStateError as exc:
             found.append(_Plan(node, serving, set(), str(exc)))
             continue
-        found.append(
-            _Plan(node, serving, {(m.name, v) for m in after.values() for v in m.versions})
-        )
+        pairs = [
+            {(m.name, v) for m in state.values() for v in m.versions} for state in (before, after)
+        ]
+        found.append(_Plan(node, serving, pairs[1], before=pairs[0]))
     return found
 
 
@@ -301,21 +304,31 @@ def capacity(nodes: list[Node], desired: FleetDesired) -> list[Capacity]:
     return found
 
 
-def shortfalls(nodes: list[Node], desired: FleetDesired, change: Wanted) -> list[str]:
+def shortfalls(
+    nodes: list[Node], desired: FleetDesired, change: Wanted, *, new_only: bool = True
+) -> list[str]:
     """Where `change` (deployments, as desired states take them) would not fit, were it deployed
-    on each of `nodes`: each memory-aware node's versions still to load, side by side with what
-    it serves, against its room. A change that cannot be resolved says why elsewhere."""
+    on each of `nodes`: each memory-aware node where what it still has to load, with the change,
+    does not fit in its room (less what a switch unloads first), and the change adds versions
+    to its desired state (`new_only`; else wherever the change leaves it short). A change that
+    cannot be resolved says why elsewhere."""
     plans = [p for p in _plans([n for n in nodes if aware(n)], desired, change) if not p.error]
+    headroom = 1 + settings.FLEET_MEMORY_HEADROOM
     short = []
     for plan, here in zip(plans, _rooms(plans), strict=True):
         pending = plan.wanted - plan.have
+        added = {
+            pair for pair in pending - (plan.before if new_only else set()) if pair in here.known
+        }
         need, freed = here.need(pending), plan.freed(here)
-        if need and not here.fits(need, freed):
-            names = ", ".join(f"{m} v{v}" for m, v in sorted(pending) if (m, v) in here.known)
-            short.append(
-                f"{plan.node.name} needs {need * (1 + settings.FLEET_MEMORY_HEADROOM):.0f} MiB "
-                f"for {names} with headroom; {here.where} has "
-                f"{max(here.free_mb or 0, 0):.0f} MiB free"
-                + (f", {freed:.0f} more once it unloads what it switches from" if freed else "")
-            )
+        if not added or here.fits(need, freed):
+            continue
+        other = need - here.need(added)
+        short.append(
+            f"{plan.node.name} needs {need * headroom:.0f} MiB with headroom for "
+            + ", ".join(f"{m} v{v}" for m, v in sorted(added))
+            + (f" and the {other:.0f} MiB it still has to load" if other else "")
+            + f"; {here.where} has {max(here.free_mb or 0, 0):.0f} MiB free"
+            + (f", {freed:.0f} more once it unloads what it switches from" if freed else "")
+        )
     return short

@@ -426,7 +426,8 @@ def _promote(rollout: Rollout) -> None:
 
 def _no_room_beside(rollout: Rollout, moving: list[Member]) -> list[str]:
     """Where the releases before, kept loaded beside the new ones for the rollback window, would
-    not fit (on the pool's memory-aware nodes)."""
+    not fit (on the pool's memory-aware nodes): on canary nodes already serving both too, since
+    a node short of its desired state never converges."""
     change: Wanted = {
         m.model.name: (m.canary, m.beside, f"{m.model.name} v{m.canary}, promoted")
         for m in moving
@@ -435,7 +436,7 @@ def _no_room_beside(rollout: Rollout, moving: list[Member]) -> list[str]:
     if not change:
         return []
     nodes = list(rollout.pool.nodes.all())
-    return shortfalls(nodes, fleet_desired(pool_ids=[rollout.pool.pk]), change)
+    return shortfalls(nodes, fleet_desired(pool_ids=[rollout.pool.pk]), change, new_only=False)
 
 
 def _aborting(rollout: Rollout) -> None:

@@ -101,21 +101,21 @@ def test_the_deploy_form_warns_before_a_release_that_will_not_fit_is_sent(
 ) -> None:
     seed_fleet(size=Size(nodes=8, pools=1, models=3, versions=2, operations=3, events=3))
     pool = NodePool.objects.get()
-    # The pool runs v2 of each model; going back to model-000 v1 takes 50 GB.
-    ModelVersion.objects.filter(model__name="model-000", version=1).update(memory_mb=50_000)
-    ModelVersion.objects.filter(model__name="model-001").update(memory_mb=10)
+    # The pool runs v2 of each model; going back to model-001 v1 takes 50 GB.
+    ModelVersion.objects.filter(model__name="model-001", version=1).update(memory_mb=50_000)
+    ModelVersion.objects.filter(model__name="model-000").update(memory_mb=10)
     Node.objects.filter(name__in=["node-0001", "node-0002"]).update(memory_limit_mb=8_000)
     sign_in(page, str(live_server), make_user(Role.OPERATOR).username)
     page.goto(f"{live_server}/deployments/")
     section = page.locator(f"#pool-{pool.name}")
-    section.get_by_label("Deploy").select_option("model-000:1")
+    choose = section.get_by_label("Deploy")
+    choose.select_option("model-001:1")
     warning = section.locator(f"#fit-{pool.name} [role=alert]")
-    expect(warning).to_contain_text(
-        "Will not fit beside what they serve: node-0001 needs 55000 MiB"
-    )
-    expect(warning).to_contain_text("node-0002 needs 55000 MiB")
+    expect(warning).to_contain_text("Will not fit beside what they serve: node-0001 needs 55")
+    expect(warning).to_contain_text("with headroom for model-001 v1")
+    expect(warning).to_contain_text("node-0002 needs")
     expect(warning.get_by_role("link", name=f"memory of pool {pool.name}")).to_be_visible()
     screenshot(page, "deploy-fit-warning")
-    section.get_by_label("Deploy").select_option("model-001:1")
+    choose.select_option("model-000:2")  # what the pool runs
     expect(section.locator(f"#fit-{pool.name} [role=alert]")).to_have_count(0)
     assert not page.console_errors  # type: ignore[attr-defined]

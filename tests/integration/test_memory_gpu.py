@@ -88,9 +88,17 @@ def test_a_gpu_nodes_room_is_its_emptiest_fresh_device(gpus: NodePool) -> None:
     assert memory.refusal(stale, "llm", {2}, {}) == ""  # nothing known: let through, measured
 
 
-def test_the_capacity_page_warns_of_a_gpu_node_a_deployment_will_not_fit(
+def test_a_deployment_that_will_not_fit_a_gpu_node_is_warned_of_before_and_after(
     gpus: NodePool, client: Client, viewer: User
 ) -> None:
+    # Before: what the deploy form and the rollout preview warn of, from the same readings.
+    nodes, desired = list(gpus.nodes.order_by("name")), fleet_desired(pool_ids=[gpus.pk])
+    assert memory.shortfalls(nodes, desired, {"llm": (3, None, "llm v3")}) == []
+    assert memory.shortfalls(nodes, desired, {"llm": (2, None, "llm v2")}) == [
+        "gpu-1 needs 67584 MiB with headroom for llm v2; GPU GPU-5f3a0c4e-bbbb of 81920 MiB"
+        " has 61440 MiB free"
+    ]
+    # After: the pool's memory page.
     deployment_set(model_name="llm", version=2, pool=gpus, actor="ops")
     client.force_login(viewer)
     page = client.get("/pools/gpu/capacity/").content.decode()
@@ -99,10 +107,3 @@ def test_the_capacity_page_warns_of_a_gpu_node_a_deployment_will_not_fit(
     assert "GPU GPU-5f3a0c4e-bbbb of 81920 MiB" in row and "does not fit" in row
     row = page.split('id="capacity-gpu-2"')[1].split("</tr>")[0]
     assert "no reading of the last 120 s" in row and "unknown" in row
-    # What the rollout preview (and the deploy form) warn of, from the same readings.
-    nodes, desired = list(gpus.nodes.order_by("name")), fleet_desired(pool_ids=[gpus.pk])
-    assert memory.shortfalls(nodes, desired, {"llm": (3, None, "llm v3")}) == []
-    assert memory.shortfalls(nodes, desired, {"llm": (2, None, "llm v2")}) == [
-        "gpu-1 needs 67584 MiB for llm v2 with headroom; GPU GPU-5f3a0c4e-bbbb of 81920 MiB"
-        " has 61440 MiB free"
-    ]

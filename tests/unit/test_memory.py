@@ -215,6 +215,8 @@ def test_the_capacity_page_shows_each_nodes_room_and_what_will_not_fit(
 def test_the_deploy_form_warns_of_the_nodes_a_release_will_not_fit_before_it_is_sent(
     node: Node, admin_client: object
 ) -> None:
+    from apps.fleet.services import deployment_set
+
     ModelVersion.objects.filter(model__name="step").update(status=ModelVersion.Status.RELEASED)
     node_set_memory(node_name="cpu-1", limit_mb=400, actor="sre")
     Node.objects.filter(pk=node.pk).update(
@@ -229,7 +231,7 @@ def test_the_deploy_form_warns_of_the_nodes_a_release_will_not_fit_before_it_is_
         return admin_client.get(url).content.decode()  # type: ignore[attr-defined]
 
     # step v2 (400 declared, 440 with headroom) in 400 MiB, even once v1 (300) is unloaded.
-    assert "<strong>Will not fit</strong> beside what they serve: cpu-1 needs 440 MiB for" in (
+    assert "<strong>Will not fit</strong> beside what they serve: cpu-1 needs 440 MiB with" in (
         warned := fit("step:2")
     )
     assert (
@@ -242,6 +244,9 @@ def test_the_deploy_form_warns_of_the_nodes_a_release_will_not_fit_before_it_is_
     assert "Will not fit" not in fit("step:1")  # it serves it already
     assert "Will not fit" not in fit("step:3")  # no footprint known: let through, measured
     assert "Will not fit" not in fit("nonsense")
+    node_set_memory(node_name="cpu-1", limit_mb=400, actor="sre")
+    deployment_set(model_name="step", version=2, pool=node.pool, actor="ops")  # short already
+    assert "Will not fit" not in fit("step:2")  # adds nothing: the memory page says it
 
 
 def test_a_refused_load_is_sent_anyway_when_an_operator_gives_a_reason(

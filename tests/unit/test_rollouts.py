@@ -254,7 +254,7 @@ def test_the_release_before_is_not_kept_where_memory_does_not_allow(fleet: Fleet
     skipped = AuditEvent.objects.get(action="rollout.window_skipped")
     assert skipped.message == (
         "the release before is not kept loaded for the rollback window, for want of memory"
-        " beside the new one: gpu-2 needs 880 MiB for rag v1, rag v2 with headroom;"
+        " beside the new one: gpu-2 needs 880 MiB with headroom for rag v1, rag v2;"
         " the node's 500 MiB limit has 500 MiB free"
     )
 
@@ -919,7 +919,7 @@ def test_the_preview_warns_where_the_canary_would_not_fit_in_memory(
     Node.objects.filter(name="gpu-2").update(memory_limit_mb=100)
     proposal = rollout_propose(model_name="rag", pool_name="gpu", canary_version=2, plan=PLAN)
     assert proposal.memory == [
-        "gpu-2 needs 220 MiB for rag v2 with headroom; the node's 100 MiB limit has 100 MiB free"
+        "gpu-2 needs 220 MiB with headroom for rag v2; the node's 100 MiB limit has 100 MiB free"
     ]
     client.force_login(release_manager)
     preview = client.post("/rollouts/new/", {**FORM, "preview": ""}).content.decode()
