@@ -356,17 +356,21 @@ def rollout_roll_back(*, rollout_id: int, actor: Actor, reason: str) -> Rollout:
 
 @audited("rollout.retry", _rollout_target, (RolloutError, PlanError))
 def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
-    """A new rollout with the same canary, plan and analysis (terminal states stay terminal)."""
+    """A new rollout with the same canary, plan and analysis, and the very template version
+    that analysis came from (terminal states stay terminal)."""
     rollout = _locked(rollout_id, "retry", [State.FAILED, State.ROLLED_BACK], actor)
-    again = rollout_start(
-        model_name=rollout.model.name,
-        pool_name=rollout.pool.name,
-        canary_version=rollout.canary_version,
-        plan=rollout.plan,
-        analysis=rollout.analysis,
-        actor=actor,
-        lockstep=[(m["model"], m["canary"]) for m in rollout.lockstep],
-    )
+    with transaction.atomic():
+        again = rollout_start(
+            model_name=rollout.model.name,
+            pool_name=rollout.pool.name,
+            canary_version=rollout.canary_version,
+            plan=rollout.plan,
+            analysis=rollout.analysis,
+            actor=actor,
+            lockstep=[(m["model"], m["canary"]) for m in rollout.lockstep],
+        )
+        again.template = rollout.template
+        again.save(update_fields=["template"])
     audit_record(
         actor=actor,
         action="rollout.retry",

@@ -212,6 +212,26 @@ def test_the_capacity_page_shows_each_nodes_room_and_what_will_not_fit(
     assert "does not fit" in rows[1] and "fits" in rows[2] and "unknown" in rows[2]
 
 
+def test_the_capacity_warning_covers_the_whole_pool_not_one_page(
+    node: Node, admin_client: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from apps.fleet import views
+    from apps.fleet.services import deployment_set
+
+    monkeypatch.setattr(views, "CAPACITY_PER_PAGE", 2)
+    ModelVersion.objects.filter(model__name="step").update(status=ModelVersion.Status.RELEASED)
+    for n in range(2, 9):  # cpu-1 (no limit) and cpu-2 on the first page; 7 short nodes
+        Node.objects.create(
+            name=f"cpu-{n}", pool=node.pool, http_url="http://x:8000", memory_limit_mb=100
+        )
+    deployment_set(model_name="step", version=2, pool=node.pool, actor="ops")
+    page = admin_client.get("/pools/cpu/capacity/").content.decode()  # type: ignore[attr-defined]
+    assert page.count('id="capacity-') == 2
+    warning = page.split('id="short"')[1].split("</div>")[0]
+    assert "cpu-2 needs" in warning and "cpu-6 needs" in warning and "cpu-7" not in warning
+    assert "; and 2 more nodes. Those loads would be refused" in warning
+
+
 def test_the_deploy_form_warns_of_the_nodes_a_release_will_not_fit_before_it_is_sent(
     node: Node, admin_client: object
 ) -> None:

@@ -1145,6 +1145,13 @@ def test_a_template_is_versioned_audited_and_judges_the_rollouts_that_name_it(
     assert "judged by the analysis template careful v2" in page
     form = client.get("/rollouts/new/").content.decode()
     assert '<option value="careful">careful</option>' in form
+    # A retry is judged as the rollout it repeats was: by the same version of the template.
+    template_save(name="careful", analysis={"judge": "threshold"}, model_name="rag", actor="ops")
+    rollout_abort(rollout_id=rollout.pk, actor="ops")
+    fleet.converge()
+    assert tick(rollout).state == State.ROLLED_BACK
+    again = rollout_retry(rollout_id=rollout.pk, actor="ops")
+    assert (again.template, again.analysis) == (second, rollout.analysis)
 
 
 @pytest.mark.parametrize(
