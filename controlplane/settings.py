@@ -83,6 +83,7 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",  # collected static files, before the session
     "django.contrib.sessions.middleware.SessionMiddleware",
+    "controlplane.sessions.IdleSessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
@@ -169,9 +170,10 @@ CONTENT_SECURITY_POLICY = {
 # A repository archive (registry.archives.MAX_UPLOAD_BYTES) and its multipart framing fit.
 REQUEST_BODY_MAX_BYTES = int(env_float("REQUEST_BODY_MAX_BYTES", 21 * 2**20))
 
-# A session ends after SESSION_IDLE_S without a request; every request starts the count again.
+# A session ends after SESSION_IDLE_S without a request; every request starts the count again
+# (controlplane/sessions.py: to the minute, writing the session once a minute at most).
 SESSION_COOKIE_AGE = int(env_float("SESSION_IDLE_S", 3600))
-SESSION_SAVE_EVERY_REQUEST = True
+SESSION_TOUCH_S = 60
 # API tokens expire after at most this many days (each token may choose fewer).
 API_TOKEN_MAX_DAYS = int(env_float("API_TOKEN_MAX_DAYS", 90))
 SESSION_COOKIE_HTTPONLY = True

@@ -39,3 +39,17 @@ document.addEventListener("htmx:confirm", function (event) {
   window.addEventListener("DOMContentLoaded", function () { localise(document); });
   document.addEventListener("htmx:afterSettle", function (event) { localise(event.target); });
 })();
+
+// A live part of a page does not refresh under someone filling a field in it (a reason, say):
+// its poll waits while a field there has the focus or holds text not yet sent.
+document.addEventListener("htmx:beforeRequest", function (event) {
+  var live = event.detail.elt;
+  if (!live.matches || !/^every /.test(live.getAttribute("hx-trigger") || "")) return;
+  var fields = live.querySelectorAll("input:not([type=hidden]), textarea");
+  for (var i = 0; i < fields.length; i++) {
+    if (fields[i] === document.activeElement || fields[i].value) {
+      event.preventDefault();
+      return;
+    }
+  }
+});

@@ -6,6 +6,13 @@ from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 
 
+@pytest.fixture(autouse=True)
+def _sessions_written_at_sign_in_only(settings: object) -> None:
+    """A session is written again once a minute (controlplane/sessions.py): a page's query
+    count would depend on the clock. tests/unit/test_security.py checks the writes."""
+    settings.SESSION_TOUCH_S = 10**12  # type: ignore[attr-defined]
+
+
 @pytest.fixture
 def trail(db: None) -> list[AuditEvent]:
     return [

@@ -30,13 +30,27 @@ from tests.support.users import PASSWORD
 pytestmark = pytest.mark.django_db
 
 
-def test_a_session_ends_after_an_hour_without_a_request(client: Client, viewer: User) -> None:
+def test_a_session_ends_after_an_hour_without_a_request(
+    client: Client, viewer: User, settings: object
+) -> None:
+    settings.SESSION_TOUCH_S = 60  # type: ignore[attr-defined]
     client.force_login(viewer)
     session = Session.objects.get()
     Session.objects.filter(pk=session.pk).update(expire_date=timezone.now() + timedelta(seconds=5))
     assert client.get("/").status_code == 200
     left = Session.objects.get(pk=session.pk).expire_date - timezone.now()
     assert timedelta(minutes=59) < left <= timedelta(hours=1)  # the request started the count again
+    # Written once a minute at most, not on every poll of a live page.
+    soon = timezone.now() + timedelta(seconds=5)
+    Session.objects.filter(pk=session.pk).update(expire_date=soon)
+    assert client.get("/").status_code == 200
+    assert Session.objects.get(pk=session.pk).expire_date == soon
+    data = client.session
+    data["_touched"] -= 60
+    data.save()
+    Session.objects.filter(pk=session.pk).update(expire_date=soon)
+    assert client.get("/").status_code == 200
+    assert Session.objects.get(pk=session.pk).expire_date - timezone.now() > timedelta(minutes=59)
     Session.objects.filter(pk=session.pk).update(expire_date=timezone.now())
     response = client.get("/")
     assert response.status_code == 302 and response["Location"].startswith("/accounts/login/")
