@@ -371,6 +371,9 @@ def _execute(node: Node, op: Operation) -> str:
             # planner unloads our own ensembles by name, before their steps.
             client.unload(op.model_name)
         else:
+            # As the node is now: its limit may have been set since the run read it (a long
+            # plan, or a limit set just as the plan was made).
+            node.refresh_from_db(fields=["memory_limit_mb", "gpus"])
             if memory.aware(node):
                 refused, measured = _memory_check(node, client, op)
                 refused = "" if op.override else refused  # a person vouched for the room

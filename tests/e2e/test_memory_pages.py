@@ -26,12 +26,14 @@ REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 
 @pytest.fixture
 def pool() -> NodePool:
-    """Pool `pair` of two nodes serving rag_pipeline v1; generator v2 declared at 300 MiB."""
+    """Pool `pair` of two nodes running the embedder and generator v1 and rag_pipeline v1;
+    generator v2 declared at 300 MiB."""
     assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
     pair = NodePool.objects.create(name="pair")
     for name in ("pair-1", "pair-2"):
         Node.objects.create(name=name, pool=pair, http_url=f"http://{name}:8000", health="ready")
-    deployment_set(model_name="rag_pipeline", version=1, pool=pair, actor="system:test")
+    for model in ("embedder", "generator", "rag_pipeline"):
+        deployment_set(model_name=model, version=1, pool=pair, actor="system:test")
     version_set_memory(model_name="generator", version=2, memory_mb=300, actor="sre")
     return pair
 
@@ -72,6 +74,7 @@ def test_the_rollout_preview_warns_of_memory_and_names_what_goes_in_lockstep(
     pool: NodePool, page: Page, live_server: object
 ) -> None:
     node_set_memory(node_name="pair-2", limit_mb=256, actor="sre")
+    call_command("set_budgets", "rag_pipeline=200")
     call_command("set_slo", "rag_pipeline", "--availability", "0.999", "--latency", "0.99")
     sign_in(page, str(live_server), make_user(Role.RELEASE_MANAGER).username)
     page.goto(f"{live_server}/models/rag_pipeline/")
@@ -88,6 +91,9 @@ def test_the_rollout_preview_warns_of_memory_and_names_what_goes_in_lockstep(
     expect(warning).to_contain_text("Will not fit in memory")
     expect(warning).to_contain_text("pair-2 needs 330 MiB with headroom for generator v2")
     expect(page.locator("#preview")).to_contain_text("With it, on the same nodes and as one:")
+    expect(page.locator("#preview")).to_contain_text(
+        "v1 kept loaded (not served) for the pool's 900 s rollback window where memory allows"
+    )
     screenshot(page, "rollout-preview-memory")
     page.get_by_role("button", name="Start rollout").click()
     expect(page.locator("#lockstep")).to_contain_text("embedder v1 → v2")

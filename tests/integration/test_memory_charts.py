@@ -11,7 +11,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from apps.fleet.models import Node, NodePool
-from tests.support.backfill import backfilled_prometheus
+from tests.support.backfill import backfilled_prometheus, gpu_memory
 from tests.support.fleet import Fleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
@@ -23,18 +23,10 @@ GPUS = {"GPU-5f3a0c4e-1111": 30 * GIB, "GPU-5f3a0c4e-2222": 12 * GIB}
 @pytest.fixture(scope="module")
 def gpu_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Prometheus whose TSDB holds 30 minutes of Triton GPU metrics written by promtool."""
-    now = int(time.time())
-    lines = []
-    for name in ("nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes"):
-        lines += [f"# HELP {name} GPU memory, in bytes", f"# TYPE {name} gauge"]
-        for uuid, used in GPUS.items():
-            value = used if name.endswith("used_bytes") else 80 * GIB
-            lines += [
-                f'{name}{{gpu_uuid="{uuid}",node="gpu-1",pool="gpu"}} {value} {t}'
-                for t in range(now - 1800, now - 60, 30)
-            ]
+    times = range(int(time.time()) - 1800, int(time.time()) - 60, 30)
+    readings = {("gpu-1", uuid): (used, 80 * GIB, times) for uuid, used in GPUS.items()}
     with backfilled_prometheus(
-        tmp_path_factory.mktemp("gpu-prometheus"), "\n".join(lines) + "\n# EOF\n"
+        tmp_path_factory.mktemp("gpu-prometheus"), gpu_memory(readings)
     ) as url:
         yield url
 

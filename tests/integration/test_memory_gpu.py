@@ -15,7 +15,7 @@ from apps.fleet.desired import fleet_desired
 from apps.fleet.models import Node, NodePool
 from apps.fleet.services import deployment_set
 from apps.registry.models import Model, ModelVersion
-from tests.support.backfill import backfilled_prometheus
+from tests.support.backfill import backfilled_prometheus, gpu_memory
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
@@ -33,19 +33,11 @@ READINGS = {
 @pytest.fixture(scope="module")
 def gpu_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     now = int(time.time())
-    lines = []
-    for name in ("nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes"):
-        lines += [f"# HELP {name} GPU memory, in bytes", f"# TYPE {name} gauge"]
-        for (node, uuid), (used, ago) in READINGS.items():
-            value = used if name.endswith("used_bytes") else 80 * GIB
-            last = now - ago
-            lines += [
-                f'{name}{{gpu_uuid="{uuid}",node="{node}",pool="gpu"}} {value} {t}'
-                for t in range(last - 600, last + 1, 5)
-            ]
-    with backfilled_prometheus(
-        tmp_path_factory.mktemp("gpu-rooms"), "\n".join(lines) + "\n# EOF\n"
-    ) as url:
+    readings = {
+        where: (used, 80 * GIB, range(now - ago - 600, now - ago + 1, 5))
+        for where, (used, ago) in READINGS.items()
+    }
+    with backfilled_prometheus(tmp_path_factory.mktemp("gpu-rooms"), gpu_memory(readings)) as url:
         yield url
 
 

@@ -10,6 +10,20 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def gpu_memory(readings: dict[tuple[str, str], tuple[int, int, range]]) -> str:
+    """Triton's GPU memory series in OpenMetrics, for `backfilled_prometheus`: for each (node,
+    GPU uuid) of pool `gpu`, its bytes in use and in all at each second of its range."""
+    lines = []
+    for name in ("nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes"):
+        lines += [f"# HELP {name} GPU memory, in bytes", f"# TYPE {name} gauge"]
+        for (node, uuid), (used, total, times) in readings.items():
+            value = used if name.endswith("used_bytes") else total
+            lines += [
+                f'{name}{{gpu_uuid="{uuid}",node="{node}",pool="gpu"}} {value} {t}' for t in times
+            ]
+    return "\n".join(lines) + "\n# EOF\n"
+
+
 @contextmanager
 def backfilled_prometheus(root: Path, openmetrics: str) -> Iterator[str]:
     """Yields the URL of a Prometheus that holds exactly `openmetrics` (ending with `# EOF`)."""

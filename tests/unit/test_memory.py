@@ -9,7 +9,7 @@ from apps.audit.models import AuditEvent
 from apps.fleet import memory
 from apps.fleet.models import Footprint, Node, NodePool
 from apps.fleet.planner import plan
-from apps.fleet.services import FleetError, node_set_memory
+from apps.fleet.services import FleetError, deployment_set, node_set_memory
 from apps.registry.models import Model, ModelVersion
 from tests.unit.test_planner import MANAGED, desired, kinds, ready
 
@@ -187,17 +187,22 @@ def test_limits_and_estimates_are_set_audited_and_checked(node: Node) -> None:
     assert Node.objects.get(name="cpu-1").memory_limit_mb is None
 
 
-def test_the_capacity_page_shows_each_nodes_room_and_what_will_not_fit(
-    node: Node, admin_client: object
-) -> None:
-    from apps.fleet.services import deployment_set
-
+@pytest.fixture
+def tight(node: Node) -> Node:
+    """cpu-1 serving step v1 (300 MiB measured) in 400 MiB; cpu-2 beside it, with no limit."""
     ModelVersion.objects.filter(model__name="step").update(status=ModelVersion.Status.RELEASED)
     node_set_memory(node_name="cpu-1", limit_mb=400, actor="sre")
     Node.objects.filter(pk=node.pk).update(
         index=[{"model": "step", "version": "1", "state": "READY", "reason": ""}]
     )
-    other = Node.objects.create(name="cpu-2", pool=node.pool, http_url="http://cpu-2:8000")
+    Node.objects.create(name="cpu-2", pool=node.pool, http_url="http://cpu-2:8000")
+    return node
+
+
+def test_the_capacity_page_shows_each_nodes_room_and_what_will_not_fit(
+    tight: Node, admin_client: object
+) -> None:
+    node, other = tight, Node.objects.get(name="cpu-2")
     deployment_set(model_name="step", version=2, pool=node.pool, actor="ops")
     page = admin_client.get("/pools/cpu/capacity/").content.decode()  # type: ignore[attr-defined]
     # cpu-1: 400 less step v1's 300 measured; step v2 (400 declared, 440 with headroom) to load,
@@ -216,7 +221,6 @@ def test_the_capacity_warning_covers_the_whole_pool_not_one_page(
     node: Node, admin_client: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from apps.fleet import views
-    from apps.fleet.services import deployment_set
 
     monkeypatch.setattr(views, "CAPACITY_PER_PAGE", 2)
     ModelVersion.objects.filter(model__name="step").update(status=ModelVersion.Status.RELEASED)
@@ -233,16 +237,9 @@ def test_the_capacity_warning_covers_the_whole_pool_not_one_page(
 
 
 def test_the_deploy_form_warns_of_the_nodes_a_release_will_not_fit_before_it_is_sent(
-    node: Node, admin_client: object
+    tight: Node, admin_client: object
 ) -> None:
-    from apps.fleet.services import deployment_set
-
-    ModelVersion.objects.filter(model__name="step").update(status=ModelVersion.Status.RELEASED)
-    node_set_memory(node_name="cpu-1", limit_mb=400, actor="sre")
-    Node.objects.filter(pk=node.pk).update(
-        index=[{"model": "step", "version": "1", "state": "READY", "reason": ""}]
-    )
-    Node.objects.create(name="cpu-2", pool=node.pool, http_url="http://cpu-2:8000")  # no limit
+    node = tight
     page = admin_client.get("/deployments/").content.decode()  # type: ignore[attr-defined]
     assert 'hx-get="/pools/cpu/fit/" hx-trigger="change" hx-target="#fit-cpu"' in page
 
@@ -300,6 +297,26 @@ def test_a_refused_load_is_sent_anyway_when_an_operator_gives_a_reason(
     assert (forced.status, forced.override, sent) == ("succeeded", "v1 is leaving", ["step"])
     event = AuditEvent.objects.get(action="operation.override", result="ok")
     assert event.message == "v1 is leaving" and event.after["refused"] == refused.pk
+
+
+def test_a_limit_set_after_a_run_read_its_node_still_holds_for_its_loads(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from apps.fleet.models import Operation
+    from apps.fleet.operations import Wanted, node_run
+    from apps.fleet.triton import TritonClient
+
+    sent: list[str] = []
+    monkeypatch.setattr(TritonClient, "load", lambda self, model, config_json: sent.append(model))
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])
+    wanted = Wanted()
+    wanted.node = Node.objects.select_related("pool").get(pk=node.pk)  # as a plan read it
+    node_set_memory(node_name="cpu-1", limit_mb=100, actor="sre")  # then: step v2 takes 400
+    Operation.objects.create(
+        node=node, kind="load", model_name="step", versions=[2], requested_by="ops"
+    )
+    node_run(node_id=node.pk, wanted=wanted)
+    assert (Operation.objects.get().failure, sent) == ("memory", [])
 
 
 def test_a_load_is_measured_only_when_nothing_else_changes_meanwhile(
