@@ -99,6 +99,10 @@ def celery_processes(
     with django_db_blocker.unblock():  # type: ignore[attr-defined]
         url = database_url()
     celery_app.conf.broker_url = redis_url
+    # A test that enqueued before (a page test whose transaction committed) left this process's
+    # connection and producer pools on the default broker, where tasks and pings would still go.
+    celery_app._pool = None
+    celery_app.amqp._producer_pool = None
     processes = Celery(tmp_path_factory.mktemp("celery"), url, redis_url, webhook.url)
     try:
         processes.start_worker()
