@@ -222,14 +222,18 @@ def pool_capacity(request: HttpRequest, pool: str) -> HttpResponse:
 
 
 def pool_fit(request: HttpRequest, pool: str) -> HttpResponse:
-    """Whether a release chosen in the deploy form ("model:version") would fit on each of the
-    pool's memory-aware nodes beside what it serves: said before the form is sent."""
+    """Whether a release chosen in a deploy form ("model:version") would fit on each of the
+    pool's memory-aware nodes (or on `node`, for a node's own load form) beside what it serves:
+    said before the form is sent."""
     found = get_object_or_404(NodePool, name=pool)
     model, _, version = request.GET.get("model_version", "").partition(":")
+    nodes = found.nodes.all()
+    if request.GET.get("node"):
+        nodes = nodes.filter(name=request.GET["node"])
     short = []
     if version.isdigit():
         change: Wanted = {model: (int(version), None, f"{model} v{version}")}
-        short = shortfalls(list(found.nodes.all()), fleet_desired(pool_ids=[found.pk]), change)
+        short = shortfalls(list(nodes), fleet_desired(pool_ids=[found.pk]), change)
     context = {"pool": found, "short": short[:FIT_SHOWN], "more": len(short) - FIT_SHOWN}
     return render(request, "fleet/partials/fit.html", context)
 

@@ -256,6 +256,11 @@ def test_the_deploy_form_warns_of_the_nodes_a_release_will_not_fit_before_it_is_
         " switches from. Those loads would be refused"
     ) in warned
     assert "cpu-2" not in warned and 'href="/pools/cpu/capacity/"' in warned
+    node_page = admin_client.get("/nodes/cpu-1/").content.decode()  # type: ignore[attr-defined]
+    assert 'hx-get="/pools/cpu/fit/?node=cpu-1" hx-trigger="change"' in node_page
+    # The node's own load form asks about the node alone.
+    assert "cpu-1 needs 440 MiB" in fit("step:2&node=cpu-1")
+    assert "Will not fit" not in fit("step:2&node=cpu-2")
     node_set_memory(node_name="cpu-1", limit_mb=600, actor="sre")
     assert "Will not fit" not in fit("step:2")  # v1 unloads first: v2 fits alone
     assert "Will not fit" not in fit("step:1")  # it serves it already
