@@ -121,7 +121,7 @@ def weights_set(pool: NodePool, weights: dict[str, int], actor: str) -> None:
     if not pool.traffic:
         return
     with transaction.atomic():
-        _lock(pool.pk)
+        locked = _lock(pool.pk)
         before = dict(pool.nodes.filter(name__in=weights).values_list("name", "weight"))
         changed = {name: w for name, w in weights.items() if before.get(name, w) != w}
         if not changed:
@@ -129,7 +129,7 @@ def weights_set(pool: NodePool, weights: dict[str, int], actor: str) -> None:
         for weight in set(changed.values()):
             names = [name for name, w in changed.items() if w == weight]
             pool.nodes.filter(name__in=names).update(weight=weight)
-        _sync(pool)
+        _sync(locked)
     audit_record(
         actor=actor,
         action="pool.weights",
@@ -213,18 +213,19 @@ def drained(node: Node) -> Iterator[None]:
         yield
         return
     with transaction.atomic():
-        _lock(pool.pk)
+        locked = _lock(pool.pk)
         weight = Node.objects.values_list("weight", flat=True).get(pk=node.pk)
         serving = pool.nodes.exclude(pk=node.pk).filter(
             health=Node.Health.READY, draining=False, weight__gt=0
         )
         count = serving.count()
-        refused = weight and count < pool.min_serving  # at weight 0 it serves nobody already
+        keep = locked.min_serving
+        refused = weight and count < keep  # at weight 0 it serves nobody already
         if not refused:
             Node.objects.filter(pk=node.pk).update(draining=True)
-            _sync(pool)
+            _sync(locked)
     if refused:
-        why = f"pool {pool.name} keeps {pool.min_serving} nodes serving and {count} other"
+        why = f"pool {pool.name} keeps {keep} nodes serving and {count} other"
         why += f"{' does' if count == 1 else 's do'}; the load waits for one to return"
         Node.objects.filter(pk=node.pk).update(traffic_error=why)
         raise PoolAtCapacity(why)
@@ -233,9 +234,9 @@ def drained(node: Node) -> Iterator[None]:
         yield
     finally:
         with transaction.atomic():
-            _lock(pool.pk)
+            locked = _lock(pool.pk)
             Node.objects.filter(pk=node.pk).update(draining=False)
-            _sync(pool)
+            _sync(locked)
 
 
 def _wait_idle(node: Node, pool: NodePool, target: Balancer) -> None:
