@@ -2,7 +2,8 @@
 pool; a PoolRole grants a higher role's on one pool. Views and the API check that the user may
 act somewhere (`require`, apps.api.auth); services check the pool they act on (`authorize`)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import wraps
 from typing import Any
@@ -83,6 +84,20 @@ def authorize(actor: User | str, permission: str, pool: Any) -> None:
 
 # The approval whose action is being carried out (apps.rollouts.approvals), if any.
 APPROVING: ContextVar[int | None] = ContextVar("approving", default=None)
+# A move back under way (an abort, a rollback, a fallback): whatever it changes on the way (the
+# pool's deployment, canary nodes' own ones) is never held for a second person.
+MOVING_BACK: ContextVar[bool] = ContextVar("moving_back", default=False)
+
+
+@contextmanager
+def moving_back() -> Iterator[None]:
+    """On-call must always be able to stop a bad release, alone, at 3 a.m.: a move back is
+    never held for approval on a protected pool; its audit event says who did it and why."""
+    token = MOVING_BACK.set(True)
+    try:
+        yield
+    finally:
+        MOVING_BACK.reset(token)
 
 
 class ApprovalRequired(PermissionDenied):
@@ -98,8 +113,13 @@ class ApprovalRequired(PermissionDenied):
 
 def second_person(actor: User | str, pool: Any, action: str, params: dict[str, Any]) -> None:
     """On a protected pool, a person's `action` needs an approval first (system actors, such as
-    the rollout controller promoting a canary that passed, act alone)."""
-    if pool.protected and isinstance(actor, User) and APPROVING.get() is None:
+    the rollout controller promoting a canary that passed, act alone); a move back never waits."""
+    if (
+        pool.protected
+        and isinstance(actor, User)
+        and APPROVING.get() is None
+        and not MOVING_BACK.get()
+    ):
         raise ApprovalRequired(action, params, pool)
 
 

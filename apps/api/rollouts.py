@@ -141,7 +141,7 @@ def get_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
 
 @router.post(
     "/rollouts",
-    response={201: RolloutOut, **ERRORS},
+    response={201: RolloutOut, **WAITS, **ERRORS},
     auth=can("rollouts.add_rollout", "rollout.start"),
 )
 def start_rollout(request: HttpRequest, body: RolloutIn) -> Status[dict[str, Any]]:
@@ -210,7 +210,9 @@ def abort_rollout(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict
 
 
 @router.post(
-    "/rollouts/{rollout_id}/retry", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
+    "/rollouts/{rollout_id}/retry",
+    response={200: RolloutOut, **WAITS, **ERRORS},
+    auth=can(*CHANGE),
 )
 def retry_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
     """A new rollout with the same canary, plan and analysis; the answer is the new one."""
@@ -227,7 +229,7 @@ def _switch(request: HttpRequest, pool: str, model: str, service: Any) -> dict[s
 
 @router.post(
     "/pools/{pool}/models/{model}/rollback",
-    response={200: ReleaseOut, **WAITS, **ERRORS},
+    response={200: ReleaseOut, **ERRORS},
     auth=can("rollouts.rollback_release", "release.rollback"),
 )
 def rollback_to_last_good(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
@@ -237,7 +239,7 @@ def rollback_to_last_good(request: HttpRequest, pool: str, model: str) -> dict[s
 
 @router.post(
     "/pools/{pool}/models/{model}/fallback",
-    response={200: ReleaseOut, **WAITS, **ERRORS},
+    response={200: ReleaseOut, **ERRORS},
     auth=can("rollouts.rollback_release", "release.fallback"),
 )
 def switch_to_fallback(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:

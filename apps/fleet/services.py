@@ -248,6 +248,8 @@ def operation_override(*, operation_id: int, reason: str, actor: Actor) -> Opera
     reason = reason.strip()
     if not reason:
         raise FleetError("an override needs a reason, for the audit trail")
+    params = {"operation_id": operation_id, "reason": reason, "node": refused.node.name}
+    second_person(actor, refused.node.pool, "operation.override", params)
     op = Operation.objects.create(
         node=refused.node,
         kind=refused.kind,
@@ -285,6 +287,8 @@ def node_adopt(*, node_id: int, model_name: str, actor: Actor) -> Node:
     so it is unloaded unless a deployment names it."""
     node = Node.objects.select_for_update().select_related("pool").get(pk=node_id)
     authorize(actor, "fleet.operate_node", node.pool)
+    # Adopted, a model is unloaded unless a deployment names it: a change to what the pool runs.
+    second_person(actor, node.pool, "node.adopt", {"node": node.name, "model": model_name})
     if model_name in node.owned:
         raise FleetError(f"{model_name} on {node.name} is managed already")
     if not any(entry["model"] == model_name for entry in node.index):

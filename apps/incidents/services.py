@@ -145,7 +145,9 @@ def incident_rollback(
             undone = rollout_roll_back(rollout_id=rollout, actor=actor, reason=why)
             done = f"rollout #{rollout} is rolling back to v{undone.baseline_version}"
         else:
-            version = release_rollback(model_name=model, pool_name=pool, actor=actor)
+            version = release_rollback(
+                model_name=model, pool_name=pool, actor=actor, reason=f"incident #{incident.pk}"
+            )
             done = f"pool {pool} is rolling {model} back to v{version}"
     except RolloutError as exc:
         raise IncidentError(str(exc)) from exc

@@ -1,7 +1,8 @@
-"""Two people for a protected pool: a person's deployment, promotion or pool-wide rollback there
-is refused by its service with ApprovalRequired; it becomes a request that someone else with a
-release manager's role on the pool approves before it expires, which carries it out as the
-requester's, with the approver named in the trail."""
+"""Two people for a protected pool: a person's deployment, rollout start or retry, promotion,
+override of a refused load or adoption there is refused by its service with ApprovalRequired
+(a move back never is: apps.accounts.permissions.moving_back); it becomes a request that
+someone else with a release manager's role on the pool approves before it expires, which
+carries it out as the requester's, with the approver named in the trail."""
 
 from collections.abc import Callable
 from datetime import timedelta
@@ -16,8 +17,14 @@ from django.utils import timezone
 
 from apps.accounts.permissions import APPROVING, ApprovalRequired, authorize, current_user
 from apps.audit.services import audit_record, audited
-from apps.fleet.models import Node, NodePool
-from apps.fleet.services import FleetError, deployment_remove, deployment_set
+from apps.fleet.models import Deployment, Node, NodePool
+from apps.fleet.services import (
+    FleetError,
+    deployment_remove,
+    deployment_set,
+    node_adopt,
+    operation_override,
+)
 from apps.rollouts.models import Approval
 from apps.rollouts.plans import PlanError
 from apps.rollouts.services import (
@@ -25,6 +32,8 @@ from apps.rollouts.services import (
     release_fallback,
     release_rollback,
     rollout_promote,
+    rollout_retry,
+    rollout_start,
 )
 from controlplane.htmx import back
 
@@ -54,13 +63,42 @@ ACTIONS: dict[str, Callable[[dict[str, Any], User], object]] = {
     "rollout.promote": lambda p, actor: rollout_promote(
         rollout_id=p["rollout_id"], reason=p["reason"], actor=actor
     ),
+    # Held before moves back were exempt: requests of then still approve.
     "release.rollback": lambda p, actor: release_rollback(
         model_name=p["model"], pool_name=p["pool"], actor=actor
     ),
     "release.fallback": lambda p, actor: release_fallback(
         model_name=p["model"], pool_name=p["pool"], actor=actor
     ),
+    "rollout.start": lambda p, actor: rollout_start(
+        model_name=p["model"],
+        pool_name=p["pool"],
+        canary_version=p["canary"],
+        plan=p["plan"],
+        analysis=p["analysis"],  # whole, as resolved when asked: the template adds nothing
+        template=p["template"],
+        lockstep=[(m["model"], m["canary"]) for m in p["lockstep"]],
+        accept_shares=p["accept_shares"],
+        actor=actor,
+    ),
+    "rollout.retry": lambda p, actor: rollout_retry(rollout_id=p["rollout_id"], actor=actor),
+    "operation.override": lambda p, actor: operation_override(
+        operation_id=p["operation_id"], reason=p["reason"], actor=actor
+    ),
+    "node.adopt": lambda p, actor: node_adopt(
+        node_id=Node.objects.get(name=p["node"]).pk, model_name=p["model"], actor=actor
+    ),
 }
+
+
+def _resolved(pool: NodePool, params: dict[str, Any]) -> dict[str, Any]:
+    """What a change is resolved against: the release of its model that the pool (or its node)
+    runs now."""
+    if "model" not in params:
+        return {}
+    where = {"node__name": params["node"]} if "node" in params else {"pool": pool}
+    found = Deployment.objects.filter(model__name=params["model"], **where)
+    return {"release": found.values_list("version", flat=True).first()}
 
 
 class ApprovalError(Exception):
@@ -84,6 +122,7 @@ def approval_request(*, refused: ApprovalRequired, actor: User) -> Approval:
         pool=refused.pool,
         action=refused.action,
         params=refused.params,
+        resolved=_resolved(refused.pool, refused.params),
         requested_by=actor,
         expires_at=timezone.now() + timedelta(seconds=settings.APPROVAL_TTL_S),
     )
@@ -122,10 +161,16 @@ def approval_approve(*, approval_id: int, actor: User) -> Approval:
     authorize(actor, APPROVER_PERMISSION, approval.pool)
     approval.approved_by, approval.approved_at = actor, timezone.now()
     token = APPROVING.set(approval.pk)
+    now = _resolved(approval.pool, approval.params)
     try:
+        if approval.resolved and now != approval.resolved:
+            raise ApprovalError(
+                f"{approval.params['model']} moved from v{approval.resolved['release']} to "
+                f"v{now['release']} since it was asked: ask again"
+            )
         ACTIONS[approval.action](approval.params, approval.requested_by)
         approval.status = Approval.Status.APPROVED
-    except (FleetError, RolloutError, PlanError) as exc:
+    except (FleetError, RolloutError, PlanError, ApprovalError) as exc:
         approval.status, approval.result = Approval.Status.FAILED, str(exc)
     finally:
         APPROVING.reset(token)

@@ -15,6 +15,7 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
+from apps.accounts.permissions import moving_back
 from apps.audit.services import actor_name, audit_record
 from apps.fleet.desired import Wanted, fleet_desired
 from apps.fleet.memory import shortfalls
@@ -160,21 +161,22 @@ def begin_abort(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
     """Canary nodes back to the pool's deployment, the baseline, which they still serve: only a
     narrowing. During a promotion the pool itself goes back to the baseline. On a pool whose
     balancer weighs nodes, the canary nodes first get no traffic at all, until the rollback is
-    read back everywhere."""
+    read back everywhere. A move back: never held for a second person on a protected pool."""
     if rollout.pool.traffic:  # no request reaches the canary from now on
         weights_set(rollout.pool, dict.fromkeys(rollout.canary_nodes, 0), actor_name(actor))
     released = members(rollout)
     pooled = _pooled(rollout, released)
-    for member in reversed(released):  # pipelines first, then what they pin
-        pool = pooled.get(member.model.name)
-        if pool is not None and pool.version == member.canary:
-            deployment_set(
-                model_name=member.model.name,
-                version=member.baseline,
-                pool=rollout.pool,
-                actor=actor,
-            )
-        drop_node_deployments(member.model, rollout.pool, actor)
+    with moving_back():
+        for member in reversed(released):  # pipelines first, then what they pin
+            pool = pooled.get(member.model.name)
+            if pool is not None and pool.version == member.canary:
+                deployment_set(
+                    model_name=member.model.name,
+                    version=member.baseline,
+                    pool=rollout.pool,
+                    actor=actor,
+                )
+            drop_node_deployments(member.model, rollout.pool, actor)
     transition(rollout, State.ABORTING, reason, actor=actor)
 
 

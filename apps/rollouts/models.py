@@ -206,6 +206,9 @@ class Approval(models.Model):
     pool = models.ForeignKey(NodePool, on_delete=models.CASCADE, related_name="approvals")
     action = models.CharField(max_length=30)
     params = models.JSONField()
+    # What the change was resolved against when it was asked (the pool's release of the model):
+    # approved once that has moved, it would do something its approver never saw.
+    resolved = models.JSONField(default=dict, blank=True)
     requested_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="approvals_requested"
     )

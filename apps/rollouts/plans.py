@@ -161,6 +161,34 @@ class Analysis:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def looser_than(self, other: "Analysis") -> list[str]:
+        """Where this analysis lets through what `other` would stop, field by field."""
+        found = [f"judge {self.judge}, not {other.judge}"] if self.judge != other.judge else []
+        found += ["a dry run"] if self.dry_run and not other.dry_run else []
+        for name, higher_is_looser in LOOSER_WHEN_HIGHER.items():
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs and (mine > theirs) == higher_is_looser:
+                found.append(f"{name} {mine}, the template's {theirs}")
+        return found
+
+
+# Each gate of an analysis, and whether a higher value lets more through. A higher confidence
+# needs a smaller p-value to call the canary worse.
+LOOSER_WHEN_HIGHER = {
+    "p99_tolerance": True,
+    "p99_margin_ms": True,
+    "error_delta": True,
+    "min_requests": False,
+    "failure_limit": True,
+    "error_limit": True,
+    "confidence": True,
+    "latency_tolerance": True,
+    "latency_margin_ms": True,
+    "error_tolerance": True,
+    "pass_score": False,
+    "slo_burn_limit": True,
+}
+
 
 @dataclass(frozen=True)
 class PreviewStep:

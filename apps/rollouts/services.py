@@ -8,7 +8,7 @@ from typing import Any
 from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 
-from apps.accounts.permissions import authorize, second_person
+from apps.accounts.permissions import authorize, moving_back, second_person
 from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet.desired import fleet_desired
 from apps.fleet.memory import shortfalls
@@ -157,6 +157,10 @@ def rollout_propose(
             "on, or give the step in nodes"
         )
     chosen = _template(template, model, pool) if template else None
+    # What is given here overrides the template, which overrides the defaults.
+    judged = Analysis.from_dict((chosen.analysis if chosen else {}) | (analysis or {}))
+    if pool.protected:
+        _as_strict_as_the_pool(judged, pool)
     # Each node as a canary node would be, the baseline beside the canary: the widest step.
     change = {
         m.model.name: (m.canary, m.beside, f"{m.model.name} v{m.canary}, a canary")
@@ -169,8 +173,7 @@ def rollout_propose(
         baseline=baseline,
         canary=canary_version,
         plan=[s.as_dict() for s in steps],
-        # What is given here overrides the template, which overrides the defaults.
-        analysis=Analysis.from_dict((chosen.analysis if chosen else {}) | (analysis or {})),
+        analysis=judged,
         preview=rows,
         template=chosen,
         lockstep=[
@@ -179,6 +182,24 @@ def rollout_propose(
         ],
         memory=short,
     )
+
+
+def _as_strict_as_the_pool(analysis: Analysis, pool: NodePool) -> None:
+    """On a protected pool, a release is judged and acted on: a dry run (which goes on whatever
+    the verdict) is refused, and so is an analysis looser than the pool's own template (its
+    newest), since the controller promotes alone on what the analysis passes."""
+    if analysis.dry_run:
+        raise RolloutError(
+            f"pool {pool.name} is protected: a dry run goes on whatever the verdict, so it may "
+            "not release there"
+        )
+    template = AnalysisTemplate.objects.filter(pool=pool).order_by("-created_at", "-id").first()
+    looser = analysis.looser_than(Analysis.from_dict(template.analysis)) if template else []
+    if looser:
+        raise RolloutError(
+            f"pool {pool.name} is protected: the analysis is looser than its template "
+            f"{template}: {'; '.join(looser)}"
+        )
 
 
 def _releasable(model_name: str, canary_version: int, pool: NodePool) -> tuple[Model, int]:
@@ -243,6 +264,8 @@ def rollout_start(
         lockstep=lockstep,
     )
     authorize(actor, "rollouts.add_rollout", proposal.pool)
+    # The approver sees exactly what will run: the plan and the analysis as resolved now.
+    second_person(actor, proposal.pool, "rollout.start", _start_params(proposal, template))
     names = [model_name, *(m["model"] for m in proposal.lockstep)]
     try:
         with transaction.atomic():  # the database has the last word on "one active rollout"
@@ -281,6 +304,20 @@ def rollout_start(
     )
     notify(rollout, "started")
     return rollout
+
+
+def _start_params(proposal: Proposal, template: str) -> dict[str, Any]:
+    return {
+        "model": proposal.model.name,
+        "pool": proposal.pool.name,
+        "baseline": proposal.baseline,
+        "canary": proposal.canary,
+        "plan": proposal.plan,
+        "analysis": proposal.analysis.as_dict(),
+        "template": template,
+        "lockstep": proposal.lockstep,
+        "accept_shares": any(row.overshoots for row in proposal.preview),
+    }
 
 
 def _locked(rollout_id: int, action: str, allowed: list[State], actor: Actor | None) -> Rollout:
@@ -330,10 +367,12 @@ def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
 
 @audited("rollout.abort", _rollout_target, (RolloutError, PlanError))
 def rollout_abort(*, rollout_id: int, actor: Actor, reason: str = "") -> Rollout:
-    allowed = [State.PENDING, State.PROGRESSING, State.PAUSED, State.PROMOTING]
-    rollout = _locked(rollout_id, "abort", allowed, actor)
-    why = f"aborted by {actor_name(actor)}" + (f": {reason}" if reason.strip() else "")
-    controller.begin_abort(rollout, why, actor=actor)
+    """Stop the rollout and take its canary back; one already going back is left to it (two
+    people stopping the same bad canary at once both get what they asked for)."""
+    rollout = _locked(rollout_id, "abort", Rollout.ACTIVE, actor)
+    if rollout.state != State.ABORTING:
+        why = f"aborted by {actor_name(actor)}" + (f": {reason}" if reason.strip() else "")
+        controller.begin_abort(rollout, why, actor=actor)
     return rollout
 
 
@@ -359,6 +398,16 @@ def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
     """A new rollout with the same canary, plan and analysis, and the very template version
     that analysis came from (terminal states stay terminal)."""
     rollout = _locked(rollout_id, "retry", [State.FAILED, State.ROLLED_BACK], actor)
+    what = {
+        "rollout_id": rollout.pk,
+        "model": rollout.model.name,
+        "pool": rollout.pool.name,
+        "canary": rollout.canary_version,
+        "plan": rollout.plan,
+        "analysis": rollout.analysis,
+        "lockstep": rollout.lockstep,
+    }
+    second_person(actor, rollout.pool, "rollout.retry", what)
     with transaction.atomic():
         again = rollout_start(
             model_name=rollout.model.name,
@@ -417,26 +466,26 @@ def last_good_versions(pairs: list[tuple[int, int]]) -> dict[tuple[int, int], in
 
 
 @audited("release.rollback", _pool_target, (RolloutError, PlanError))
-def release_rollback(*, model_name: str, pool_name: str, actor: Actor) -> int:
-    """On-call's one click: the pool back to its last good release, now. Returns the version."""
+def release_rollback(*, model_name: str, pool_name: str, actor: Actor, reason: str = "") -> int:
+    """On-call's one click: the pool back to its last good release, now, alone even on a
+    protected pool (a move back never waits for a second person). Returns the version."""
     model, pool = _model_and_pool(model_name, pool_name)
     authorize(actor, "rollouts.rollback_release", pool)
-    second_person(actor, pool, "release.rollback", {"model": model_name, "pool": pool_name})
     version = last_good_version(model, pool)
     if version is None:
         raise RolloutError(f"{model_name} on {pool_name} has no earlier good release")
-    return _switch(model, pool, version, "rollback", actor)
+    return _switch(model, pool, version, "rollback", actor, reason)
 
 
 @audited("release.fallback", _pool_target, (RolloutError, PlanError))
-def release_fallback(*, model_name: str, pool_name: str, actor: Actor) -> int:
-    """The pool onto the model's pre-registered degraded version (a latency emergency)."""
+def release_fallback(*, model_name: str, pool_name: str, actor: Actor, reason: str = "") -> int:
+    """The pool onto the model's pre-registered degraded version (a latency emergency), alone
+    even on a protected pool."""
     model, pool = _model_and_pool(model_name, pool_name)
     authorize(actor, "rollouts.rollback_release", pool)
-    second_person(actor, pool, "release.fallback", {"model": model_name, "pool": pool_name})
     if model.fallback_version is None:
         raise RolloutError(f"{model_name} has no fallback version; set one on the model page")
-    return _switch(model, pool, model.fallback_version, "fallback", actor)
+    return _switch(model, pool, model.fallback_version, "fallback", actor, reason)
 
 
 def _model_and_pool(model_name: str, pool_name: str) -> tuple[Model, NodePool]:
@@ -447,30 +496,34 @@ def _model_and_pool(model_name: str, pool_name: str) -> tuple[Model, NodePool]:
     return model, pool
 
 
-def _switch(model: Model, pool: NodePool, version: int, action: str, actor: Actor) -> int:
+def _switch(
+    model: Model, pool: NodePool, version: int, action: str, actor: Actor, reason: str
+) -> int:
     """The whole pool onto `version` now: an active rollout is aborted and canary nodes drop
-    their own deployments."""
+    their own deployments. A move back, so nothing of it waits for a second person."""
     current = Deployment.objects.filter(model=model, pool=pool).values_list("version", flat=True)
     before = current.first()
     if action == "rollback":
         Release.objects.filter(pool=pool, model=model, ended_at__isnull=True).update(
             rolled_back=True
         )
-    try:
-        deployment_set(model_name=model.name, version=version, pool=pool, actor=actor)
-    except FleetError as exc:
-        raise RolloutError(str(exc)) from exc
-    running = _active([model.name], pool)
-    if running is not None and running.state != State.ABORTING:
-        why = f"pool switched to v{version} ({action}) by {actor_name(actor)}"
-        rollout = _locked(running.pk, "abort", Rollout.ACTIVE, None)  # the switch was authorized
-        controller.begin_abort(rollout, why, actor=actor)
-    controller.drop_node_deployments(model, pool, actor)
+    with moving_back():
+        try:
+            deployment_set(model_name=model.name, version=version, pool=pool, actor=actor)
+        except FleetError as exc:
+            raise RolloutError(str(exc)) from exc
+        running = _active([model.name], pool)
+        if running is not None and running.state != State.ABORTING:
+            why = f"pool switched to v{version} ({action}) by {actor_name(actor)}"
+            rollout = _locked(running.pk, "abort", Rollout.ACTIVE, None)  # authorized above
+            controller.begin_abort(rollout, why, actor=actor)
+        controller.drop_node_deployments(model, pool, actor)
     audit_record(
         actor=actor,
         action=f"release.{action}",
         target=f"pool:{pool.name}:{model.name}",
         before={"version": before},
         after={"version": version},
+        message=f"{action} by {actor_name(actor)}" + (f": {reason}" if reason.strip() else ""),
     )
     return version

@@ -15,7 +15,7 @@ REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
-def test_a_rollback_on_a_protected_pool_waits_for_a_second_person(
+def test_on_a_protected_pool_a_rollback_goes_alone_and_a_deployment_waits(
     page: Page, live_server: object
 ) -> None:
     assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
@@ -34,20 +34,27 @@ def test_a_rollback_on_a_protected_pool_waits_for_a_second_person(
     page.locator("#releases tbody tr", has_text="rag_pipeline").get_by_role(
         "button", name="Roll back to v1"
     ).click()
+    expect(page.locator(".flash")).to_contain_text("Pool gpu is switching rag_pipeline to v1")
+    assert Deployment.objects.get(pool=pool).version == 1  # a move back waits for nobody
+    page.goto(f"{base}/deployments/")
+    section = page.locator("#pool-gpu")
+    section.get_by_label("Deploy").select_option(label="rag_pipeline v2")
+    page.once("dialog", lambda dialog: dialog.accept())
+    section.get_by_role("button", name="Deploy to it").click()
     expect(page).to_have_url(f"{base}/rollouts/approvals/")
-    expect(page.locator(".flash")).to_contain_text("Pool gpu is protected: release.rollback")
+    expect(page.locator(".flash")).to_contain_text("Pool gpu is protected: deployment.set")
     row = page.locator("#approvals tbody tr").first
     expect(row).to_contain_text("pending until")
     expect(row.get_by_role("button", name="Approve")).to_have_count(0)  # not hers to approve
     screenshot(page, "approvals-pending")
-    assert Deployment.objects.get(pool=pool).version == 2
+    assert Deployment.objects.get(pool=pool).version == 1
     page.context.clear_cookies()
     sign_in(page, base, "bob")
     page.goto(f"{base}/rollouts/approvals/")
     page.once("dialog", lambda dialog: dialog.accept())
     page.locator("#approvals tbody tr").first.get_by_role("button", name="Approve").click()
-    expect(page.locator(".flash")).to_contain_text("release.rollback on gpu is approved")
+    expect(page.locator(".flash")).to_contain_text("deployment.set on gpu is approved")
     expect(page.locator("#approvals tbody tr").first).to_contain_text("approved by bob")
     screenshot(page, "approvals-approved")
-    assert Deployment.objects.get(pool=pool).version == 1
+    assert Deployment.objects.get(pool=pool).version == 2
     assert page.console_errors == []  # type: ignore[attr-defined]

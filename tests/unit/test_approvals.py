@@ -1,11 +1,16 @@
-"""Two people for a protected pool: a person's deployment, promotion or pool-wide rollback there
-waits for someone else with the release manager role on the pool, and expires unapproved."""
+"""Two people for a protected pool: a person's deployment, rollout start or retry, promotion,
+override or adoption there waits for someone else with the release manager role on the pool,
+and expires unapproved; a move back (abort, rollback, fallback) never waits."""
 
+import re
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.db import connection
 from django.test import Client
 from django.utils import timezone
 
@@ -13,16 +18,29 @@ from apps.accounts.permissions import ApprovalRequired
 from apps.accounts.roles import Role
 from apps.accounts.services import user_ensure
 from apps.audit.models import AuditEvent
-from apps.fleet.models import Deployment, NodePool
-from apps.fleet.services import deployment_set, pool_role_set
-from apps.registry.models import ModelVersion
+from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.services import deployment_set, node_adopt, operation_override, pool_role_set
+from apps.incidents.models import Incident
+from apps.incidents.services import incident_rollback
+from apps.registry.models import Model, ModelVersion
 from apps.rollouts.approvals import ApprovalError, approval_approve, approval_request
 from apps.rollouts.models import Approval, Rollout
-from apps.rollouts.services import release_rollback, rollout_promote
+from apps.rollouts.plans import Analysis
+from apps.rollouts.services import (
+    RolloutError,
+    release_fallback,
+    release_rollback,
+    rollout_abort,
+    rollout_promote,
+    rollout_retry,
+    rollout_start,
+    template_save,
+)
 from tests.support.registry import import_demo
 from tests.support.users import PASSWORD, bearer, make_user
 
 pytestmark = pytest.mark.django_db
+CONTROLLER = "system:rollouts"
 
 
 @pytest.fixture
@@ -124,7 +142,7 @@ def test_through_the_api_a_change_answers_202_and_is_approved_there(
     assert "202" in document["paths"]["/api/deployments"]["post"]["responses"]
 
 
-def test_promotion_and_rollback_wait_too_but_the_controller_does_not(pool: NodePool) -> None:
+def test_promotion_waits_too_but_the_controller_does_not(pool: NodePool) -> None:
     ann = person("ann")
     model = ModelVersion.objects.get(model__name="embedder", version=1).model
     rollout = Rollout.objects.create(
@@ -138,7 +156,186 @@ def test_promotion_and_rollback_wait_too_but_the_controller_does_not(pool: NodeP
     )
     with pytest.raises(ApprovalRequired, match=r"rollout\.promote waits"):
         rollout_promote(rollout_id=rollout.pk, reason="tested", actor=ann)
-    with pytest.raises(ApprovalRequired, match=r"release\.rollback waits"):
-        release_rollback(model_name="embedder", pool_name="gpu", actor=ann)
     deployment_set(model_name="embedder", version=2, pool=pool, actor="system:rollouts")
     assert deployed(pool) == 2  # automation (a canary that passed its analysis) acts alone
+
+
+def canary_on(pool: NodePool) -> Rollout:
+    """A rollout of embedder v2 under way on `pool`'s first node, v1 kept beside it."""
+    first = Node.objects.create(name=f"{pool.name}-1", pool=pool, http_url="http://127.0.0.1:1")
+    Node.objects.create(name=f"{pool.name}-2", pool=pool, http_url="http://127.0.0.1:1")
+    deployment_set(model_name="embedder", version=2, baseline=1, node=first, actor=CONTROLLER)
+    return Rollout.objects.create(
+        model=ModelVersion.objects.get(model__name="embedder", version=1).model,
+        pool=pool,
+        baseline_version=1,
+        canary_version=2,
+        plan=[{"percent": 50}, {"percent": 100}],
+        state=Rollout.State.PROGRESSING,
+        canary_nodes=[first.name],
+        started_by="ann",
+    )
+
+
+def test_moves_back_never_wait_for_a_second_person(pool: NodePool) -> None:
+    ann, carl = person("ann"), person("carl", Role.OPERATOR)
+    Model.objects.filter(name="embedder").update(fallback_version=1)
+    deployment_set(model_name="embedder", version=2, pool=pool, actor=CONTROLLER)
+    assert release_rollback(model_name="embedder", pool_name="gpu", actor=carl) == 1
+    deployment_set(model_name="embedder", version=2, pool=pool, actor=CONTROLLER)
+    assert release_fallback(model_name="embedder", pool_name="gpu", actor=carl) == 1
+    rollout = canary_on(pool)
+    rollout_abort(rollout_id=rollout.pk, actor=ann, reason="answers look wrong")
+    assert Rollout.objects.get().state == "aborting"
+    assert not Deployment.objects.filter(node__pool=pool).exists()
+    assert not Approval.objects.exists()
+    switched = AuditEvent.objects.filter(action="release.rollback", result="ok").get()
+    assert (switched.actor, switched.message) == ("carl", "rollback by carl")
+    assert switched.after["version"] == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_abort_and_an_incident_rollback_at_once_both_go_through() -> None:
+    """A release manager aborts a bad canary on a protected pool while on-call rolls it back
+    from the incident: neither waits for anyone, and both are recorded."""
+    if connection.vendor != "postgresql":
+        pytest.skip("concurrent writers need PostgreSQL's row locks (SQLite locks the file)")
+    import_demo()
+    ModelVersion.objects.update(status=ModelVersion.Status.RELEASED)
+    pool = NodePool.objects.create(name="gpu", protected=True)
+    deployment_set(model_name="embedder", version=1, pool=pool, actor=CONTROLLER)
+    rollout = canary_on(pool)
+    ann, carl = person("ann"), person("carl", Role.OPERATOR)
+    incident = Incident.objects.create(
+        title="embedder slow", started_at=timezone.now(), opened_by="carl", pool=pool
+    )
+    start = threading.Barrier(2)
+    failures: list[BaseException] = []
+
+    def stop(call: Callable[[], object]) -> None:
+        try:
+            start.wait()
+            call()
+        except BaseException as exc:  # reported to the test's thread
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    calls = [
+        lambda: rollout_abort(rollout_id=rollout.pk, actor=ann, reason="wrong answers"),
+        lambda: incident_rollback(
+            incident_id=incident.pk, model="embedder", pool="gpu", actor=carl, rollout=rollout.pk
+        ),
+    ]
+    threads = [threading.Thread(target=stop, args=(call,)) for call in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert Rollout.objects.get().state == "aborting"
+    assert not Deployment.objects.filter(node__pool=pool).exists()
+    assert deployed(pool) == 1 and not Approval.objects.exists()
+    assert AuditEvent.objects.get(action="incident.rollback").actor == "carl"
+    # Whoever came first took the canary back, named with their reason; the second found it
+    # going back already, which changes nothing (as a repeated click).
+    back = AuditEvent.objects.get(action="rollout.aborting")
+    assert (back.actor, back.message) in [
+        ("ann", "aborted by ann: wrong answers"),
+        ("carl", f"rolled back by carl: incident #{incident.pk}"),
+    ]
+    assert not AuditEvent.objects.exclude(result="ok").exists()
+
+
+def test_a_rollout_start_waits_with_what_it_will_run(pool: NodePool) -> None:
+    ann, bob = person("ann"), person("bob")
+    Node.objects.create(name="gpu-1", pool=pool, http_url="http://127.0.0.1:1")
+    with pytest.raises(ApprovalRequired, match=r"rollout\.start waits") as refused:
+        rollout_start(
+            model_name="embedder",
+            pool_name="gpu",
+            canary_version=2,
+            plan="100%",
+            analysis={"window_s": 90},
+            actor=ann,
+        )
+    approval = approval_request(refused=refused.value, actor=ann)
+    assert approval.params["plan"] == [{"percent": 100, "hold_s": 0}]
+    assert approval.params["analysis"] == {**Analysis().as_dict(), "window_s": 90}
+    assert approval.resolved == {"release": 1} and not Rollout.objects.exists()
+    approval_approve(approval_id=approval.pk, actor=bob)
+    started = Rollout.objects.get()
+    assert (started.started_by, started.plan) == ("ann", approval.params["plan"])
+    assert started.analysis == approval.params["analysis"]
+
+
+@pytest.mark.parametrize(
+    ("analysis", "refusal"),
+    [
+        ({"dry_run": True}, "a dry run goes on whatever the verdict"),
+        ({"p99_tolerance": 0.5}, "looser than its template careful v1: p99_tolerance 0.5"),
+        ({"min_requests": 5}, "min_requests 5, the template's 50"),
+        ({"judge": "threshold"}, "judge threshold, not statistical"),
+    ],
+)
+def test_a_protected_pool_refuses_a_dry_run_or_an_analysis_looser_than_its_template(
+    pool: NodePool, analysis: dict[str, object], refusal: str
+) -> None:
+    Node.objects.create(name="gpu-1", pool=pool, http_url="http://127.0.0.1:1")
+    template_save(
+        name="careful",
+        analysis={"p99_tolerance": 0.1, "min_requests": 50},
+        pool_name="gpu",
+        actor="ops",
+    )
+    with pytest.raises(RolloutError, match=re.escape(refusal)):
+        rollout_start(
+            model_name="embedder",
+            pool_name="gpu",
+            canary_version=2,
+            plan="100%",
+            analysis=analysis,
+            actor=person("ann"),
+        )
+    stricter = {"p99_tolerance": 0.05, "min_requests": 80}
+    with pytest.raises(ApprovalRequired):
+        rollout_start(
+            model_name="embedder",
+            pool_name="gpu",
+            canary_version=2,
+            plan="100%",
+            analysis=stricter,
+            actor=person("ann"),
+        )
+
+
+def test_a_retry_an_override_and_an_adoption_wait_too(pool: NodePool) -> None:
+    ann, carl = person("ann"), person("carl", Role.OPERATOR)
+    failed = canary_on(pool)
+    Rollout.objects.filter(pk=failed.pk).update(state=Rollout.State.ROLLED_BACK)
+    with pytest.raises(ApprovalRequired, match=r"rollout\.retry waits") as retry:
+        rollout_retry(rollout_id=failed.pk, actor=ann)
+    assert retry.value.params["plan"] == failed.plan
+    node = Node.objects.get(name="gpu-1")
+    refused = Operation.objects.create(
+        node=node, kind="load", model_name="embedder", failure="memory", requested_by="x"
+    )
+    with pytest.raises(ApprovalRequired, match=r"operation\.override waits"):
+        operation_override(operation_id=refused.pk, reason="it fits", actor=carl)
+    Node.objects.filter(pk=node.pk).update(index=[{"model": "stray", "version": "1"}])
+    with pytest.raises(ApprovalRequired, match=r"node\.adopt waits"):
+        node_adopt(node_id=node.pk, model_name="stray", actor=carl)
+    assert Rollout.objects.count() == 1 and Operation.objects.count() == 1
+    assert Node.objects.get(pk=node.pk).owned == []
+
+
+def test_an_approval_is_refused_once_the_pool_moved(pool: NodePool) -> None:
+    ann, bob = person("ann"), person("bob")
+    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor=CONTROLLER)
+    with pytest.raises(ApprovalRequired) as refused:
+        deployment_set(model_name="rag_pipeline", version=2, pool=pool, actor=ann)
+    approval = approval_request(refused=refused.value, actor=ann)
+    deployment_set(model_name="rag_pipeline", version=3, pool=pool, actor=CONTROLLER)
+    approval = approval_approve(approval_id=approval.pk, actor=bob)
+    assert approval.status == "failed" and "moved from v1 to v3" in approval.result
+    assert Deployment.objects.get(pool=pool, model__name="rag_pipeline").version == 3
