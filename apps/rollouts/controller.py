@@ -8,7 +8,7 @@ may be killed at any point and the next tick carries on without repeating a step
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from django.contrib.auth.models import User
@@ -28,7 +28,7 @@ from apps.registry.codec import from_dict
 from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.models import Model
 from apps.registry.selectors import registry_resolver
-from apps.rollouts.analysis import ChangedStep, measure, overall
+from apps.rollouts.analysis import ChangedStep, Result, measure, overall
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.notify import notify
 from apps.rollouts.plans import Analysis, canary_nodes, parse_plan
@@ -44,6 +44,9 @@ Verdict = Measurement.Verdict
 
 def rollout_advance(*, rollout_id: int) -> None:
     try:
+        # Prometheus may take its whole timeout to answer: measured before the row lock, so a
+        # person's pause or abort never waits behind it; used only if nothing moved meanwhile.
+        reading = _measure_ahead(rollout_id)
         with transaction.atomic():
             rollout = (
                 Rollout.objects.select_for_update()
@@ -52,7 +55,7 @@ def rollout_advance(*, rollout_id: int) -> None:
             )
             handler = HANDLERS.get(rollout.state)
             if handler is not None:
-                handler(rollout)
+                handler(rollout, reading)
             if rollout.tick_errors:
                 Rollout.objects.filter(pk=rollout_id).update(tick_errors=0, tick_error="")
     except Exception as exc:  # a bug, or the database away: a rollout must not stall unseen
@@ -186,7 +189,59 @@ def drop_node_deployments(model: Model, pool: NodePool, actor: Actor) -> None:
         deployment_remove(deployment_id=deployment.pk, actor=actor)
 
 
-def _progress(rollout: Rollout) -> None:
+@dataclass(frozen=True)
+class Reading:
+    """An analysis round measured before the rollout's lock was taken, of the rollout as it was
+    then (`of`, as `_as_measured` says)."""
+
+    of: tuple[object, ...]
+    results: list[Result] = field(default_factory=list)
+    error: PrometheusUnavailable | None = None
+
+
+def _as_measured(rollout: Rollout, compare: bool) -> tuple[object, ...]:
+    """What a measurement was taken for: a reading of another step, canary or round is stale."""
+    return (
+        rollout.state,
+        rollout.step,
+        rollout.step_started_at,
+        rollout.step_ready_at,
+        rollout.last_measured_at,
+        tuple(rollout.canary_nodes),
+        compare,
+    )
+
+
+def _due(rollout: Rollout, spec: Analysis, now: datetime) -> bool:
+    """Judged on whole windows of canary traffic, after the load's own spike has passed, every
+    interval."""
+    if rollout.step_ready_at is None:
+        return False
+    warm = (now - rollout.step_ready_at).total_seconds() >= spec.warmup_s + spec.window_s
+    return warm and (
+        rollout.last_measured_at is None
+        or (now - rollout.last_measured_at).total_seconds() >= spec.interval_s
+    )
+
+
+def _measure_ahead(rollout_id: int) -> Reading | None:
+    """The round a tick is about to judge, if one is due, read without any lock."""
+    found = Rollout.objects.select_related("model", "pool").filter(pk=rollout_id).first()
+    if found is None or found.state != State.PROGRESSING or found.step_started_at is None:
+        return None
+    spec = Analysis.from_dict(found.analysis)
+    if not _due(found, spec, timezone.now()):
+        return None
+    nodes = _nodes(found)
+    compare = len(_canary(found, nodes)) < len(nodes)
+    of = _as_measured(found, compare)
+    try:
+        return Reading(of, results=_measure(found, spec, compare))
+    except PrometheusUnavailable as exc:
+        return Reading(of, error=exc)
+
+
+def _progress(rollout: Rollout, reading: Reading | None = None) -> None:
     steps = parse_plan(rollout.plan)
     spec = Analysis.from_dict(rollout.analysis)
     nodes = _nodes(rollout)
@@ -205,13 +260,10 @@ def _progress(rollout: Rollout) -> None:
     if rollout.step_ready_at is None:
         return _await_canary(rollout, canary, spec, now)
     compare = len(canary) < len(nodes)
-    # Judged on whole windows of canary traffic, after the load's own spike has passed.
-    warm = (now - rollout.step_ready_at).total_seconds() >= spec.warmup_s + spec.window_s
-    if warm and (
-        rollout.last_measured_at is None
-        or (now - rollout.last_measured_at).total_seconds() >= spec.interval_s
-    ):
-        _analyse(rollout, spec, compare)
+    if _due(rollout, spec, now):
+        if reading is None or reading.of != _as_measured(rollout, compare):
+            return None  # it moved since, or came due since: measured on the next tick
+        _analyse(rollout, spec, reading)
         if rollout.state != State.PROGRESSING:
             return None
     held = (now - rollout.step_ready_at).total_seconds() >= steps[rollout.step].hold_s
@@ -287,28 +339,31 @@ def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: dat
     return None
 
 
-def _analyse(rollout: Rollout, spec: Analysis, compare: bool) -> None:
+def _measure(rollout: Rollout, spec: Analysis, compare: bool) -> list[Result]:
+    return [
+        # A lockstep member's metrics carry its name; any member failing fails the step.
+        found
+        if member.model == rollout.model
+        else replace(found, metric=f"{member.model.name}: {found.metric}")
+        for member in members(rollout)
+        for found in measure(
+            model=member.model.name,
+            pool=rollout.pool.name,
+            canary_nodes=rollout.canary_nodes,
+            spec=spec,
+            budget_ms=member.model.latency_budget_ms,
+            steps=changed_steps(member),
+            compare=compare,
+            slo=Objectives.of(member.model),
+        )
+    ]
+
+
+def _analyse(rollout: Rollout, spec: Analysis, reading: Reading) -> None:
     now = timezone.now()
     rollout.last_measured_at = now
-    try:
-        results = [
-            # A lockstep member's metrics carry its name; any member failing fails the step.
-            found
-            if member.model == rollout.model
-            else replace(found, metric=f"{member.model.name}: {found.metric}")
-            for member in members(rollout)
-            for found in measure(
-                model=member.model.name,
-                pool=rollout.pool.name,
-                canary_nodes=rollout.canary_nodes,
-                spec=spec,
-                budget_ms=member.model.latency_budget_ms,
-                steps=changed_steps(member),
-                compare=compare,
-                slo=Objectives.of(member.model),
-            )
-        ]
-    except PrometheusUnavailable as exc:
+    results, exc = reading.results, reading.error
+    if exc is not None:
         Measurement.objects.create(
             rollout=rollout,
             step=rollout.step,
@@ -480,9 +535,10 @@ def _all_serve(
     return max((at for at in since if at is not None), default=timezone.now())
 
 
-HANDLERS: dict[str, Callable[[Rollout], None]] = {
+# Each handler gets what was measured before the lock; only a rollout going forward measures.
+HANDLERS: dict[str, Callable[[Rollout, Reading | None], None]] = {
     State.PENDING: _progress,
     State.PROGRESSING: _progress,
-    State.PROMOTING: _promote,
-    State.ABORTING: _aborting,
+    State.PROMOTING: lambda rollout, _: _promote(rollout),
+    State.ABORTING: lambda rollout, _: _aborting(rollout),
 }

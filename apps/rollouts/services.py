@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
 
 from apps.accounts.permissions import authorize, moving_back, second_person
 from apps.audit.services import actor_name, audit_record, audited
@@ -25,6 +25,7 @@ from apps.rollouts.plans import Analysis, PlanError, PreviewStep, parse_plan, pr
 
 Actor = str | User
 State = Rollout.State
+LOCK_WAIT_S = 5
 
 
 class RolloutError(Exception):
@@ -321,9 +322,20 @@ def _start_params(proposal: Proposal, template: str) -> dict[str, Any]:
 
 
 def _locked(rollout_id: int, action: str, allowed: list[State], actor: Actor | None) -> Rollout:
-    """The rollout, locked, if `actor` may change it (None: the caller checked already)."""
+    """The rollout, locked, if `actor` may change it (None: the caller checked already). A tick
+    holds the lock only while it writes; should anything hold it longer, a person is told so
+    after LOCK_WAIT_S instead of waiting behind it."""
     found = Rollout.objects.select_for_update().select_related("model", "pool")
-    rollout = found.filter(pk=rollout_id).first()
+    try:
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:  # for the rest of this transaction
+                cursor.execute(f"SET LOCAL lock_timeout = '{LOCK_WAIT_S}s'")
+        rollout = found.filter(pk=rollout_id).first()
+    except OperationalError:
+        raise RolloutError(
+            f"rollout #{rollout_id} is held by another change for over {LOCK_WAIT_S} s; "
+            "try again in a moment"
+        ) from None
     if rollout is None:
         raise RolloutError(f"there is no rollout #{rollout_id}")
     if actor is not None:

@@ -638,7 +638,7 @@ def test_a_tick_that_keeps_failing_is_shown_and_pauses_the_rollout(
 ) -> None:
     rollout = start()
 
-    def bug(rollout: Rollout) -> None:
+    def bug(rollout: Rollout, reading: controller.Reading | None) -> None:
         raise KeyError("plan")
 
     with monkeypatch.context() as patched:
