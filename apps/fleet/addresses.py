@@ -28,21 +28,46 @@ def _allowed(networks: tuple[str, ...]) -> tuple[object, ...]:
     return tuple(ip_network(n, strict=False) for n in networks)
 
 
+class Refused(Exception):
+    """A node's host may not be contacted; the message says why."""
+
+
 def refusal(host: str) -> str:
     """Why `host` may not be contacted as a node, or "" when it may: every address it resolves
     to lies in NODE_ALLOWED_NETWORKS, and none is link-local, multicast or a metadata address."""
     try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        pinned(host)
+    except Refused as exc:
+        return str(exc)
+    return ""
+
+
+def pinned(host: str) -> str:
+    """The address to connect to for `host`, checked as `refusal` says: the caller connects to
+    it, not to the name, so a name that resolves anew (DNS rebinding) cannot lead elsewhere
+    between the check and the connection. Raises Refused."""
+    try:
+        found = _lookup(host)
     except OSError as exc:
-        return f"{host} does not resolve ({exc.strerror or exc})"
+        raise Refused(f"{host} does not resolve ({exc.strerror or exc})") from None
     allowed = _allowed(tuple(settings.NODE_ALLOWED_NETWORKS))
-    for text in sorted({str(info[4][0]).split("%")[0] for info in infos}):
+    for text in sorted(set(found)):
         address: IPv4Address | IPv6Address = ip_address(text)
         if isinstance(address, IPv6Address) and address.ipv4_mapped:
             address = address.ipv4_mapped
         if any(address in network for network in NEVER):
-            return f"{host} is {address}: link-local, multicast and metadata addresses are refused"
+            raise Refused(
+                f"{host} is {address}: link-local, multicast and metadata addresses are refused"
+            )
         if not any(address in network for network in allowed):  # type: ignore[operator]
             networks = ", ".join(settings.NODE_ALLOWED_NETWORKS)
-            return f"{host} is {address}, outside NODE_ALLOWED_NETWORKS ({networks})"
-    return ""
+            raise Refused(f"{host} is {address}, outside NODE_ALLOWED_NETWORKS ({networks})")
+    if not found:
+        raise Refused(f"{host} does not resolve")
+    return found[0]  # in the resolver's order of preference
+
+
+def _lookup(host: str) -> list[str]:
+    """Every address `host` resolves to (itself, for an address), the resolver's first first."""
+    infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    return list(dict.fromkeys(str(info[4][0]).split("%")[0] for info in infos))

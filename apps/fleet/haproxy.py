@@ -4,9 +4,20 @@ non-interactive mode: commands separated by `;`, the answer read until HAProxy c
 
 import csv
 import io
+import re
 import socket
 
 TIMEOUT_S = 3.0
+# What a backend or server name may hold: a name is written into the runtime API's command line,
+# where a space, `;` or a newline would start another command (`set server ... state maint`).
+NAME = re.compile(r"[A-Za-z0-9._-]{1,60}")
+
+
+def name_refusal(name: str, *, what: str = "name") -> str:
+    """Why `name` may not be sent to HAProxy's runtime API, or "" when it may."""
+    if NAME.fullmatch(name):
+        return ""
+    return f"{what} {name!r}: only letters, digits, '.', '_' and '-' (at most 60)"
 
 
 class HAProxyError(Exception):
@@ -19,9 +30,9 @@ class Runtime:
         self.timeout = timeout
 
     def _connect(self) -> socket.socket:
-        if self.address.startswith("/"):
+        if self.address.startswith(("/", "unix:")):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            target: str | tuple[str, int] = self.address
+            target: str | tuple[str, int] = self.address.removeprefix("unix:")
         else:
             host, _, port = self.address.rpartition(":")
             if not host or not port.isdigit():
@@ -36,6 +47,9 @@ class Runtime:
         return sock
 
     def command(self, *commands: str) -> str:
+        for command in commands:
+            if any(c in command for c in ";\r\n"):
+                raise HAProxyError(f"HAProxy at {self.address}: refused to send {command!r}")
         with self._connect() as sock:
             try:
                 sock.sendall(("; ".join(commands) + "\n").encode())
@@ -48,6 +62,7 @@ class Runtime:
 
     def weights(self, backend: str) -> dict[str, int]:
         """Each server of `backend`, by name, with its current weight."""
+        _check(backend, "backend")
         answer = self.command(f"show servers state {backend}")
         lines = [line for line in answer.splitlines() if line.strip()]
         header = next((line for line in lines if line.startswith("# be_id")), None)
@@ -62,6 +77,9 @@ class Runtime:
         """All in one call; HAProxy answers only when a command fails (in its own words)."""
         if not weights:
             return
+        _check(backend, "backend")
+        for server in weights:
+            _check(server, "server")
         commands = [f"set weight {backend}/{server} {w}" for server, w in sorted(weights.items())]
         answer = self.command(*commands).strip()
         if answer:
@@ -76,3 +94,9 @@ class Runtime:
             for row in rows
             if row.get("pxname") in backends and row.get("svname") == server
         )
+
+
+def _check(name: str, what: str) -> None:
+    """Refuse a name before any command is sent."""
+    if refused := name_refusal(name, what=what):
+        raise HAProxyError(f"HAProxy runtime API: {refused}")

@@ -5,7 +5,8 @@ memory in use (Triton's CPU memory metric, or its GPUs' summed) just before and 
 interval after that load; a declared estimate (the registry's `memory_mb`) stands in until one
 is measured. Before a load, the versions it adds must fit, with headroom, in what the node has
 free: its limit less what its READY versions take, or its emptiest GPU's total less its use, as
-Prometheus read them within FLEET_MEMORY_MAX_AGE_S. A version whose footprint is known neither
+Prometheus read them within FLEET_MEMORY_MAX_AGE_S (or, while Prometheus is away, as the node's
+own poll read them within that time). A version whose footprint is known neither
 way, or a node whose room is unknown, is let through, and measured."""
 
 import time
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from apps.fleet.desired import DesiredStateError, FleetDesired, Wanted
 from apps.fleet.models import Footprint, Node
@@ -95,20 +97,31 @@ class Room:
 
 def gpu_memory(nodes: Iterable[Node]) -> dict[str, Devices]:
     """The GPUs of those of `nodes` that have any, as Prometheus last read them: one query,
-    however many nodes."""
-    names = [node.name for node in nodes if node.gpus]
+    however many nodes. While Prometheus is away, as each node's own poll read them."""
+    with_gpus = [node for node in nodes if node.gpus]
+    names = [node.name for node in with_gpus]
     if not names:
         return {}
     try:
         rows = instant_query(gpu_memory_query(names, settings.FLEET_MEMORY_MAX_AGE_S))
     except PrometheusUnavailable as exc:
-        return dict.fromkeys(names, str(exc))
+        return {node.name: _own_reading(node) or str(exc) for node in with_gpus}
     found: dict[str, dict[str, dict]] = {name: {} for name in names}
     for labels, value in rows:
         uuid = labels["gpu_uuid"]
         gpu = found[labels["node"]].setdefault(uuid, {"uuid": uuid, "total": 0.0, "used": 0.0})
         gpu["total" if "total" in labels["__name__"] else "used"] = value
     return {name: list(gpus.values()) for name, gpus in found.items()}
+
+
+def _own_reading(node: Node) -> list[dict]:
+    """The node's GPUs as its last poll read them from its own /metrics, if as recent as a
+    Prometheus reading would have to be; each marked as read there."""
+    if node.gpus_read_at is None:
+        return []
+    if (timezone.now() - node.gpus_read_at).total_seconds() > settings.FLEET_MEMORY_MAX_AGE_S:
+        return []
+    return [gpu | {"read": "node"} for gpu in node.gpus if "total" in gpu and "used" in gpu]
 
 
 def room(
@@ -139,7 +152,10 @@ def room(
             return Room(None, why, known, taken)
         best = max(devices, key=lambda gpu: gpu["total"] - gpu["used"])
         free = (best["total"] - best["used"]) / MIB
-        return Room(free, f"GPU {best['uuid']} of {best['total'] / MIB:.0f} MiB", known, taken)
+        where = f"GPU {best['uuid']} of {best['total'] / MIB:.0f} MiB"
+        if best.get("read") == "node":
+            where += " (from the node's own metrics, Prometheus is away)"
+        return Room(free, where, known, taken)
     if node.memory_limit_mb is None:
         return Room(None, "the node (no memory limit)", known, taken)
     free = node.memory_limit_mb - sum(mb for _, mb in taken)

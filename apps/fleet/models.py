@@ -89,6 +89,9 @@ class Node(models.Model):
     gpus = models.JSONField(
         default=list, blank=True, help_text="GPU inventory from nv_gpu_* metrics"
     )
+    # When the poll last read `gpus` (their use included) from the node's own /metrics: the
+    # reading memory-aware loads fall back on while Prometheus is away.
+    gpus_read_at = models.DateTimeField(null=True, blank=True)
     memory_limit_mb = models.PositiveIntegerField(
         null=True,
         blank=True,

@@ -8,11 +8,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Q, QuerySet
+from django.db.models import Case, Exists, F, OuterRef, Q, QuerySet, TextField, Value, When, Window
+from django.db.models.functions import Cast, RowNumber
 from django.utils import timezone
 
 from apps.audit.context import REQUEST_ID
@@ -54,27 +56,32 @@ def observed_state(node: Node) -> dict[str, Observed]:
             ready[entry["model"]].add(int(entry["version"]))
         elif entry.get("state") in ("LOADING", "UNLOADING"):
             busy.add(entry["model"])
-    last_ok: dict[str, str] = {}
-    failed: dict[str, set[str]] = {}
     now = timezone.now()
-    done = [Operation.Status.SUCCEEDED, Operation.Status.FAILED, Operation.Status.UNKNOWN]
-    for op in node.operations.filter(status__in=done).order_by("finished_at", "id"):
-        if op.status == Operation.Status.UNKNOWN:
-            # Its worker died after sending it: if the node shows what it asked for, it took.
-            if ready.get(op.model_name, set()) == set(op.versions):
-                last_ok[op.model_name] = op.config_digest
-        elif op.status == Operation.Status.SUCCEEDED:
-            last_ok[op.model_name] = op.config_digest
-            failed.pop(op.model_name, None)
-        elif op.retry_at is None or op.retry_at > now:
-            failed.setdefault(op.model_name, set()).add(op.config_digest)
-        else:  # a transient failure, due to be tried again
-            failed.get(op.model_name, set()).discard(op.config_digest)
+    rows = _history(node, now)
+    # Positions in each model's history: an operation counts if it came after the model's last
+    # success (which clears earlier failures), and the later of two wins.
+    since = {row.model: row.position for row in rows if row.status == Operation.Status.SUCCEEDED}
+    last_ok: dict[str, tuple[int, str]] = {}
+    failed: dict[str, set[str]] = {}
+    for row in rows:
+        after = row.position > since.get(row.model, 0)
+        if row.status == Operation.Status.FAILED:
+            if after and row.held:  # remembered until its retry_at, if it has one
+                failed.setdefault(row.model, set())
+                if row.latest:  # the last try of this config decides
+                    failed[row.model].add(row.digest)
+            continue
+        # Its worker died after sending it: if the node shows what it asked for, it took.
+        took = (
+            row.status == Operation.Status.SUCCEEDED or ready.get(row.model, set()) == row.versions
+        )
+        if took and row.position > last_ok.get(row.model, (0, ""))[0]:
+            last_ok[row.model] = (row.position, row.digest)
     return {
         name: Observed(
             ready=frozenset(versions),
             busy=name in busy,
-            digest=last_ok.get(name, ""),
+            digest=last_ok.get(name, (0, ""))[1],
             failed=frozenset(failed.get(name, ())),
         )
         for name, versions in ready.items()
@@ -83,6 +90,57 @@ def observed_state(node: Node) -> dict[str, Observed]:
         for name, digests in failed.items()
         if name not in ready
     }
+
+
+class _Done(NamedTuple):
+    model: str
+    status: str
+    versions: set[int]
+    digest: str
+    position: int  # in the model's history on the node, from 1, by finished_at then id
+    latest: bool  # the last of its kind: see _history
+    held: bool  # a failure not to be tried again yet
+
+
+def _history(node: Node, now: datetime) -> list[_Done]:
+    """What `observed_state` needs of the node's finished operations, in one query whose rows
+    do not grow with its history: per model, its last success, its last unknown for each set
+    of versions asked, its last failure of each config, and its last failure still held back
+    at `now`."""
+    done = [Operation.Status.SUCCEEDED, Operation.Status.FAILED, Operation.Status.UNKNOWN]
+    failed = Q(status=Operation.Status.FAILED)
+    held = failed & (Q(retry_at__isnull=True) | Q(retry_at__gt=now))
+    # Descending is the ascending order reversed on every database, NULLs included.
+    newest = [F("finished_at").desc(), F("id").desc()]
+    kind = Case(
+        When(status=Operation.Status.UNKNOWN, then=Cast("versions", TextField())),
+        When(failed, then=F("config_digest")),
+        default=Value(""),
+        output_field=TextField(),
+    )
+    rows = (
+        node.operations.filter(status__in=done)
+        .annotate(held=Case(When(held, then=Value(True)), default=Value(False)))
+        .annotate(
+            position=Window(
+                RowNumber(),
+                partition_by=[F("model_name")],
+                order_by=[F("finished_at").asc(), F("id").asc()],
+            ),
+            nth=Window(
+                RowNumber(), partition_by=[F("model_name"), F("status"), kind], order_by=newest
+            ),
+            nth_held=Window(
+                RowNumber(), partition_by=[F("model_name"), F("held")], order_by=newest
+            ),
+        )
+        .filter(Q(nth=1) | Q(nth_held=1, held=True))
+        .values_list("model_name", "status", "versions", "config_digest", "position", "nth", "held")
+    )
+    return [
+        _Done(model, status, set(versions), digest, position, nth == 1, bool(held))
+        for model, status, versions, digest, position, nth, held in rows
+    ]
 
 
 def node_reconcile(*, node_id: int, wanted: "Wanted | None" = None) -> list[Operation]:
@@ -245,8 +303,12 @@ class Lease:
 
     @contextmanager
     def hold(self) -> Iterator["Lease"]:
-        free = Q(lease_until__isnull=True) | Q(lease_until__lt=timezone.now())
-        self.held = self._extend(free)
+        now = timezone.now()
+        free = Q(lease_until__isnull=True) | Q(lease_until__lt=now)
+        # A lapsed lease does not prove its worker dead: one cut off from the database (or
+        # stalled) may still be waiting on a load it sent. Until that load can no longer be
+        # answered, the node is busy: the next owner would send a second load beside it.
+        self.held = self._extend(free & Q(~Exists(_may_still_run(now))))
         if not self.held:
             yield self
             return
@@ -263,8 +325,17 @@ class Lease:
             self.held = False
 
 
+def _may_still_run(now: datetime) -> "QuerySet[Operation]":
+    """The node's operations marked running whose worker may still be waiting on Triton: started
+    less than a load's timeout ago (plus a connect's, for the reads before it)."""
+    since = now - timedelta(seconds=settings.FLEET_LOAD_TIMEOUT_S + settings.TRITON_TIMEOUT_S)
+    return Operation.objects.filter(
+        node_id=OuterRef("pk"), status=Operation.Status.RUNNING, started_at__gt=since
+    )
+
+
 class NodeBusy(Exception):
-    """Another worker holds the node; try again shortly."""
+    """Another worker holds the node, or may still be at it; try again shortly."""
 
 
 def node_run(*, node_id: int, wanted: "Wanted | None" = None) -> None:
@@ -287,10 +358,25 @@ def node_run(*, node_id: int, wanted: "Wanted | None" = None) -> None:
         queued = node.operations.filter(status=Operation.Status.QUEUED).select_related("node")
         if not queued.exists():
             return
+        if _only_narrows(node, queued):
+            # A move back (a rollback inside the window, an abort, a fallback to a warm version)
+            # loads nothing: every node narrows at once, in traffic, with nothing to warm up.
+            _run_queued(node, queued, wanted, lease)
+            return
         # Out of traffic, on a pool with a traffic strategy: loads never meet live requests.
         with drained(node):
             loaded = _run_queued(node, queued, wanted, lease)
             warm_up(node, loaded)
+
+
+def _only_narrows(node: Node, queued: "QuerySet[Operation]") -> bool:
+    """Whether every queued operation only takes versions away: an unload, or a load of
+    versions all READY on the node already (a narrower version policy)."""
+    ready = node.ready_versions
+    return all(
+        op.kind == Operation.Kind.UNLOAD or set(op.versions) <= set(ready.get(op.model_name, ()))
+        for op in queued
+    )
 
 
 def _run_queued(
@@ -308,6 +394,8 @@ def _run_queued(
             if not lease.held:
                 return loaded  # the heartbeat lost the node: another worker may own it now
             status = _execute(node, op)
+            if status == TAKEN:
+                return loaded  # our lease lapsed, and the next owner goes on from here
             if status == Operation.Status.SUCCEEDED and op.kind != Operation.Kind.UNLOAD:
                 loaded[op.model_name] = op.config
             if op.requested_by == RECONCILER and status != Operation.Status.SUCCEEDED:
@@ -357,7 +445,8 @@ class Wanted:
 
 
 def _execute(node: Node, op: Operation) -> str:
-    """Send one operation and read the node back; returns the status it ended with."""
+    """Send one operation and read the node back; returns the status it ended with (TAKEN:
+    another worker declared it lost before it ended)."""
     claimed = Operation.objects.filter(pk=op.pk, status=Operation.Status.QUEUED).update(
         status=Operation.Status.RUNNING, started_at=timezone.now(), attempts=op.attempts + 1
     )
@@ -390,8 +479,11 @@ def _execute(node: Node, op: Operation) -> str:
             failure=failures.TIMEOUT,
         )
     except TritonUnreachable:
-        # Not sent (connection refused): back in the queue, and the task retries with backoff.
-        Operation.objects.filter(pk=op.pk).update(status=Operation.Status.QUEUED)
+        # Not sent (connection refused): back in the queue, and the task retries with backoff;
+        # only from running, as in _finish.
+        Operation.objects.filter(pk=op.pk, status=Operation.Status.RUNNING).update(
+            status=Operation.Status.QUEUED
+        )
         raise
     except TritonRejected as exc:
         return _finish(op, exc.message)
@@ -454,9 +546,14 @@ def _read_back(client: TritonClient, op: Operation) -> str:
     )
 
 
+# What _finish returns when another worker declared the operation lost first: its end is theirs
+# to record (the reconciler reads the node), and this worker no longer owns the node.
+TAKEN = "taken"
+
+
 def _finish(op: Operation, error: str, status: str = "", failure: str = "") -> str:
     """Record how the operation ended; a failure is classified (`failure`, or from `error`) and,
-    if transient, given a time to be tried again."""
+    if transient, given a time to be tried again. Returns its status, or TAKEN."""
     status = status or (Operation.Status.FAILED if error else Operation.Status.SUCCEEDED)
     now = timezone.now()
     failure = failure or (failures.classify(error) if error else "")
@@ -466,10 +563,14 @@ def _finish(op: Operation, error: str, status: str = "", failure: str = "") -> s
         if retry_at is not None:
             error += f" (tried again at {retry_at:%H:%M:%S} UTC)"
     with transaction.atomic():
-        # Only from running: another worker may have declared this operation lost meanwhile.
-        Operation.objects.filter(pk=op.pk, status=Operation.Status.RUNNING).update(
+        # Only from running: another worker may have declared this operation lost meanwhile,
+        # and then neither its status nor the trail may say what this worker saw.
+        ended = Operation.objects.filter(pk=op.pk, status=Operation.Status.RUNNING).update(
             status=status, error=error, finished_at=now, failure=failure, retry_at=retry_at
         )
+        if ended != 1:
+            log.warning("node %s: operation %s was taken over before it ended", op.node_id, op.pk)
+            return TAKEN
         # A load of a model the node owns changes nothing: while this operation is open no
         # reconcile prunes the node's models, so `owned` as read with the operation still holds.
         loaded = op.kind != Operation.Kind.UNLOAD

@@ -34,6 +34,7 @@ _OBSERVED = [
     "extensions",
     "index",
     "gpus",
+    "gpus_read_at",
 ]
 
 
@@ -95,6 +96,7 @@ def _node_poll_succeeded(
     node.extensions = metadata.extensions
     node.index = [dataclasses.asdict(entry) for entry in index]
     node.gpus = gpus
+    node.gpus_read_at = seen if gpus else None
     _note_health(node, before=previous, changed=previous == Node.Health.UNREACHABLE, now=seen)
     node.save(update_fields=_OBSERVED)
     return node

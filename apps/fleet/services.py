@@ -1,4 +1,5 @@
 import re
+from collections.abc import Callable
 from datetime import datetime
 from urllib.parse import urlsplit
 
@@ -7,13 +8,13 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.accounts.models import PoolRole
-from apps.accounts.permissions import authorize, second_person
+from apps.accounts.permissions import MOVING_BACK, authorize, second_person
 from apps.accounts.services import RoleError, user_role
 from apps.audit.context import REQUEST_ID
 from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet import addresses, failures
 from apps.fleet.desired import node_desired
-from apps.fleet.haproxy import HAProxyError, Runtime
+from apps.fleet.haproxy import HAProxyError, Runtime, name_refusal
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
 from apps.fleet.routing import traffic_sync
 from apps.fleet.tasks import enqueue_run, reconcile_node, send_per_node
@@ -51,6 +52,8 @@ def node_register(
     *, name: str, pool: str, http_url: str, grpc_url: str, metrics_url: str, actor: str
 ) -> Node:
     """Create or update a node by name; re-registering with the same addresses changes nothing."""
+    if refused := name_refusal(name, what="node name"):  # it names the node's balancer server
+        raise FleetError(refused)
     for field, url in (("http_url", http_url), ("metrics_url", metrics_url)):
         if url or field == "http_url":
             validate_node_url(url, field=field)
@@ -75,8 +78,16 @@ def node_register(
     return node
 
 
+# Who else decides what a pool runs of a model, asked before a person's pool-wide change: each
+# says why that change must wait ("" when it need not). Apps above the fleet register theirs (a
+# rollout under way: apps.rollouts.apps), so that one owner decides at a time.
+POOL_OWNERS: list[Callable[[NodePool, Model], str]] = []
+
+
 def _reconcile_later(node_ids: list[int]) -> None:
-    transaction.on_commit(lambda: send_per_node(reconcile_node, node_ids))
+    # Robust: with the broker away the change is committed all the same (never a 500), and the
+    # periodic reconcile carries it out.
+    transaction.on_commit(lambda: send_per_node(reconcile_node, node_ids), robust=True)
 
 
 def _deployment_target(
@@ -120,6 +131,12 @@ def deployment_set(
         raise FleetError(
             f"{model_name} v{version} is {found.status}; only released versions deploy"
         )
+    if pool is not None and isinstance(actor, User) and not MOVING_BACK.get():
+        # What a whole pool runs is a release manager's to change; on-call moves it back only.
+        authorize(actor, "rollouts.add_rollout", pool)
+        for owner in POOL_OWNERS:
+            if busy := owner(pool, found.model):
+                raise FleetError(busy)
     existing = (
         Deployment.objects.select_for_update()
         .filter(model=found.model, pool=pool, node=node)
@@ -229,7 +246,7 @@ def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor)
     audit_record(
         actor=actor, action=f"operation.request_{kind}", target=f"node:{node.name}:{model_name}"
     )
-    transaction.on_commit(lambda: enqueue_run(node_id))
+    transaction.on_commit(lambda: enqueue_run(node_id), robust=True)
     return op
 
 
@@ -267,7 +284,7 @@ def operation_override(*, operation_id: int, reason: str, actor: Actor) -> Opera
         after={"refused": operation_id, "operation": op.pk, "versions": op.versions},
         message=reason,
     )
-    transaction.on_commit(lambda: enqueue_run(refused.node_id))
+    transaction.on_commit(lambda: enqueue_run(refused.node_id), robust=True)
     return op
 
 

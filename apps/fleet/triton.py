@@ -4,9 +4,10 @@ Every call has a timeout. Errors become `TritonUnreachable` (transient: the node
 `TritonRejected` (Triton answered with an error; its text is kept verbatim for the operator).
 """
 
+import http.client
 import re
+import socket
 import ssl
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,8 +22,8 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype, tri
 
 from apps.fleet import addresses
 
-# Loading a model runs its initialize(): far slower than any other repository call.
-LOAD_TIMEOUT_S = 120.0
+# A node's /metrics is a few hundred KiB even with many models; more is not Triton's.
+METRICS_MAX_BYTES = 8 * 2**20
 
 
 class TritonError(Exception):
@@ -62,6 +63,17 @@ def numpy_dtype(datatype: str) -> np.dtype:
     return np.dtype(triton_to_np_dtype(datatype))
 
 
+def _connect_to(client: httpclient.InferenceServerClient, address: str) -> None:
+    """Make `client` connect to `address`, the one addresses.pinned checked, instead of
+    resolving the node's name again; the Host header and TLS (SNI, the certificate's name)
+    still use the name. tritonclient has no option for it: its geventhttpclient pool resolves
+    `_connection_host` at each connection, and is given the address in its place."""
+    pool = client._client_stub._connection_pool
+    if not isinstance(getattr(pool, "_connection_host", None), str):
+        raise RuntimeError("geventhttpclient changed: cannot pin the node's address")
+    pool._connection_host = address
+
+
 class TritonClient:
     def __init__(self, http_url: str, *, node: str = "", timeout: float | None = None) -> None:
         parts = urlsplit(http_url)
@@ -73,9 +85,10 @@ class TritonClient:
     @contextmanager
     def _client(self, timeout: float | None = None) -> Iterator[httpclient.InferenceServerClient]:
         # Checked on every call, not only when the URL was saved: DNS may have changed since.
-        refused = addresses.refusal(self.host)
-        if refused:
-            raise TritonRejected(self.node, refused)
+        try:
+            pinned = addresses.pinned(self.host)
+        except addresses.Refused as exc:
+            raise TritonRejected(self.node, str(exc)) from None
         client = httpclient.InferenceServerClient(
             self.address,
             connection_timeout=min(self.timeout, 5.0),
@@ -86,6 +99,7 @@ class TritonClient:
             if settings.TRITON_CA_BUNDLE
             else None,
         )
+        _connect_to(client, pinned)
         try:
             yield client
         except InferenceServerException as exc:
@@ -123,7 +137,8 @@ class TritonClient:
 
     def load(self, model: str, *, config_json: str | None = None) -> None:
         """Load or reload `model`; returns once Triton is done (callers read the index back)."""
-        with self._client(LOAD_TIMEOUT_S) as client:
+        # Loading a model runs its initialize(): far slower than any other repository call.
+        with self._client(settings.FLEET_LOAD_TIMEOUT_S) as client:
             client.load_model(model, config=config_json, headers=settings.TRITON_REPOSITORY_HEADER)
 
     def unload(self, model: str, *, unload_dependents: bool = False) -> None:
@@ -195,21 +210,74 @@ def parse_cpu_memory_used(metrics_text: str) -> float | None:
     return float(found["value"]) if found else None
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """A node's answer never sends us elsewhere: a redirect is an error, not a new address."""
+class _PinnedHTTP(http.client.HTTPConnection):
+    """A connection to a checked address, speaking to the host named in the URL."""
 
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
+    def __init__(self, host: str, port: int | None, address: str, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self.address = address
+
+    def connect(self) -> None:
+        self.sock = socket.create_connection((self.address, self.port), self.timeout)
+
+
+class _PinnedHTTPS(http.client.HTTPSConnection):
+    def __init__(
+        self, host: str, port: int | None, address: str, timeout: float, context: ssl.SSLContext
+    ) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
+        self.address = address
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self.address, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
 
 
 def read_metrics(metrics_url: str, *, node: str, timeout: float = 5.0) -> str:
-    refused = addresses.refusal(urlsplit(metrics_url).hostname or "")
-    if refused:
-        raise TritonRejected(node, f"metrics at {metrics_url}: {refused}")
-    context = ssl.create_default_context(cafile=settings.TRITON_CA_BUNDLE or None)
-    opener = urllib.request.build_opener(_NoRedirects, urllib.request.HTTPSHandler(context=context))
+    """The node's /metrics text, read from the address that was checked, at most
+    METRICS_MAX_BYTES of it. A redirect is an error, not a new address."""
+    parts = urlsplit(metrics_url)
+    host = parts.hostname or ""
     try:
-        with opener.open(metrics_url, timeout=timeout) as response:
-            return str(response.read().decode())
-    except OSError as exc:
+        address = addresses.pinned(host)
+    except addresses.Refused as exc:
+        raise TritonRejected(node, f"metrics at {metrics_url}: {exc}") from None
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    try:
+        if parts.scheme == "https":
+            context = ssl.create_default_context(cafile=settings.TRITON_CA_BUNDLE or None)
+            conn: http.client.HTTPConnection = _PinnedHTTPS(
+                host, parts.port, address, timeout, context
+            )
+        else:
+            conn = _PinnedHTTP(host, parts.port, address, timeout)
+        try:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            if response.status != 200:
+                raise TritonUnreachable(
+                    node,
+                    f"metrics at {metrics_url}: HTTP Error {response.status}: {response.reason}",
+                )
+            return _read_capped(response, node=node, url=metrics_url).decode()
+        finally:
+            conn.close()
+    except (OSError, http.client.HTTPException) as exc:
         raise TritonUnreachable(node, f"metrics at {metrics_url}: {exc}") from exc
+
+
+def _read_capped(response: http.client.HTTPResponse, *, node: str, url: str) -> bytes:
+    """The body, read a chunk at a time and refused as soon as it passes METRICS_MAX_BYTES
+    (announced or not): a node's answer must not fill the worker's memory."""
+    limit = METRICS_MAX_BYTES
+    too_big = f"metrics at {url}: larger than {limit // 2**20} MiB, refused"
+    announced = response.getheader("Content-Length")
+    if announced and announced.isdigit() and int(announced) > limit:
+        raise TritonRejected(node, too_big)
+    chunks, size = [], 0
+    while chunk := response.read(65536):
+        size += len(chunk)
+        if size > limit:
+            raise TritonRejected(node, too_big)
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -232,6 +232,18 @@ def _active(models: list[str], pool: NodePool) -> Rollout | None:
     return next((r for r in running if set(r.model_names) & set(models)), None)
 
 
+def rollout_owning(pool: NodePool, model: Model) -> str:
+    """Why a person may not move `pool`'s release of `model` by hand: a rollout releasing it
+    there decides what the pool runs until it ends (apps.fleet.services.POOL_OWNERS)."""
+    running = _active([model.name], pool)
+    if running is None:
+        return ""
+    return (
+        f"rollout #{running.pk} of {running.release} on {pool.name} is {running.state}: "
+        "abort it, or roll the pool back, before changing the release by hand"
+    )
+
+
 def _pool_target(*, model_name: str, pool_name: str, **_: object) -> str:
     return f"pool:{pool_name}:{model_name}"
 

@@ -4,7 +4,12 @@ from celery import shared_task
 
 from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Rollout
-from apps.rollouts.notify import DELIVER, DeliveryFailed, notification_deliver
+from apps.rollouts.notify import (
+    DELIVER,
+    DeliveryFailed,
+    notification_deliver,
+    notifications_lost,
+)
 
 
 @shared_task(name="rollouts.advance_all", acks_late=True, expires=10)
@@ -18,6 +23,13 @@ def advance_all() -> None:
 @shared_task(name="rollouts.advance", acks_late=True, expires=10, soft_time_limit=30, time_limit=45)
 def advance(rollout_id: int) -> None:
     rollout_advance(rollout_id=rollout_id)
+
+
+@shared_task(name="rollouts.deliver_lost", acks_late=True, expires=60)
+def deliver_lost() -> None:
+    """Messages whose delivery task never ran, sent again (at most a page a minute)."""
+    for notification_id in notifications_lost():
+        deliver_notification.delay(notification_id)
 
 
 @shared_task(

@@ -38,7 +38,7 @@ def test_p99_chart_draws_redraws_and_marks_a_deployment_made_in_the_product(
         kwargs={"model": "rag_pipeline", "rps": 10, "seconds": 40},
     )
     traffic.start()
-    sign_in(page, str(live_server), make_user(Role.OPERATOR).username)
+    sign_in(page, str(live_server), make_user(Role.RELEASE_MANAGER).username)
 
     page.goto(f"{live_server}/deployments/")
     pool = page.locator("#pool-it")

@@ -160,7 +160,7 @@ def test_a_worker_killed_mid_deployment_loads_nothing_twice(
     killed_mid = list(running.values_list("node__name", "model_name"))
     celery.start_worker()
     wait_for(
-        "every node converges after the new worker starts", converged(pool, STEPS_V1), timeout=180
+        "every node converges after the new worker starts", converged(pool, STEPS_V1), timeout=240
     )
     for node in pool.nodes.all():
         received = load_requests(devfleet, node.name, since=offsets[node.name])

@@ -5,6 +5,7 @@ import itertools
 import json
 import urllib.request
 from collections import Counter
+from datetime import timedelta
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -13,10 +14,11 @@ from django.utils import timezone
 from apps.audit.models import AuditEvent
 from apps.fleet.devfleet import Devfleet, FleetState, Proc
 from apps.fleet.models import Node, NodePool, Operation
+from apps.fleet.services import deployment_set
 from apps.fleet.traffic import send_traffic
 from apps.fleet.triton import TritonClient
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import rollout_abort, rollout_start
+from apps.rollouts.services import release_rollback, rollout_abort, rollout_start
 from tests.support.fleet import (
     ANALYSIS,
     HEALTHY,
@@ -33,6 +35,7 @@ from tests.support.fleet import (
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 State = Rollout.State
+OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
 RECONCILE_INTERVAL_S = 2  # the test worker's beat (tests/support/services.py)
 
 
@@ -84,6 +87,36 @@ def test_loads_wait_their_turn_out_of_traffic_and_warm_up_before_it(
 def test_grpc_clients_are_balanced_too(weighted: NodePool, haproxy: Proc) -> None:
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{haproxy.ports['grpc']}")
     assert client.is_model_ready("rag_pipeline")
+
+
+def test_a_rollback_inside_the_window_narrows_every_node_in_traffic_at_once(
+    weighted: NodePool, haproxy: Proc, trio: tuple[Devfleet, FleetState]
+) -> None:
+    """Narrowing what a node serves loads nothing: no node leaves traffic or warms up again."""
+    deployment_set(
+        model_name="rag_pipeline",
+        version=2,
+        pool=weighted,
+        baseline=1,
+        baseline_until=timezone.now() + timedelta(minutes=10),
+        actor="system:test",
+    )
+    ops = Operation.objects.filter(node__pool=weighted)
+    wait_for(
+        "v2 beside v1 everywhere, every node back in traffic",
+        lambda: (
+            converged(weighted, STEPS_V1 | STEPS_V2)()
+            and not ops.filter(status__in=OPEN).exists()
+            and weights(haproxy) == equal(trio[1])
+        ),
+    )
+    since = timezone.now()
+    release_rollback(model_name="rag_pipeline", pool_name=weighted.name, actor="oncall")
+    wait_for("v1 alone everywhere", converged(weighted, STEPS_V1))
+    narrowed = ops.filter(created_at__gte=since)
+    assert narrowed.exists() and not narrowed.exclude(status=Operation.Status.SUCCEEDED).exists()
+    assert not AuditEvent.objects.filter(action="node.drain", created_at__gte=since).exists()
+    assert weights(haproxy) == equal(trio[1])
 
 
 def test_a_10_percent_step_gets_10_percent_of_requests_and_a_rollback_none(

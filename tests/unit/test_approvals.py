@@ -339,3 +339,17 @@ def test_an_approval_is_refused_once_the_pool_moved(pool: NodePool) -> None:
     approval = approval_approve(approval_id=approval.pk, actor=bob)
     assert approval.status == "failed" and "moved from v1 to v3" in approval.result
     assert Deployment.objects.get(pool=pool, model__name="rag_pipeline").version == 3
+
+
+def test_a_release_by_hand_during_a_rollout_is_refused_with_the_rollout_named(
+    client: Client, pool: NodePool
+) -> None:
+    NodePool.objects.filter(pk=pool.pk).update(protected=False)
+    rollout = canary_on(pool)
+    body = {"model": "embedder", "version": 2, "pool": "gpu"}
+    refused = client.post(
+        "/api/deployments", body, "application/json", headers=bearer(person("ann"))
+    )
+    assert refused.status_code == 409
+    assert f"rollout #{rollout.pk} of embedder v1 → v2" in refused.json()["error"]["message"]
+    assert deployed(pool) == 1

@@ -142,6 +142,7 @@ NOT_ACTIONS = {
     "rollout_propose": "a dry run: it changes nothing",
     "last_good_version": "a read",
     "last_good_versions": "a read",
+    "rollout_owning": "a read: who decides a pool's release",
     "actor_name": "the trail itself",
     "audit_record": "the trail itself",
     "audited": "the trail itself",
@@ -244,7 +245,7 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             "user.pool_role_set",
             lambda: fleet.pool_role_set(username="ann", pool_name="gpu", role="x", actor="ops"),
             lambda: fleet.pool_role_set(
-                username="ann", pool_name="gpu", role="operator", actor="ops"
+                username="ann", pool_name="gpu", role="release_manager", actor="ops"
             ),
         ),
         Case(

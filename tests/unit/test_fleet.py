@@ -9,6 +9,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.utils import timezone
 
+from apps.accounts.roles import Role
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.fleet import tasks
@@ -22,6 +23,7 @@ from apps.registry.imports import repository_import
 from apps.registry.models import ModelVersion
 from apps.registry.services import version_set_status
 from tests.support import REPOSITORY
+from tests.support.users import make_user
 
 pytestmark = pytest.mark.django_db
 URLS = {"grpc_url": "127.0.0.1:8101", "metrics_url": "http://127.0.0.1:8102/metrics"}
@@ -200,10 +202,13 @@ def test_a_viewer_cannot_deploy(client: Client, viewer: User, node: Node) -> Non
     assert AuditEvent.objects.filter(action="deployment.set", result="denied").exists()
 
 
-def test_an_operator_deploys_to_a_pool_from_the_page(
+def test_a_release_manager_deploys_to_a_pool_from_the_page_and_an_operator_may_not(
     client: Client, operator: User, node: Node
 ) -> None:
     client.force_login(operator)
+    refused = client.post("/deployments/p/", {"model_version": "rag_pipeline:2"})
+    assert refused.status_code == 403 and not Deployment.objects.exists()
+    client.force_login(make_user(Role.RELEASE_MANAGER))
     response = client.post("/deployments/p/", {"model_version": "rag_pipeline:2"})
     assert response.status_code == 302
     assert Deployment.objects.get().version == 2

@@ -2,14 +2,19 @@
 words, break before make in the planner, and a measurement, with Triton's metrics stubbed at
 their module boundary."""
 
+from datetime import timedelta
+
 import pytest
+from django.conf import settings
 from django.core.management import CommandError, call_command
+from django.utils import timezone
 
 from apps.audit.models import AuditEvent
-from apps.fleet import memory
+from apps.fleet import memory, polling
 from apps.fleet.models import Footprint, Node, NodePool
 from apps.fleet.planner import plan
 from apps.fleet.services import FleetError, deployment_set, node_set_memory
+from apps.fleet.triton import ServerMetadata, TritonClient
 from apps.registry.models import Model, ModelVersion
 from tests.unit.test_planner import MANAGED, desired, kinds, ready
 
@@ -371,3 +376,45 @@ def test_tritons_statistics_are_summed_by_kind_of_memory(monkeypatch: pytest.Mon
     monkeypatch.setattr(httpclient.InferenceServerClient, "get_inference_statistics", answer)
     found = TritonClient("http://127.0.0.1:8000").memory_usage("step", 2)
     assert (found, asked) == ({"GPU": 3 * GIB, "CPU": 1024}, [("step", "2")])
+
+
+def test_with_prometheus_away_a_gpu_node_is_judged_by_its_own_recent_reading_and_says_so(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The poll reads the node's own /metrics: its GPUs, and when.
+    text = "".join(
+        f'nv_gpu_memory_{kind}_bytes{{gpu_uuid="{uuid}"}} {value}\n'
+        for uuid, used in (("GPU-a", 15 * GIB), ("GPU-b", 14 * GIB))
+        for kind, value in (("used", used), ("total", 16 * GIB))
+    )
+    node.metrics_url = "http://cpu-1:8002/metrics"
+    node.save(update_fields=["metrics_url"])
+    monkeypatch.setattr(polling, "read_metrics", lambda url, node: text)
+    monkeypatch.setattr(TritonClient, "health", lambda self: "ready")
+    monkeypatch.setattr(TritonClient, "server_metadata", lambda self: ServerMetadata("2.51.0", []))
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])
+    node = polling.node_poll(node_id=node.pk)
+    assert node.gpus_read_at is not None and len(node.gpus) == 2
+
+    def away(query: str) -> list:
+        raise memory.PrometheusUnavailable("Prometheus at http://p:9090 did not answer")
+
+    monkeypatch.setattr(memory, "instant_query", away)
+    node = Node.objects.get(pk=node.pk)
+    found = memory.room(node, {})
+    assert (found.free_mb, found.where) == (
+        2 * 1024,
+        "GPU GPU-b of 16384 MiB (from the node's own metrics, Prometheus is away)",
+    )
+    ModelVersion.objects.filter(version=3).update(memory_mb=4096)
+    assert memory.refusal(node, "step", {3}, {}).endswith(
+        "(from the node's own metrics, Prometheus is away) has 2048 MiB free"
+    )
+    # A reading older than Prometheus' would have to be decides nothing.
+    old = timezone.now() - timedelta(seconds=settings.FLEET_MEMORY_MAX_AGE_S + 1)
+    Node.objects.filter(pk=node.pk).update(gpus_read_at=old)
+    node = Node.objects.get(pk=node.pk)
+    assert memory.room(node, {}).where == (
+        "its GPUs (unknown: Prometheus at http://p:9090 did not answer)"
+    )
+    assert memory.refusal(node, "step", {3}, {}) == ""

@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('rollouts', '0007_rollout_lockstep'),
+        ("rollouts", "0007_rollout_lockstep"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='approval',
-            name='resolved',
+            model_name="approval",
+            name="resolved",
             field=models.JSONField(blank=True, default=dict),
         ),
     ]

@@ -1,0 +1,378 @@
+"""How the fleet's workers fail safely, and what a reconcile costs: the observed state read from a
+bounded part of a node's operation history; a worker whose lease lapsed is neither joined by the
+next owner mid-load nor allowed to overwrite how the next owner recorded its operation; a node is
+contacted at the address that was checked, its metrics read up to a cap, and its name never
+becomes a second command to HAProxy."""
+
+import random
+import socketserver
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+from django.conf import settings
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from apps.audit.models import AuditEvent
+from apps.fleet import addresses
+from apps.fleet.haproxy import HAProxyError, Runtime
+from apps.fleet.models import Node, NodePool, Operation
+from apps.fleet.operations import NodeBusy, node_reconcile, node_run, observed_state
+from apps.fleet.planner import Observed
+from apps.fleet.services import FleetError, node_register
+from apps.fleet.triton import (
+    METRICS_MAX_BYTES,
+    IndexEntry,
+    TritonClient,
+    TritonRejected,
+    read_metrics,
+)
+
+pytestmark = pytest.mark.django_db
+DONE = [Operation.Status.SUCCEEDED, Operation.Status.FAILED, Operation.Status.UNKNOWN]
+
+
+def a_node(name: str = "n1") -> Node:
+    pool, _ = NodePool.objects.get_or_create(name="p")
+    return Node.objects.create(name=name, pool=pool, http_url="http://127.0.0.1:1")
+
+
+def whole_history(node: Node) -> dict[str, Observed]:
+    """observed_state as it was: every finished operation of the node, read in order."""
+    ready: dict[str, set[int]] = {}
+    busy: set[str] = set()
+    for entry in node.index:
+        ready.setdefault(entry["model"], set())
+        if entry.get("state") == "READY" and entry.get("version") is not None:
+            ready[entry["model"]].add(int(entry["version"]))
+        elif entry.get("state") in ("LOADING", "UNLOADING"):
+            busy.add(entry["model"])
+    last_ok: dict[str, str] = {}
+    failed: dict[str, set[str]] = {}
+    now = timezone.now()
+    for op in node.operations.filter(status__in=DONE).order_by("finished_at", "id"):
+        if op.status == Operation.Status.UNKNOWN:
+            if ready.get(op.model_name, set()) == set(op.versions):
+                last_ok[op.model_name] = op.config_digest
+        elif op.status == Operation.Status.SUCCEEDED:
+            last_ok[op.model_name] = op.config_digest
+            failed.pop(op.model_name, None)
+        elif op.retry_at is None or op.retry_at > now:
+            failed.setdefault(op.model_name, set()).add(op.config_digest)
+        else:
+            failed.get(op.model_name, set()).discard(op.config_digest)
+    return {
+        name: Observed(
+            ready=frozenset(versions),
+            busy=name in busy,
+            digest=last_ok.get(name, ""),
+            failed=frozenset(failed.get(name, ())),
+        )
+        for name, versions in ready.items()
+    } | {
+        name: Observed(frozenset(), digest="", failed=frozenset(digests))
+        for name, digests in failed.items()
+        if name not in ready
+    }
+
+
+def random_history(node: Node, rng: random.Random, size: int) -> None:
+    """Operations of a few models, any status, some finished at the same instant (or, written
+    by hand, at none), failures due again or not, versions asked in either order."""
+    now = timezone.now()
+    statuses = [*DONE, Operation.Status.CANCELLED, Operation.Status.QUEUED]
+    Operation.objects.bulk_create(
+        Operation(
+            node=node,
+            kind="unload" if rng.random() < 0.1 else "load",
+            model_name=rng.choice(["embedder", "retriever", "generator", "gone"]),
+            versions=rng.choice([[1], [2], [1, 2], [2, 1], []]),
+            config_digest=rng.choice(["d1", "d2", "d3"]),
+            requested_by="system:reconciler",
+            status=rng.choice(statuses),
+            retry_at=rng.choice([None, now - timedelta(seconds=5), now + timedelta(seconds=60)]),
+            finished_at=None if rng.random() < 0.05 else now - timedelta(seconds=rng.randint(0, 9)),
+        )
+        for _ in range(size)
+    )
+    node.index = [
+        {"model": model, "version": version, "state": state, "reason": ""}
+        for model, version, state in rng.sample(
+            [
+                ("embedder", 1, "READY"),
+                ("embedder", 2, "READY"),
+                ("retriever", 2, "READY"),
+                ("generator", 1, "LOADING"),
+                ("unmanaged", 1, "READY"),
+            ],
+            k=rng.randint(0, 5),
+        )
+    ]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_observed_state_is_what_the_whole_history_read_in_order_says(seed: int) -> None:
+    node = a_node()
+    random_history(node, random.Random(seed), size=60)
+    assert observed_state(node) == whole_history(node)
+
+
+def a_long_history(node: Node, size: int) -> None:
+    """`size` finished operations over two models: every kind of ending, whatever the size."""
+    start = timezone.now() - timedelta(days=30)
+    endings = [Operation.Status.SUCCEEDED, Operation.Status.FAILED, Operation.Status.UNKNOWN]
+    Operation.objects.bulk_create(
+        (
+            Operation(
+                node=node,
+                kind="load",
+                model_name=("embedder", "retriever")[i % 2],
+                versions=[1],
+                config_digest="d1",
+                requested_by="system:reconciler",
+                status=endings[(i // 2) % 3],
+                finished_at=start + timedelta(seconds=i),
+            )
+            for i in range(size)
+        ),
+        batch_size=2000,
+    )
+
+
+@contextmanager
+def rows_fetched() -> Iterator[list[int]]:
+    """The rows each query returns, counted by the database itself (each SELECT again, as a
+    count): a query that reads a whole history shows however short its Python loop is."""
+    counts: list[int] = []
+
+    def count(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+        result = execute(sql, params, many, context)
+        if sql.lstrip().upper().startswith("SELECT"):
+            inner = sql.replace(" FOR UPDATE", "")
+            cursor = context["connection"].create_cursor()
+            try:
+                counted = f"SELECT COUNT(*) FROM ({inner}) AS fetched"  # noqa: S608 - Django's own SQL
+                cursor.execute(counted, params)
+                counts.append(cursor.fetchone()[0])
+            finally:
+                cursor.close()
+        return result
+
+    with connection.execute_wrapper(count):
+        yield counts
+
+
+def test_a_nodes_reconcile_costs_the_same_with_10_and_10000_finished_operations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    index = [IndexEntry("embedder", 1, "READY", ""), IndexEntry("retriever", 1, "READY", "")]
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: index)
+    costs = []
+    for name, size in (("short", 10), ("long", 10_000)):
+        node = a_node(name)
+        a_long_history(node, size)
+        assert node.operations.count() == size
+        node_reconcile(node_id=node.pk)  # the pool's desired state is computed once, here
+        with CaptureQueriesContext(connection) as queries, rows_fetched() as rows:
+            assert node_reconcile(node_id=node.pk) == []
+        costs.append((len(queries), rows))
+    (short_queries, short_rows), (long_queries, long_rows) = costs
+    assert short_queries == long_queries
+    assert short_rows == long_rows
+    assert max(long_rows) < 10
+
+
+def test_a_lapsed_lease_is_not_taken_while_its_load_may_still_be_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker cut off from the database keeps waiting on the load it sent; the next one must
+    not send a second load beside it, nor declare it lost, until that load's time is up."""
+    node = a_node()
+    sent: list[str] = []
+    monkeypatch.setattr(TritonClient, "load", lambda self, model, **_: sent.append(model))
+    monkeypatch.setattr(
+        TritonClient, "repository_index", lambda self: [IndexEntry("retriever", 1, "READY", "")]
+    )
+    lapsed = timezone.now() - timedelta(seconds=1)
+    Node.objects.filter(pk=node.pk).update(lease_owner="cut-off", lease_until=lapsed)
+    sending = Operation.objects.create(
+        node=node,
+        kind="load",
+        model_name="embedder",
+        versions=[1],
+        requested_by="ops",
+        status=Operation.Status.RUNNING,
+        started_at=timezone.now() - timedelta(seconds=10),
+    )
+    next_one = Operation.objects.create(
+        node=node, kind="load", model_name="retriever", versions=[1], requested_by="ops"
+    )
+    with pytest.raises(NodeBusy):
+        node_run(node_id=node.pk)
+    sending.refresh_from_db()
+    next_one.refresh_from_db()
+    assert sending.status == Operation.Status.RUNNING and not sending.error
+    assert next_one.status == Operation.Status.QUEUED and sent == []
+
+    # Past the load's timeout no answer can come any more: it is lost, and the next one runs.
+    timed_out = timedelta(seconds=settings.FLEET_LOAD_TIMEOUT_S + settings.TRITON_TIMEOUT_S + 1)
+    Operation.objects.filter(pk=sending.pk).update(started_at=timezone.now() - timed_out)
+    node_run(node_id=node.pk)
+    sending.refresh_from_db()
+    next_one.refresh_from_db()
+    assert sending.status == Operation.Status.UNKNOWN and "worker was lost" in sending.error
+    assert next_one.status == Operation.Status.SUCCEEDED and sent == ["retriever"]
+
+
+def test_an_operation_declared_lost_meanwhile_keeps_the_new_owners_record_and_no_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    node = a_node()
+    declared = "the worker was lost mid-operation; the reconciler reads the node's state"
+
+    def load_while_taken_over(self: TritonClient, model: str, **_: object) -> None:
+        # The load takes long; meanwhile the next owner of the node declares it lost.
+        Operation.objects.filter(status=Operation.Status.RUNNING).update(
+            status=Operation.Status.UNKNOWN, finished_at=timezone.now(), error=declared
+        )
+
+    monkeypatch.setattr(TritonClient, "load", load_while_taken_over)
+    monkeypatch.setattr(
+        TritonClient, "repository_index", lambda self: [IndexEntry("embedder", 1, "READY", "")]
+    )
+    first, second = (
+        Operation.objects.create(
+            node=node, kind="load", model_name=name, versions=[1], requested_by="ops"
+        )
+        for name in ("embedder", "retriever")
+    )
+    node_run(node_id=node.pk)
+    first.refresh_from_db()
+    second.refresh_from_db()
+    assert (first.status, first.error) == (Operation.Status.UNKNOWN, declared)
+    assert not AuditEvent.objects.filter(action__startswith="operation.").exists()
+    assert Node.objects.get(pk=node.pk).owned == []
+    assert second.status == Operation.Status.QUEUED  # the node is the next owner's now
+
+
+class Node_(BaseHTTPRequestHandler):
+    """A node's HTTP API as far as these tests ask: health, and /metrics of any size."""
+
+    hosts: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        self.hosts.append(self.headers["Host"])
+        body = METRICS if self.path == "/metrics" else b""
+        if self.path.startswith("/huge"):
+            body = b"#" * (METRICS_MAX_BYTES + 1)
+        self.send_response(200)
+        if self.path != "/huge-unannounced":  # HTTP/1.0: the body ends when the node closes
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        with suppress(OSError):  # a reader that stopped early
+            self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+METRICS = b'nv_gpu_memory_used_bytes{gpu_uuid="GPU-a"} 1\n'
+
+
+@pytest.fixture
+def node_at_a_name(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list[str]]]:
+    """A node at http://triton-node.test:<port>, a name only the check resolves (to 127.0.0.1):
+    a second lookup, by the HTTP client, would find nothing. Yields its URL and the lookups."""
+    lookups: list[str] = []
+
+    def lookup(host: str) -> list[str]:
+        lookups.append(host)
+        assert host == "triton-node.test"
+        return ["127.0.0.1"]
+
+    monkeypatch.setattr(addresses, "_lookup", lookup)
+    Node_.hosts = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Node_)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://triton-node.test:{server.server_address[1]}", lookups
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_node_is_contacted_at_the_address_that_was_checked(
+    node_at_a_name: tuple[str, list[str]],
+) -> None:
+    url, lookups = node_at_a_name
+    assert TritonClient(url, node="n1").health() == "ready"  # two requests, one lookup
+    assert read_metrics(f"{url}/metrics", node="n1") == METRICS.decode()
+    assert lookups == ["triton-node.test"] * 2
+    host = url.removeprefix("http://")
+    assert Node_.hosts == [host] * 3  # the node still hears its own name
+
+
+@pytest.mark.parametrize("path", ["/huge", "/huge-unannounced"])
+def test_a_nodes_metrics_past_the_cap_are_refused_naming_the_node(
+    node_at_a_name: tuple[str, list[str]], path: str
+) -> None:
+    url, _ = node_at_a_name
+    with pytest.raises(TritonRejected, match=rf"^n1: metrics at {url}{path}: larger than 8 MiB"):
+        read_metrics(f"{url}{path}", node="n1")
+
+
+@pytest.fixture
+def runtime_api(tmp_path: Path) -> Iterator[tuple[str, list[bytes]]]:
+    """HAProxy's runtime API on a unix socket, answering nothing (as `set weight` does when it
+    works). Yields the socket's path and what each connection sent."""
+    heard: list[bytes] = []
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            heard.append(self.rfile.readline())
+
+    path = str(tmp_path / "admin.sock")
+    server = socketserver.ThreadingUnixStreamServer(path, Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield path, heard
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    "server", ["n1; set server triton_http/n2 state maint", "n1\nshutdown sessions", "n 1", ""]
+)
+def test_a_name_that_would_be_a_second_command_never_reaches_haproxy(
+    runtime_api: tuple[str, list[bytes]], server: str
+) -> None:
+    path, heard = runtime_api
+    with pytest.raises(HAProxyError, match="only letters, digits"):
+        Runtime(path).set_weights("triton_http", {"ok-1": 100, server: 0})
+    with pytest.raises(HAProxyError, match="only letters, digits"):
+        Runtime(path).weights(f"triton_http;{server}")
+    Runtime(f"unix:{path}").set_weights("triton_http", {"gpu-a.1": 10})
+    assert heard == [b"set weight triton_http/gpu-a.1 10\n"]  # the last call alone
+
+
+@pytest.mark.parametrize("name", ["n1;shutdown", "n1 n2", "n1\n", "n1/x", "n\u00e9"])
+def test_a_node_name_haproxy_could_not_take_is_refused_at_registration(name: str) -> None:
+    with pytest.raises(FleetError, match="only letters, digits"):
+        node_register(
+            name=name,
+            pool="p",
+            http_url="http://127.0.0.1:8100",
+            grpc_url="",
+            metrics_url="",
+            actor="system:test",
+        )
+    assert not Node.objects.exists()
+    assert "only letters, digits" in AuditEvent.objects.get(action="node.register").message
