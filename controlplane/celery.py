@@ -1,14 +1,39 @@
 import os
+from typing import Any
 
 from celery import Celery
-from celery.signals import before_task_publish, task_prerun
+from celery.signals import before_task_publish, task_prerun, task_success
+from django.utils import timezone
 
 from apps.audit.context import adopt_request_id, carry_request_id
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
+# The rollout controller's ticks and beat's heartbeat have a queue of their own: on the default
+# queue they would wait behind every node's task of a 500-node release, and a rollback decision
+# would wait with them. Every worker setup consumes it: the demo's and the tests' worker with
+# `-Q celery,rollouts`, production with a worker of its own (controlplane-worker@rollouts, the
+# chart's worker-rollouts Deployment).
+ROLLOUTS_QUEUE = "rollouts"
+ROLLOUT_TASKS = ("rollouts.advance_all", "rollouts.advance", "fleet.heartbeat")
+# The Heartbeat row the last completed tick writes; /metrics reports its age.
+TICK_HEARTBEAT = "rollouts"
+
 app = Celery("controlplane")
 app.config_from_object("django.conf:settings", namespace="CELERY")
+app.conf.task_routes = {name: {"queue": ROLLOUTS_QUEUE} for name in ROLLOUT_TASKS}
 app.autodiscover_tasks()
 before_task_publish.connect(carry_request_id)
 task_prerun.connect(adopt_request_id)
+
+
+@task_success.connect
+def note_rollout_tick(sender: Any = None, **_: object) -> None:
+    """When the rollout controller's tick last completed, for /metrics' tick age: rollouts (in
+    apps.rollouts) stays unaware of how it is watched. One row, overwritten: a tick every
+    ROLLOUT_TICK_S costs one indexed write."""
+    if getattr(sender, "name", None) != "rollouts.advance_all":
+        return
+    from apps.fleet.models import Heartbeat  # the app registry is ready once tasks run
+
+    Heartbeat.objects.update_or_create(name=TICK_HEARTBEAT, defaults={"at": timezone.now()})

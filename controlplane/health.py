@@ -1,17 +1,17 @@
 """Probes for load balancers and orchestrators: unauthenticated, and revealing nothing but which
-dependency is not ready."""
+dependency is not ready.
 
-from datetime import timedelta
+Readiness is the web process's own: it and PostgreSQL answer. The broker and the workers are
+not part of it: a page reads PostgreSQL and enqueues nothing on a GET, so the UI and the API stay
+up while Redis restarts, and a probe that failed with the broker would take every web pod out of
+the load balancer at once for something they do not need. /metrics reports the broker
+(controlplane_broker_up), the workers (controlplane_workers_up, the heartbeat's age) and the
+rollout controller's tick age, and deploy/prometheus/alerts.yml alerts on them."""
 
-from django.conf import settings
 from django.contrib.auth.decorators import login_not_required
 from django.db import connection
 from django.http import HttpRequest, HttpResponse
-from django.utils import timezone
 from django.views.decorators.cache import never_cache
-
-from apps.fleet.models import Heartbeat
-from controlplane.celery import app as celery_app
 
 
 @login_not_required
@@ -24,9 +24,8 @@ def healthz(request: HttpRequest) -> HttpResponse:
 @login_not_required
 @never_cache
 def readyz(request: HttpRequest) -> HttpResponse:
-    """The database and the broker answer, and a heartbeat went from beat through a worker to the
-    database recently: 200 with each check's result, or 503."""
-    checks = {"database": _database(), "broker": _broker(), "workers": _heartbeat()}
+    """The database answers: 200 with each check's result, or 503."""
+    checks = {"database": _database()}
     body = "".join(f"{name} {'ok' if ok else 'unavailable'}\n" for name, ok in checks.items())
     return HttpResponse(
         body, status=200 if all(checks.values()) else 503, content_type="text/plain"
@@ -40,20 +39,3 @@ def _database() -> bool:
     except Exception:  # any failure: not ready (the detail is not for callers)
         return False
     return True
-
-
-def _broker() -> bool:
-    try:
-        with celery_app.connection_for_write() as conn:
-            conn.ensure_connection(max_retries=1, timeout=2)
-    except Exception:
-        return False
-    return True
-
-
-def _heartbeat() -> bool:
-    try:
-        since = timezone.now() - timedelta(seconds=settings.READY_HEARTBEAT_MAX_AGE_S)
-        return Heartbeat.objects.filter(name="worker", at__gte=since).exists()
-    except Exception:
-        return False

@@ -2,37 +2,53 @@
 
 Every value is read from the database (and the broker) at scrape time: gunicorn and Celery run
 many processes and none of them sees the whole picture, so in-process counters would each tell a
-part. The queries are aggregates, a fixed number of them whatever the size of the fleet."""
+part. The queries are aggregates, a fixed number of them whatever the size of the fleet, and
+each reads a bounded number of rows whatever the length of the history: tables that only grow
+(operations, rollouts, measurements, notifications) are read through their last RECENT_ROWS
+rows by primary key, an index range scan, never end to end."""
 
+import math
 from bisect import bisect
 from collections.abc import Iterable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import redis
 from django.conf import settings
 from django.contrib.auth.decorators import login_not_required
-from django.db.models import Count, F, Min, QuerySet, Sum, TextChoices
+from django.db.models import Count, F, Min, Model, QuerySet, Subquery, Sum, TextChoices
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_safe
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from apps.accounts.models import ApiToken
 from apps.accounts.permissions import ANY_ROLE
 from apps.accounts.services import token_authenticate
-from apps.fleet.models import Node, NodePool, Operation
+from apps.fleet.models import Heartbeat, Node, NodePool, Operation
 from apps.rollouts.models import Measurement, Notification, Rollout
+from controlplane.celery import ROLLOUTS_QUEUE, TICK_HEARTBEAT
 from controlplane.celery import app as celery_app
 
 # A scrape must answer within Prometheus' timeout (10 s by default) even when the broker does
 # not: one short try, then the depth series are left out and broker_up says why.
 BROKER_TIMEOUT_S = 1.0
 UNFINISHED = [Operation.Status.QUEUED, Operation.Status.RUNNING]
+# How far back the per-status counts of ever-growing tables look. Summing whole tables made a
+# scrape slower every day (10,000 operations a release of 500 nodes); the last rows are what an
+# operator watches, and a release's whole burst of operations fits.
+RECENT_ROWS = 10_000
+# Expiry series: tokens are few (people's and services'), but each is a series: the soonest to
+# expire are the ones to show, and a cap keeps a careless script from flooding Prometheus.
+TOKENS_SHOWN = 100
+# An expired token stays in the series this long, so its alert fires until someone rotates it.
+EXPIRED_SHOWN = timedelta(days=7)
 
 
 class ControlPlaneCollector(Collector):
@@ -40,15 +56,15 @@ class ControlPlaneCollector(Collector):
         pools = list(NodePool.objects.order_by("name").values_list("id", "name", "queue"))
         yield _per_choice(
             "controlplane_rollouts",
-            "Rollouts per state.",
-            Rollout.objects.all(),
+            f"Rollouts per state, among the last {RECENT_ROWS} created.",
+            _recent(Rollout),
             "state",
             Rollout.State,
         )
         yield _per_choice(
             "controlplane_operations",
-            "Operations per status.",
-            Operation.objects.all(),
+            f"Operations per status, among the last {RECENT_ROWS} created.",
+            _recent(Operation),
             "status",
             Operation.Status,
         )
@@ -57,20 +73,32 @@ class ControlPlaneCollector(Collector):
         yield _nodes(pools)
         yield _per_choice(
             "controlplane_analysis_verdicts",
-            "Analysis measurements per verdict.",
-            Measurement.objects.all(),
+            f"Analysis measurements per verdict, among the last {RECENT_ROWS} taken.",
+            _recent(Measurement),
             "verdict",
             Measurement.Verdict,
         )
         yield _per_choice(
             "controlplane_webhook_deliveries",
-            "Webhook notifications per delivery status.",
-            Notification.objects.all(),
+            f"Webhook notifications per delivery status, among the last {RECENT_ROWS}.",
+            _recent(Notification),
             "status",
             Notification.Status,
         )
+        yield from _heartbeats()
+        yield _token_expiry()
         default = celery_app.conf.task_default_queue
-        yield from _queue_depths([default, *sorted({q for _, _, q in pools if q} - {default})])
+        routed = sorted({q for _, _, q in pools if q} - {default, ROLLOUTS_QUEUE})
+        yield from _queue_depths([default, ROLLOUTS_QUEUE, *routed])
+
+
+def _recent(model: type[Model]) -> QuerySet[Any]:
+    """The model's last RECENT_ROWS rows, by primary key: read backwards along its index, so a
+    scrape reads as many rows after a year of history as after a day. (A bound on the key in
+    the WHERE clause is not enough: SQLite then counts along the whole index of the grouped
+    column, which sorts for it.)"""
+    last = model._default_manager.order_by("-pk").values("pk")[:RECENT_ROWS]
+    return model._default_manager.filter(pk__in=Subquery(last))
 
 
 def _per_choice(
@@ -85,22 +113,26 @@ def _per_choice(
     return family
 
 
-def _durations() -> SummaryMetricFamily:
+def _durations() -> GaugeMetricFamily:
     finished = (
-        Operation.objects.filter(started_at__isnull=False, finished_at__isnull=False)
+        _recent(Operation)
+        .filter(started_at__isnull=False, finished_at__isnull=False)
         .order_by()
         .values_list("kind")
         .annotate(n=Count("pk"), total=Sum(F("finished_at") - F("started_at")))
     )
     totals = {kind: (count, total) for kind, count, total in finished}
-    family = SummaryMetricFamily(
+    # A mean over a window, not a summary's _count and _sum: those must only grow, and a
+    # window's do not.
+    family = GaugeMetricFamily(
         "controlplane_operation_duration_seconds",
-        "Time from start to finish of finished operations, per kind.",
+        f"Mean time from start to finish of the finished operations among the last {RECENT_ROWS}"
+        " created, per kind; 0 when none.",
         labels=["kind"],
     )
     for kind in Operation.Kind:
         count, total = totals.get(kind, (0, None))
-        family.add_metric([kind.value], count, total.total_seconds() if total else 0.0)
+        family.add_metric([kind.value], total.total_seconds() / count if total else 0.0)
     return family
 
 
@@ -139,6 +171,65 @@ def _nodes(pools: list[tuple[int, str, str]]) -> GaugeMetricFamily:
     return family
 
 
+def _heartbeats() -> Iterator[GaugeMetricFamily]:
+    """Whether beat and a worker of the rollouts queue are alive, and how late the rollout
+    controller runs: what /readyz no longer says (the web process does not need them)."""
+    at = dict(
+        Heartbeat.objects.filter(name__in=["worker", TICK_HEARTBEAT]).values_list("name", "at")
+    )
+    now = timezone.now()
+
+    def age(name: str) -> float:
+        return max((now - at[name]).total_seconds(), 0.0) if name in at else math.inf
+
+    heartbeat = GaugeMetricFamily(
+        "controlplane_heartbeat_age_seconds",
+        "Seconds since beat's heartbeat last ran on a worker of the rollouts queue; +Inf before"
+        " the first.",
+    )
+    heartbeat.add_metric([], age("worker"))
+    yield heartbeat
+    workers = GaugeMetricFamily(
+        "controlplane_workers_up",
+        "1 while beat's heartbeat through a worker is younger than READY_HEARTBEAT_MAX_AGE_S.",
+    )
+    workers.add_metric([], float(age("worker") <= settings.READY_HEARTBEAT_MAX_AGE_S))
+    yield workers
+    tick = GaugeMetricFamily(
+        "controlplane_rollout_tick_age_seconds",
+        "Seconds since the rollout controller's last completed tick, due every ROLLOUT_TICK_S;"
+        " +Inf before the first.",
+    )
+    tick.add_metric([], age(TICK_HEARTBEAT))
+    yield tick
+    interval = GaugeMetricFamily(
+        "controlplane_rollout_tick_interval_seconds",
+        "How often the rollout controller is scheduled to tick (ROLLOUT_TICK_S).",
+    )
+    interval.add_metric([], settings.ROLLOUT_TICK_S)
+    yield interval
+
+
+def _token_expiry() -> GaugeMetricFamily:
+    """When each live API token expires, for an alert a week ahead: an expired Prometheus or
+    Alertmanager token fails quietly (a target down, an incident never opened)."""
+    now = timezone.now()
+    tokens = (
+        ApiToken.objects.filter(revoked_at__isnull=True, expires_at__gt=now - EXPIRED_SHOWN)
+        .order_by("expires_at", "pk")
+        .values_list("user__username", "pk", "name", "scope", "expires_at")[:TOKENS_SHOWN]
+    )
+    family = GaugeMetricFamily(
+        "controlplane_api_token_expiry_timestamp_seconds",
+        f"When each API token expires (Unix time): the {TOKENS_SHOWN} that expire soonest,"
+        " not revoked, expired a week ago at most.",
+        labels=["user", "token", "name", "scope"],
+    )
+    for user, pk, name, scope, expires_at in tokens:
+        family.add_metric([user, str(pk), name, scope], expires_at.timestamp())
+    return family
+
+
 def _queue_depths(queues: list[str]) -> Iterator[GaugeMetricFamily]:
     """Messages waiting in each queue, summed as kombu's Redis transport counts them
     (kombu.transport.redis.Channel._size): one list per priority step, named `<queue>` for
@@ -173,7 +264,7 @@ def _queue_depths(queues: list[str]) -> Iterator[GaugeMetricFamily]:
     yield up
     depth = GaugeMetricFamily(
         "controlplane_celery_queue_depth",
-        "Tasks waiting in each Celery queue (the default one and every pool's).",
+        "Tasks waiting in each Celery queue (the default one, rollouts and every pool's).",
         labels=["queue"],
     )
     for queue, names in keys.items():
@@ -191,8 +282,15 @@ REGISTRY.register(ControlPlaneCollector())
 def metrics(request: HttpRequest) -> HttpResponse:
     """Prometheus' scrape: a live API token (read scope is enough) as `Authorization: Bearer`,
     or nothing where METRICS_ALLOW_ANONYMOUS says so. The series name pools and states: not for
-    anyone on the network."""
-    if not _allowed(request):
+    anyone on the network, nor for Alertmanager's token, which only sends alerts."""
+    allowed = _allowed(request)
+    if allowed is None:
+        return HttpResponse(
+            "this token may only send alerts (POST /api/alertmanager)\n",
+            status=403,
+            content_type="text/plain; charset=utf-8",
+        )
+    if not allowed:
         response = HttpResponse(
             "send a live API token: Authorization: Bearer <token>\n",
             status=401,
@@ -203,11 +301,14 @@ def metrics(request: HttpRequest) -> HttpResponse:
     return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
 
 
-def _allowed(request: HttpRequest) -> bool:
+def _allowed(request: HttpRequest) -> bool | None:
+    """True or False, or None for a live token of the alerts scope (refused: 403)."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme or token:
         # Credentials that were sent are checked even where anonymous scrapes are allowed: a
         # revoked or mistyped token should show as a failing target, not pass unnoticed.
         found = token_authenticate(token.strip()) if scheme.lower() == "bearer" else None
+        if found is not None and found.scope == ApiToken.Scope.ALERTS:
+            return None
         return found is not None and found.user.has_perm(ANY_ROLE)  # a viewer at least
     return bool(settings.METRICS_ALLOW_ANONYMOUS)

@@ -9,8 +9,12 @@ class AccountsConfig(AppConfig):
 
     def ready(self) -> None:
         from axes.signals import user_locked_out
+        from django.contrib.auth.signals import user_logged_in
+
+        from controlplane.sessions import session_started
 
         user_locked_out.connect(_audit_lockout, dispatch_uid="accounts.audit_lockout")
+        user_logged_in.connect(session_started, dispatch_uid="accounts.session_started")
 
 
 def _audit_lockout(sender: object, request: Any, username: str, ip_address: str, **_: Any) -> None:

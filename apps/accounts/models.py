@@ -4,11 +4,13 @@ from django.db import models
 
 class ApiToken(models.Model):
     """A user's key to the API. Only a digest is kept: the token itself is shown once, when it is
-    created, and cannot be read back. Every token expires; a read-only one changes nothing."""
+    created, and cannot be read back. Every token expires; a read-only one changes nothing, and
+    an alerts one only opens and resolves incidents (Alertmanager's webhook)."""
 
     class Scope(models.TextChoices):
         READ = "read", "read only"
         WRITE = "write", "read and write (as your role allows)"
+        ALERTS = "alerts", "Alertmanager's webhook only"
 
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="tokens"
@@ -22,7 +24,7 @@ class ApiToken(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField()
-    scope = models.CharField(max_length=5, choices=Scope.choices, default=Scope.WRITE)
+    scope = models.CharField(max_length=10, choices=Scope.choices, default=Scope.WRITE)
 
     class Meta:
         ordering = ["-created_at"]

@@ -10,9 +10,11 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import URLPattern, URLResolver
 from ninja import NinjaAPI
 
+from apps.accounts.models import ApiToken
 from apps.accounts.permissions import ANY_ROLE
 from apps.accounts.services import token_authenticate
 from apps.api import audit, errors, fleet, incidents, registry, rollouts
+from apps.api.auth import ALERTS_ONLY
 
 
 def signed_in(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
@@ -33,6 +35,9 @@ def signed_in(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
             return JsonResponse({"error": error}, status=401)
         if not found.user.has_perm(ANY_ROLE):
             error = {"code": "forbidden", "message": f"your role lacks {ANY_ROLE}", "details": None}
+            return JsonResponse({"error": error}, status=403)
+        if found.scope == ApiToken.Scope.ALERTS:
+            error = {"code": "forbidden", "message": ALERTS_ONLY, "details": None}
             return JsonResponse({"error": error}, status=403)
         return view(request, *args, **kwargs)
 

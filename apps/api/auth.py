@@ -1,6 +1,9 @@
 """Per-user API tokens, and the same role permissions as the pages, checked before the request
 body is even read: a viewer gets 403 on every mutation, whatever it sends, and a user with no
-role on every call. The pool an operation acts on is checked by its service."""
+role on every call. The pool an operation acts on is checked by its service.
+
+An alerts token (Alertmanager's, whose credentials sit in its config file) opens and resolves
+incidents and nothing else: a leaked copy cannot read the fleet or change it."""
 
 from django.http import HttpRequest
 from ninja.security import HttpBearer
@@ -15,12 +18,13 @@ from apps.audit.services import audit_record
 from controlplane.nul import MESSAGE, nul_in
 
 READS = {"GET", "HEAD", "OPTIONS"}
+ALERTS_ONLY = "this token may only send alerts (POST /api/alertmanager)"
 
 
 class Token(HttpBearer):
-    def __init__(self, permission: str = "", action: str = "") -> None:
+    def __init__(self, permission: str = "", action: str = "", *, alerts: bool = False) -> None:
         super().__init__()
-        self.permission, self.action = permission, action
+        self.permission, self.action, self.alerts = permission, action, alerts
 
     def authenticate(self, request: HttpRequest, token: str) -> object | None:
         found = token_authenticate(token)
@@ -37,6 +41,15 @@ class Token(HttpBearer):
                 message=f"token {found} is read-only",
             )
             raise ApiError(403, "forbidden", "this token is read-only")
+        if found.scope == ApiToken.Scope.ALERTS and not self.alerts:
+            audit_record(
+                actor=found.user,
+                action=self.action or ("api.read" if request.method in READS else "api.write"),
+                target=request.path,
+                result=AuditEvent.Result.DENIED,
+                message=f"token {found} is for alerts only",
+            )
+            raise ApiError(403, "forbidden", ALERTS_ONLY)
         if not found.user.has_perm(ANY_ROLE) or (
             self.permission and not may_somewhere(found.user, self.permission)
         ):
@@ -55,6 +68,7 @@ class Token(HttpBearer):
         return found.user
 
 
-def can(permission: str, action: str) -> Token:
-    """Auth for a mutating operation: a live token whose owner holds `permission`."""
-    return Token(permission, action)
+def can(permission: str, action: str, *, alerts: bool = False) -> Token:
+    """Auth for a mutating operation: a live token whose owner holds `permission`; an alerts
+    token only where `alerts` says so."""
+    return Token(permission, action, alerts=alerts)

@@ -1,6 +1,8 @@
 """Alertmanager's webhook receiver: firing alerts open (or update) an incident per alert group,
 resolved ones resolve it. Alertmanager authenticates with an API token of a user allowed to
-manage incidents (`http_config: {authorization: {credentials: <token>}}`)."""
+manage incidents (`http_config: {authorization: {credentials: <token>}}`), best one with the
+alerts scope (`manage.py api_token create <user> alertmanager --scope alerts`), refused
+everywhere else."""
 
 from datetime import datetime
 from typing import Any
@@ -46,7 +48,7 @@ class ReceivedOut(Schema):
 @router.post(
     "/alertmanager",
     response={200: ReceivedOut, **ERRORS},
-    auth=can(MANAGE, "incident.alert"),
+    auth=can(MANAGE, "incident.alert", alerts=True),
 )
 def alertmanager(request: HttpRequest, body: AlertmanagerIn) -> dict[str, Any]:
     """Idempotent on the group key: Alertmanager repeats a notification until it is taken."""

@@ -1,5 +1,6 @@
 """The production stack from the commands in deploy/README.md: gunicorn serving pages and their
-static files, a worker and beat; /readyz follows the broker going away and coming back."""
+static files, a worker and beat; /readyz stays ready while the broker goes away and comes back,
+and /metrics says it is down meanwhile."""
 
 import os
 import re
@@ -76,6 +77,7 @@ def test_the_documented_production_stack_serves_and_reports_readiness(tmp_path: 
         "BIND": f"127.0.0.1:{web}",
         "WEB_WORKERS": "2",
         "WORKER_CONCURRENCY": "1",
+        "METRICS_ALLOW_ANONYMOUS": "true",
     }
     *once, gunicorn, worker, beat = documented_commands()
     assert "gunicorn" in gunicorn and " worker " in worker and " beat " in beat
@@ -105,10 +107,17 @@ def test_the_documented_production_stack_serves_and_reports_readiness(tmp_path: 
             assert get(base + stylesheet[1])[0] == 200  # WhiteNoise, from STATIC_ROOT
             assert get(f"{base}/healthz") == (200, "ok\n")
             wait_for("ready", lambda: get(f"{base}/readyz")[0] == 200, timeout=60)
-        # The broker went away: not ready, and the probe says only which dependency.
-        assert get(f"{base}/readyz") == (503, "database ok\nbroker unavailable\nworkers ok\n")
+            assert "controlplane_broker_up 1.0" in get(f"{base}/metrics")[1]
+        # The broker went away: the web process stays ready (pages need only PostgreSQL), and
+        # /metrics reports the broker down.
+        assert get(f"{base}/readyz") == (200, "database ok\n")
+        assert "controlplane_broker_up 0.0" in get(f"{base}/metrics")[1]
         with redis(broker, tmp_path):
-            wait_for("ready again", lambda: get(f"{base}/readyz")[0] == 200, timeout=60)
+            wait_for(
+                "the broker back",
+                lambda: "controlplane_broker_up 1.0" in get(f"{base}/metrics")[1],
+                timeout=60,
+            )
     finally:
         for service in services:
             os.killpg(service.pid, signal.SIGTERM)

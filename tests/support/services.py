@@ -76,6 +76,8 @@ class Celery:
             "FLEET_POLL_INTERVAL_S": "1",
             "FLEET_RECONCILE_INTERVAL_S": "2",
             "FLEET_LEASE_S": "6",
+            # A killed worker's load is taken over once it has timed out: the demo's take seconds.
+            "FLEET_LOAD_TIMEOUT_S": "30",
             "ROLLOUT_TICK_S": "1",
             "ROLLOUT_WEBHOOK_URL": webhook_url,
         }
@@ -102,6 +104,7 @@ class Celery:
             "--concurrency=3",
             "--without-mingle",
             "--without-gossip",
+            "--queues=celery,rollouts",  # the default queue and the rollout controller's
             f"--hostname=test{self.starts}@%h",
             log="worker.log",
         )

@@ -2,6 +2,8 @@
 time, a query count flat in fleet size, a token (or an explicit opt-in) to read them, and a
 scrape that still answers when the broker does not."""
 
+import math
+import re
 import socket
 import time
 import uuid
@@ -21,9 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from apps.accounts.models import ApiToken
 from apps.accounts.services import token_create, token_revoke
-from apps.fleet.models import Node, NodePool, Operation
+from apps.fleet.models import Heartbeat, Node, NodePool, Operation
+from apps.fleet.tasks import heartbeat
 from apps.registry.models import Model
 from apps.rollouts.models import Measurement, Notification, Rollout
+from apps.rollouts.tasks import advance_all
 from controlplane import metrics
 from controlplane.celery import app as celery_app
 
@@ -141,13 +145,8 @@ def test_every_series_reports_exact_values_from_the_database(
         ("unknown",): 1,
         ("cancelled",): 1,
     }
-    assert matching(samples, "controlplane_operation_duration_seconds_count") == {
-        ("load",): 2,
-        ("unload",): 1,
-        ("reload",): 0,
-    }
-    assert matching(samples, "controlplane_operation_duration_seconds_sum") == {
-        ("load",): 3.5,
+    assert matching(samples, "controlplane_operation_duration_seconds") == {
+        ("load",): 1.75,
         ("unload",): 1.5,
         ("reload",): 0,
     }
@@ -214,7 +213,11 @@ def test_queue_depth_sums_every_priority_list_of_each_queue_in_use(
     finally:
         broker.delete(*broker.keys(f"*{queue}*"))
     depths = matching(samples, "controlplane_celery_queue_depth")
-    assert depths == {("celery",): broker.llen("celery"), (queue,): 5}
+    assert depths == {
+        ("celery",): broker.llen("celery"),
+        ("rollouts",): broker.llen("rollouts"),
+        (queue,): 5,
+    }
     assert matching(samples, "controlplane_broker_up") == {(): 1}
 
 
@@ -280,3 +283,167 @@ def test_the_charts_page_behind_the_slash_still_asks_for_a_login(client: Client)
 def test_a_scrape_is_a_read(client: Client, headers: dict[str, str]) -> None:
     response = client.post("/metrics", "{}", content_type="application/json", headers=headers)
     assert response.status_code == 405
+
+
+def test_the_rollout_tick_lag_and_the_heartbeat_age_are_reported(
+    client: Client, headers: dict[str, str], settings: object
+) -> None:
+    settings.READY_HEARTBEAT_MAX_AGE_S = 60  # type: ignore[attr-defined]
+    settings.ROLLOUT_TICK_S = 2  # type: ignore[attr-defined]
+    samples = scrape(client, headers)
+    # Before the first tick and the first heartbeat: infinitely late, never "just now".
+    assert matching(samples, "controlplane_rollout_tick_age_seconds") == {(): math.inf}
+    assert matching(samples, "controlplane_heartbeat_age_seconds") == {(): math.inf}
+    assert matching(samples, "controlplane_workers_up") == {(): 0}
+    assert matching(samples, "controlplane_rollout_tick_interval_seconds") == {(): 2}
+
+    advance_all.apply()  # a tick, as a worker of the rollouts queue runs it for beat
+    heartbeat.apply()
+    samples = scrape(client, headers)
+    assert matching(samples, "controlplane_rollout_tick_age_seconds")[()] < 5
+    assert matching(samples, "controlplane_heartbeat_age_seconds")[()] < 5
+    assert matching(samples, "controlplane_workers_up") == {(): 1}
+
+    Heartbeat.objects.update(at=timezone.now() - timedelta(seconds=90))
+    samples = scrape(client, headers)
+    assert matching(samples, "controlplane_rollout_tick_age_seconds")[()] == pytest.approx(
+        90, abs=5
+    )
+    assert matching(samples, "controlplane_workers_up") == {(): 0}
+
+
+def test_every_live_token_shows_when_it_expires(
+    client: Client, headers: dict[str, str], viewer: User, operator: User
+) -> None:
+    alerts, _ = token_create(
+        user=operator, name="alertmanager", actor="system:test", scope=ApiToken.Scope.ALERTS
+    )
+    short, _ = token_create(user=viewer, name="ci", actor="system:test", days=3)
+    gone, _ = token_create(user=viewer, name="old", actor="system:test")
+    token_revoke(token_id=gone.pk, actor="system:test")
+    long_expired, _ = token_create(user=viewer, name="ancient", actor="system:test")
+    ApiToken.objects.filter(pk=long_expired.pk).update(
+        expires_at=timezone.now() - timedelta(days=30)
+    )
+    prometheus = ApiToken.objects.get(name="prometheus")
+
+    expiry = matching(scrape(client, headers), "controlplane_api_token_expiry_timestamp_seconds")
+    # Labels in name order: name, scope, token, user.
+    assert expiry == {
+        ("prometheus", "read", str(prometheus.pk), viewer.username): pytest.approx(
+            prometheus.expires_at.timestamp()
+        ),
+        ("alertmanager", "alerts", str(alerts.pk), operator.username): pytest.approx(
+            alerts.expires_at.timestamp()
+        ),
+        ("ci", "write", str(short.pk), viewer.username): pytest.approx(
+            short.expires_at.timestamp()
+        ),
+    }
+
+
+def test_the_number_of_token_series_is_capped(
+    client: Client, headers: dict[str, str], viewer: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(metrics, "TOKENS_SHOWN", 3)
+    soonest = [
+        token_create(user=viewer, name=f"script {i}", actor="system:test", days=1 + i)[0]
+        for i in range(5)
+    ]
+    expiry = matching(scrape(client, headers), "controlplane_api_token_expiry_timestamp_seconds")
+    assert {labels[2] for labels in expiry} == {str(t.pk) for t in soonest[:3]}
+
+
+def test_an_alerts_token_may_not_scrape(client: Client, operator: User) -> None:
+    _, value = token_create(
+        user=operator, name="alertmanager", actor="system:test", scope=ApiToken.Scope.ALERTS
+    )
+    response = client.get("/metrics", headers={"Authorization": f"Bearer {value}"})
+    assert response.status_code == 403
+    assert b"controlplane_" not in response.content
+
+
+HISTORY = (Operation, Rollout, Measurement, Notification)
+
+
+def history(pool: NodePool, n: int) -> None:
+    """`n` finished operations and rollouts, each with a measurement and a webhook delivery."""
+    node = pool.nodes.first()
+    assert node is not None
+    model, _ = Model.objects.get_or_create(name="history")
+    for _ in range(n):
+        operation(node, "load", "succeeded", took_s=1)
+        rollout = Rollout.objects.create(
+            model=model,
+            pool=pool,
+            baseline_version=1,
+            canary_version=2,
+            plan=[{"percent": 100}],
+            state="succeeded",
+        )
+        Measurement.objects.create(rollout=rollout, step=0, metric="p99", query="q")
+        Notification.objects.create(rollout=rollout, event="started", payload={}, status="sent")
+
+
+def plans(queries: list[str]) -> list[str]:
+    """Each query with the plan the database chooses for it."""
+    found = []
+    with connection.cursor() as cursor:
+        for sql in queries:
+            if connection.vendor == "postgresql":
+                cursor.execute("EXPLAIN " + sql)
+                plan = "\n".join(row[0] for row in cursor.fetchall())
+            else:
+                cursor.execute("EXPLAIN QUERY PLAN " + sql)
+                plan = "\n".join(str(row[-1]) for row in cursor.fetchall())
+            found.append(f"{sql}\n{plan}")
+    return found
+
+
+def full_scans(queries: list[str]) -> list[str]:
+    """The queries whose plan reads a history table end to end."""
+    tables = {model._meta.db_table for model in HISTORY}
+    pattern = r"Seq Scan on (\w+)" if connection.vendor == "postgresql" else r"^SCAN (\w+)"
+    return [plan for plan in plans(queries) if set(re.findall(pattern, plan, re.M)) & tables]
+
+
+def rows_read() -> dict[str, int]:
+    """Rows PostgreSQL read from each history table in this transaction, by sequential and by
+    index scans."""
+    tables = [model._meta.db_table for model in HISTORY]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT relname, seq_tup_read, coalesce(idx_tup_fetch, 0)"
+            " FROM pg_stat_xact_user_tables WHERE relname = ANY(%s)",
+            [tables],
+        )
+        return {name: seq + fetched for name, seq, fetched in cursor.fetchall()}
+
+
+def test_a_scrape_reads_as_many_rows_after_a_long_history_as_after_a_short_one(
+    client: Client, settings: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings.METRICS_ALLOW_ANONYMOUS = True  # type: ignore[attr-defined]
+    monkeypatch.setattr(metrics, "RECENT_ROWS", 20)
+    pool = make_fleet("gpu-a", nodes=2)
+    if connection.vendor == "postgresql":
+        # Tables this small fit a page or two: the planner would rightly scan them whole. Told
+        # to use an index where one serves, it shows what the queries cost at scale.
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL enable_seqscan = off")
+
+    def scrape_cost() -> tuple[int, dict[str, int], list[str]]:
+        before = rows_read() if connection.vendor == "postgresql" else {}
+        with CaptureQueriesContext(connection) as captured:
+            assert client.get("/metrics").status_code == 200
+        after = rows_read() if connection.vendor == "postgresql" else {}
+        read = {table: n - before.get(table, 0) for table, n in after.items()}
+        return len(captured), read, [q["sql"] for q in captured]
+
+    history(pool, 25)  # more than RECENT_ROWS already
+    short_queries, short_rows, _ = scrape_cost()
+    history(pool, 250)
+    long_queries, long_rows, sqls = scrape_cost()
+    assert long_queries == short_queries
+    assert long_rows == short_rows, (long_rows, short_rows)
+    assert full_scans(sqls) == []

@@ -18,7 +18,21 @@ class Command(BaseCommand):
         create.add_argument(
             "--days", type=int, help="lifetime (default and most: API_TOKEN_MAX_DAYS)"
         )
-        create.add_argument("--read-only", action="store_true", help="a token that changes nothing")
+        scope = create.add_mutually_exclusive_group()
+        scope.add_argument(
+            "--scope",
+            choices=ApiToken.Scope.values,
+            default=ApiToken.Scope.WRITE,
+            help="read, write (as the user's role allows; the default), or alerts: "
+            "Alertmanager's webhook (POST /api/alertmanager) and nothing else",
+        )
+        scope.add_argument(
+            "--read-only",
+            action="store_const",
+            const=ApiToken.Scope.READ,
+            dest="scope",
+            help="a token that changes nothing (--scope read)",
+        )
         listing = commands.add_parser("list", help="a user's tokens (never their values)")
         listing.add_argument("username")
         revoke = commands.add_parser("revoke", help="revoke a token by its id")
@@ -39,7 +53,7 @@ class Command(BaseCommand):
                     name=str(options["name"]),
                     actor=ACTOR,
                     days=options["days"],  # type: ignore[arg-type]
-                    scope=ApiToken.Scope.READ if options["read_only"] else ApiToken.Scope.WRITE,
+                    scope=str(options["scope"]),
                 )
                 self.stdout.write(f"token {record.pk} for {user.username}: {value}")
                 return
