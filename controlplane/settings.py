@@ -33,6 +33,11 @@ if not SECRET_KEY:
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
 
 DATABASES = {"default": database_from_url("DATABASE_URL", "sqlite:///var/db.sqlite3", BASE_DIR)}
+# Migrations (the migrate unit, the migrations Job) run as the schema's owner, MIGRATE_DATABASE_URL
+# where DATABASE_AS_OWNER=true; web and workers connect as a role that may append to the audit
+# trail but never rewrite it (deploy/README.md, "Database roles").
+if env_bool("DATABASE_AS_OWNER", False) and os.environ.get("MIGRATE_DATABASE_URL"):
+    DATABASES = {"default": database_from_url("MIGRATE_DATABASE_URL", "", BASE_DIR)}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 CELERY_BROKER_URL = env_url("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0", ("redis", "rediss"))
@@ -75,6 +80,7 @@ INSTALLED_APPS = [
     "apps.rollouts",
     "apps.incidents",
     "apps.api",
+    "apps.retention",
     "ninja",  # the API docs' own static files (Swagger UI): no CDN
 ]
 
@@ -104,10 +110,19 @@ AUTHENTICATION_BACKENDS = [
     "django.contrib.auth.backends.ModelBackend",
 ]
 # AXES_FAILURE_LIMIT failed sign-ins for one user from one address lock that pair out for
-# AXES_COOLOFF_MINUTES (a per-user lock alone would let anyone lock the admins out).
+# AXES_COOLOFF_MINUTES (a per-user lock alone would let anyone lock the admins out), and
+# AXES_ADDRESS_FAILURE_LIMIT from one address, whichever users they named, lock the address
+# (one client guessing a few passwords of every user): controlplane/throttle.py.
 AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5)
+AXES_ADDRESS_FAILURE_LIMIT = env_int("AXES_ADDRESS_FAILURE_LIMIT", 30)
+if AXES_ADDRESS_FAILURE_LIMIT < AXES_FAILURE_LIMIT:
+    raise ImproperlyConfigured(
+        f"AXES_ADDRESS_FAILURE_LIMIT={AXES_ADDRESS_FAILURE_LIMIT} is below "
+        f"AXES_FAILURE_LIMIT={AXES_FAILURE_LIMIT}: an address's limit covers all its users."
+    )
 AXES_COOLOFF_TIME = timedelta(minutes=env_float("AXES_COOLOFF_MINUTES", 15))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_HANDLER = "controlplane.throttle.AddressThrottleHandler"
 AXES_RESET_ON_SUCCESS = True
 AXES_DISABLE_ACCESS_LOG = True  # the audit trail records what matters; this table only grows
 AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
@@ -139,7 +154,10 @@ TEMPLATES = [
 ]
 
 AUTH_PASSWORD_VALIDATORS = [
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {
+        "NAME": "django.contrib.auth.password_validation.MinimumLengthValidator",
+        "OPTIONS": {"min_length": 12},
+    },
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
 
@@ -164,15 +182,20 @@ CONTENT_SECURITY_POLICY = {
         "style-src": [SELF, "'unsafe-inline'"],
         "img-src": [SELF, "data:"],
         "frame-ancestors": ["'none'"],
+        # No <base> may move relative URLs elsewhere; forms post only back to this site.
+        "base-uri": ["'none'"],
+        "form-action": [SELF],
     }
 }
 
 # A repository archive (registry.archives.MAX_UPLOAD_BYTES) and its multipart framing fit.
 REQUEST_BODY_MAX_BYTES = int(env_float("REQUEST_BODY_MAX_BYTES", 21 * 2**20))
 
-# A session ends after SESSION_IDLE_S without a request; every request starts the count again
-# (controlplane/sessions.py: to the minute, writing the session once a minute at most).
+# A session ends after SESSION_IDLE_S without a request of a person (a live part's poll is not
+# one), and SESSION_MAX_AGE_S after sign-in however active (controlplane/sessions.py: to the
+# minute, writing the session once a minute at most).
 SESSION_COOKIE_AGE = int(env_float("SESSION_IDLE_S", 3600))
+SESSION_MAX_AGE_S = int(env_float("SESSION_MAX_AGE_S", 12 * 3600))
 SESSION_TOUCH_S = 60
 # API tokens expire after at most this many days (each token may choose fewer).
 API_TOKEN_MAX_DAYS = int(env_float("API_TOKEN_MAX_DAYS", 90))
@@ -209,7 +232,18 @@ CELERY_BEAT_SCHEDULE = {
     "poll-nodes": {"task": "fleet.poll_nodes", "schedule": FLEET_POLL_INTERVAL_S},
     "reconcile": {"task": "fleet.reconcile_all", "schedule": FLEET_RECONCILE_INTERVAL_S},
     "rollouts": {"task": "rollouts.advance_all", "schedule": ROLLOUT_TICK_S},
+    "retention": {"task": "retention.prune", "schedule": 3600.0},
+    "lost-notifications": {"task": "rollouts.deliver_lost", "schedule": 60.0},
 }
+# What the fleet and rollouts leave behind goes after RETENTION_DAYS (RETENTION_<KIND>_DAYS for
+# one kind; 0 keeps it), RETENTION_BATCH rows per transaction (apps/retention). Expired sessions
+# always go; the audit trail stays, by month (apps/audit/partitions.py).
+RETENTION_DAYS = env_int("RETENTION_DAYS", 90)
+RETENTION_DAYS_BY_KIND = {
+    kind: env_int(f"RETENTION_{kind.upper()}_DAYS", RETENTION_DAYS)
+    for kind in ("operations", "measurements", "notifications", "approvals", "logins")
+}
+RETENTION_BATCH = 1000
 # Slack-compatible webhook told about rollouts (start, steps, pauses, failures, rollbacks,
 # success); empty: none. Links in its messages start with SITE_URL.
 ROLLOUT_WEBHOOK_URL = env_str("ROLLOUT_WEBHOOK_URL", "")
@@ -257,6 +291,8 @@ FLEET_FOOTPRINT_SETTLE_S = env_float("FLEET_FOOTPRINT_SETTLE_S", 2.5)
 FLEET_FOOTPRINT_SAMPLES = 3
 FLEET_MEMORY_MAX_AGE_S = env_float("FLEET_MEMORY_MAX_AGE_S", 30.0)
 TRITON_TIMEOUT_S = 5.0
+# How long a load may take on a node; a running load is not taken over before it has passed.
+FLEET_LOAD_TIMEOUT_S = env_float("FLEET_LOAD_TIMEOUT_S", 120.0)
 PROMETHEUS_TIMEOUT_S = 5
 
 # One JSON object per line, with the request id the audit trail records (controlplane.logs).

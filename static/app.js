@@ -53,3 +53,11 @@ document.addEventListener("htmx:beforeRequest", function (event) {
     }
   }
 });
+
+// A live part's poll is not the person at the page: marked, it does not keep the session alive
+// (controlplane/sessions.py). Only the polling element's own requests: not a form inside it.
+document.addEventListener("htmx:configRequest", function (event) {
+  var elt = event.detail.elt;
+  if (!elt.getAttribute || !/(^|,)\s*every /.test(elt.getAttribute("hx-trigger") || "")) return;
+  event.detail.headers["X-Poll"] = "1";
+});

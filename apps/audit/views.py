@@ -97,12 +97,23 @@ class _Line:
         return value
 
 
+# A cell starting with one of these is a formula to a spreadsheet (OWASP's CSV injection).
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: object) -> str:
+    """A cell a spreadsheet shows as text: one that would start a formula (a target or a
+    message someone typed, `=HYPERLINK(...)`) gets a leading single quote."""
+    text = str(value)
+    return f"'{text}" if text.startswith(FORMULA_START) else text
+
+
 def _csv(rows: Iterator[dict[str, object]]) -> Iterator[str]:
     writer = csv.writer(_Line())
     yield writer.writerow(COLUMNS)
     for row in rows:
         row["before"], row["after"] = json.dumps(row["before"]), json.dumps(row["after"])
-        yield writer.writerow([row[column] for column in COLUMNS])
+        yield writer.writerow([csv_cell(row[column]) for column in COLUMNS])
 
 
 def _json(rows: Iterator[dict[str, object]]) -> Iterator[str]:

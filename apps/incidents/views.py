@@ -145,11 +145,9 @@ def timeline_chart(request: HttpRequest) -> HttpResponse:
 def timeline_report(request: HttpRequest) -> HttpResponse:
     """The same window as Markdown, ready to paste into a postmortem."""
     context = _timeline_context(request)
-    context["cells"] = [  # one line each, and no stray "|" to break the table
-        {
-            key: " ".join(str(value).split()).replace("|", "\\|")
-            for key, value in event_row(event).items()
-        }
+    # As text: the template escapes each cell (apps/incidents/templatetags/mdtext.py).
+    context["cells"] = [
+        {key: str(value) for key, value in event_row(event).items()}
         for event in context["events"]  # type: ignore[attr-defined]
     ]
     text = render_to_string("incidents/timeline_report.md", context, request)

@@ -4,6 +4,7 @@ rollout up."""
 
 import json
 import urllib.request
+from datetime import timedelta
 
 from celery import current_app
 from django.conf import settings
@@ -26,21 +27,29 @@ EVENTS = {
 }
 
 
+def slack_text(text: object) -> str:
+    """Text as Slack shows it literally: its control characters escaped (its rules for
+    message text), so that a reason or a name holding `<!channel>` or `<https://x|click>`
+    pings no one and links nowhere."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def notify(rollout: Rollout, event: str) -> Notification | None:
     template = EVENTS.get(event)
     if template is None or not settings.ROLLOUT_WEBHOOK_URL:
         return None
     link = f"{settings.SITE_URL}/rollouts/{rollout.pk}/"
     step = parse_plan(rollout.plan)[rollout.step]
+    pool, model = slack_text(rollout.pool.name), slack_text(rollout.model.name)
     what = template.format(
         step=rollout.step + 1,
         canary=rollout.canary_version,
         baseline=rollout.baseline_version,
-        share=step.share,
-        pool=rollout.pool.name,
-        reason=rollout.reason,
+        share=slack_text(step.share),
+        pool=pool,
+        reason=slack_text(rollout.reason),
     )
-    title = f"Rollout #{rollout.pk} of {rollout.model.name} on {rollout.pool.name}"
+    title = f"Rollout #{rollout.pk} of {model} on {pool}"
     payload = {
         "text": f"{title} {what} <{link}|details>",
         "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": f"*{title}* {what}"}}],
@@ -48,8 +57,20 @@ def notify(rollout: Rollout, event: str) -> Notification | None:
     }
     notification = Notification.objects.create(rollout=rollout, event=event, payload=payload)
     # Addressed by name: the task (rollouts.tasks) wraps this module, not the other way round.
-    transaction.on_commit(lambda: current_app.send_task(DELIVER, (notification.pk,)))
+    # Robust: a broker away must not turn the committed transition into an error; the sweep
+    # (notifications_lost) sends what it never took.
+    transaction.on_commit(lambda: current_app.send_task(DELIVER, (notification.pk,)), robust=True)
     return notification
+
+
+def notifications_lost(*, older_than_s: float = 60) -> list[int]:
+    """Messages never tried, well after they were written: their task was lost (the broker was
+    away at the commit, or lost it). A task takes a message within seconds otherwise."""
+    since = timezone.now() - timedelta(seconds=older_than_s)
+    lost = Notification.objects.filter(
+        status=Notification.Status.PENDING, attempts=0, created_at__lt=since
+    )
+    return list(lost.order_by("id").values_list("id", flat=True)[:500])
 
 
 class DeliveryFailed(Exception):

@@ -2,6 +2,7 @@
 Prometheus config and alerts (with a unit test of every alert), helm for the chart, systemd-analyze
 for the units. Every command is the guide's, and every environment variable is one the app reads."""
 
+import ipaddress
 import json
 import re
 import shlex
@@ -25,7 +26,7 @@ UNITS = DEPLOY / "systemd"
 INSTALL = "/opt/triton-controlplane/.venv/bin/"
 REQUIRED_SECRETS = {"SECRET_KEY", "DATABASE_URL", "CELERY_BROKER_URL", "PROMETHEUS_URL"}
 # A Slack webhook URL is a credential too, so it never goes into a ConfigMap.
-OPTIONAL_SECRETS = {"ROLLOUT_WEBHOOK_URL"}
+OPTIONAL_SECRETS = {"ROLLOUT_WEBHOOK_URL", "MIGRATE_DATABASE_URL"}  # the owner, for migrations
 # Read by the process command lines of the guide's "Run it" block, not by the app.
 PROCESS_VARIABLES = {"BIND", "WEB_WORKERS", "WORKER_CONCURRENCY"}
 
@@ -33,7 +34,9 @@ PROCESS_VARIABLES = {"BIND", "WEB_WORKERS", "WORKER_CONCURRENCY"}
 def app_settings() -> set[str]:
     """The environment variables controlplane/settings.py reads."""
     source = (ROOT / "controlplane" / "settings.py").read_text()
-    pattern = r'(?:env_(?:str|bool|float|list|url)|database_from_url)\(\s*"(\w+)"'
+    pattern = (
+        r'(?:env_(?:str|bool|float|int|list|url|networks|header)|database_from_url)\(\s*"(\w+)"'
+    )
     return set(re.findall(pattern, source))
 
 
@@ -157,7 +160,18 @@ def documented(program: str, *words: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("values", [(), ("ingress.enabled=true", "worker.queues[0].name=eu-west")])
+@pytest.mark.parametrize(
+    "values",
+    [
+        (),
+        (
+            "ingress.enabled=true",
+            "worker.queues[0].name=eu-west",
+            "networkPolicy.fleetCIDRs={10.40.0.0/16,fd00:40::/48}",
+        ),
+        ("networkPolicy.enabled=false", "web.trustedProxies=2"),
+    ],
+)
 def test_the_chart_lints_cleanly(values: tuple[str, ...]) -> None:
     result = run(tool("helm"), "lint", "--strict", str(CHART), *[f"--set={v}" for v in values])
     assert result.returncode == 0, result.stdout + result.stderr
@@ -165,8 +179,15 @@ def test_the_chart_lints_cleanly(values: tuple[str, ...]) -> None:
 
 def test_the_chart_renders_web_workers_beat_migrations_a_service_and_config() -> None:
     kinds = Counter(doc["kind"] for doc in rendered())
-    assert kinds == {"Deployment": 3, "Job": 1, "Service": 1, "ConfigMap": 1}
-    assert set(workloads()) == {"web", "worker", "beat", "migrate"}
+    assert kinds == {
+        "Deployment": 4,
+        "Job": 1,
+        "Service": 1,
+        "ConfigMap": 1,
+        "PodDisruptionBudget": 1,
+        "NetworkPolicy": 3,
+    }
+    assert set(workloads()) == {"web", "worker", "worker-rollouts", "beat", "migrate"}
 
 
 def test_web_runs_the_guides_gunicorn_with_probes_on_healthz_and_readyz() -> None:
@@ -242,6 +263,118 @@ def test_the_ingress_is_optional_and_serves_the_host_over_tls() -> None:
     assert rule["host"] == "cp.example.org"
     backend = rule["http"]["paths"][0]["backend"]["service"]
     assert backend["name"] == service["metadata"]["name"]
+
+
+def test_the_ingress_takes_its_class_and_can_go_without_tls() -> None:
+    [ingress] = of_kind("Ingress", "ingress.enabled=true", "ingress.className=nginx")
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    [plain] = of_kind("Ingress", "ingress.enabled=true", "ingress.tls.enabled=false")
+    assert "tls" not in plain["spec"] and "ingressClassName" not in plain["spec"]
+
+
+def trusted_proxies(*values: str) -> str:
+    [container] = containers(workloads(*values)["web"])
+    return {env["name"]: env.get("value") for env in container["env"]}["TRUSTED_PROXIES"]
+
+
+def test_the_web_trusts_the_ingress_controller_as_the_proxy_in_front_and_no_more() -> None:
+    assert trusted_proxies("ingress.enabled=true") == "1"
+    # Without the chart's Ingress nothing is known in front: X-Forwarded-For is anyone's to write.
+    assert trusted_proxies() == "0"
+    assert trusted_proxies("ingress.enabled=true", "web.trustedProxies=2") == "2"
+    assert trusted_proxies("ingress.enabled=true", "web.trustedProxies=0") == "0"
+
+
+def pods(*values: str) -> dict[str, dict[str, Any]]:
+    return {name: w["spec"]["template"] for name, w in workloads(*values).items()}
+
+
+def test_every_pod_meets_pod_security_restricted() -> None:
+    found = pods("worker.queues[0].name=eu-west")
+    assert {"web", "worker", "worker-rollouts", "worker-eu-west", "beat", "migrate"} <= set(found)
+    for name, pod in found.items():
+        spec = pod["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert spec["securityContext"]["runAsUser"] != 0, name
+        for container in [*spec.get("initContainers", []), *spec["containers"]]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False, (name, container["name"])
+            assert context["capabilities"]["drop"] == ["ALL"], (name, container["name"])
+            assert context["runAsNonRoot"] is True, (name, container["name"])
+            assert context["seccompProfile"] == {"type": "RuntimeDefault"}, name
+            assert not context.get("privileged"), name
+
+
+def test_drains_take_one_web_pod_at_a_time() -> None:
+    [budget] = of_kind("PodDisruptionBudget", "web.replicas=3")
+    web = workloads("web.replicas=3")["web"]
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"] == web["spec"]["selector"]["matchLabels"]
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    for rule in selector.get("matchExpressions", []):
+        inside = labels.get(rule["key"]) in rule["values"]
+        if inside != (rule["operator"] == "In"):
+            return False
+    return True
+
+
+def allowed(policies: list[dict[str, Any]], labels: dict[str, str], kind: str, ip: str) -> bool:
+    """What NetworkPolicy lets a pod do: all until a policy of the kind selects it, then only
+    what one of their rules allows (by address; ports are not looked at here)."""
+    chosen = [
+        p["spec"]
+        for p in policies
+        if selects(p["spec"]["podSelector"], labels) and kind in p["spec"]["policyTypes"]
+    ]
+    if not chosen:
+        return True
+    peers = "to" if kind == "Egress" else "from"
+    address = ipaddress.ip_address(ip)
+    for spec in chosen:
+        for rule in spec.get(kind.lower(), []):
+            if peers not in rule:
+                return True  # a rule naming no peers allows every address
+            for peer in rule[peers]:
+                block = peer.get("ipBlock")
+                if block is None:
+                    continue
+                network = ipaddress.ip_network(block["cidr"])
+                if address.version != network.version or address not in network:
+                    continue
+                if not any(address in ipaddress.ip_network(e) for e in block.get("except", [])):
+                    return True
+    return False
+
+
+def test_only_the_workers_reach_the_triton_nodes_and_haproxy() -> None:
+    values = (
+        "networkPolicy.fleetCIDRs={10.40.0.0/16,fd00:40::/48}",
+        "worker.queues[0].name=eu-west",
+    )
+    policies = of_kind("NetworkPolicy", *values)
+    labels = {name: pod["metadata"]["labels"] for name, pod in pods(*values).items()}
+    for name, pod_labels in labels.items():
+        reaches_fleet = [
+            allowed(policies, pod_labels, "Egress", ip) for ip in ("10.40.3.7", "fd00:40::7")
+        ]
+        assert reaches_fleet == [name.startswith("worker")] * 2, name
+        # PostgreSQL, Redis and Prometheus outside the fleet's networks: everyone.
+        assert allowed(policies, pod_labels, "Egress", "10.0.5.5"), name
+        # Only the web takes connections (the Ingress controller, the probes, Prometheus).
+        assert allowed(policies, pod_labels, "Ingress", "10.0.9.9") == (name == "web"), name
+    [web_in] = [
+        p
+        for p in policies
+        if selects(p["spec"]["podSelector"], labels["web"])
+        and "Ingress" in p["spec"]["policyTypes"]
+    ]
+    assert web_in["spec"]["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]
+    assert of_kind("NetworkPolicy", "networkPolicy.enabled=false") == []
 
 
 def test_every_variable_the_chart_sets_is_a_setting_the_app_reads() -> None:

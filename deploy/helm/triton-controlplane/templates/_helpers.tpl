@@ -80,3 +80,12 @@ while there are hosts to spare, and still schedule when there are not. */}}
     matchLabels:
       {{- include "triton-controlplane.selectorLabels" . | nindent 6 }}
 {{- end -}}
+
+{{/* The proxies in front of the web pods: web.trustedProxies, else the Ingress controller's one. */}}
+{{- define "triton-controlplane.trustedProxies" -}}
+{{- if kindIs "invalid" .Values.web.trustedProxies -}}
+{{- ternary 1 0 .Values.ingress.enabled -}}
+{{- else -}}
+{{- int .Values.web.trustedProxies -}}
+{{- end -}}
+{{- end -}}
