@@ -3,6 +3,7 @@
 import io
 import stat
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -60,19 +61,63 @@ def _inside_roots(path: Path, roots: list[Path]) -> bool:
     return any(resolved.is_relative_to(root.resolve()) for root in roots)
 
 
-def release_archive(members: list[tuple[str, int, Any, str]], *, roots: list[Path]) -> bytes:
-    """A loadable repository layout: (model, version, config, artifact) for each member. Artifact
-    files are included only from a local directory inside one of `roots` (the model repositories
-    this server may read; an artifact is free text), otherwise the location is named in ARTIFACT."""
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-        for model, version, config, artifact in members:
+# What a release download may hold, uncompressed: a model's weights can be large, but a download
+# must never fill the web process's memory or disk (it is streamed, and refused past this).
+MAX_RELEASE_BYTES = 4 * 2**30
+
+Member = tuple[str, int, Any, str]  # model, version, config, artifact
+
+
+def release_archive(members: list[Member], *, roots: list[Path]) -> Iterator[bytes]:
+    """A loadable repository layout, streamed: (model, version, config, artifact) for each
+    member. Artifact files are included only from a local directory inside one of `roots` (the
+    model repositories this server may read; an artifact is free text), otherwise the location
+    is named in ARTIFACT. Raises ArchiveError, before anything is sent, past MAX_RELEASE_BYTES."""
+    files: list[list[Path] | None] = []
+    for _, _, _, artifact in members:
+        local = Path(artifact)
+        if not (artifact and local.is_dir() and _inside_roots(local, roots)):
+            files.append(None)
+            continue
+        found = (p for p in local.rglob("*") if p.is_file() and not p.is_symlink())
+        files.append(sorted(p for p in found if "__pycache__" not in p.parts))
+    total = sum(path.stat().st_size for each in files for path in each or [])
+    if total > MAX_RELEASE_BYTES:
+        raise ArchiveError(
+            f"the release's files hold {total / 2**20:,.0f} MiB, more than the "
+            f"{MAX_RELEASE_BYTES // 2**20:,} MiB a download may: copy them from the repository"
+        )
+    return _written(list(zip(members, files, strict=True)))
+
+
+class _Sink(io.RawIOBase):
+    """Where the archive is written: what was written since it was last taken."""
+
+    def __init__(self) -> None:
+        self.written = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.written += data
+        return len(data)
+
+    def take(self) -> bytes:
+        taken = bytes(self.written)
+        self.written.clear()
+        return taken
+
+
+def _written(planned: list[tuple[Member, list[Path] | None]]) -> Iterator[bytes]:
+    sink = _Sink()  # not seekable: zipfile writes each member's sizes after its data
+    with zipfile.ZipFile(sink, "w", zipfile.ZIP_DEFLATED) as archive:
+        for (model, version, config, artifact), files in planned:
             archive.writestr(f"{model}/config.pbtxt", to_pbtxt(pin_versions(config, [version])))
-            local = Path(artifact)
-            if artifact and local.is_dir() and _inside_roots(local, roots):
-                files = [p for p in local.rglob("*") if p.is_file() and not p.is_symlink()]
-                for path in sorted(p for p in files if "__pycache__" not in p.parts):
-                    archive.write(path, f"{model}/{version}/{path.relative_to(local)}")
-            else:
+            if files is None:
                 archive.writestr(f"{model}/{version}/ARTIFACT", f"{artifact or 'not recorded'}\n")
-    return buffer.getvalue()
+            for path in files or []:
+                archive.write(path, f"{model}/{version}/{path.relative_to(artifact)}")
+                yield sink.take()
+            yield sink.take()
+    yield sink.take()

@@ -2,9 +2,9 @@ from pathlib import Path
 
 from django.conf import settings
 from django.contrib import messages
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_GET, require_POST
 
 from apps.accounts.permissions import current_user, require
 from apps.registry.archives import ArchiveError, release_archive
@@ -89,8 +89,11 @@ def version_config(request: HttpRequest, name: str, version: int) -> HttpRespons
     return response
 
 
+@require("fleet.operate_node", "registry.download")
+@require_GET
 def version_archive(request: HttpRequest, name: str, version: int) -> HttpResponse:
-    """The repository layout of a release: the version and, for an ensemble, its pinned steps."""
+    """The repository layout of a release: the version and, for an ensemble, its pinned steps;
+    for the roles that may deploy it (its files are the model's weights and code)."""
     found = _version(name, version)
     config = from_dict(found.config)
     members = [(name, version, config, found.artifact)]
@@ -102,7 +105,12 @@ def version_archive(request: HttpRequest, name: str, version: int) -> HttpRespon
         artifact = ModelVersion.objects.get(model__name=step, version=number).artifact
         members.append((step, number, step_config, artifact))
     roots = [Path(root) for root in settings.REGISTRY_ARTIFACT_ROOTS]
-    response = HttpResponse(release_archive(members, roots=roots), content_type="application/zip")
+    try:
+        chunks = release_archive(members, roots=roots)
+    except ArchiveError as exc:
+        messages.error(request, f"{name} v{version}: {exc}")
+        return redirect("registry:version_detail", name, version)
+    response = StreamingHttpResponse(chunks, content_type="application/zip")
     response["Content-Disposition"] = f'attachment; filename="{name}-v{version}-repository.zip"'
     return response
 

@@ -12,6 +12,7 @@ from django.core.management import CommandError, call_command
 from django.test import Client
 
 from apps.audit.models import AuditEvent
+from apps.registry import archives
 from apps.registry.archives import ArchiveError, extract_repository
 from apps.registry.codec import parse_pbtxt, to_pbtxt
 from apps.registry.imports import read_candidates, repository_import
@@ -279,15 +280,17 @@ def test_a_broken_config_is_shown_back_and_nothing_is_stored(
 
 
 def test_downloads_give_the_config_and_a_loadable_release_layout(
-    client: Client, viewer: User
+    client: Client, viewer: User, operator: User
 ) -> None:
     import_demo()
     client.force_login(viewer)
     config = client.get("/models/rag_pipeline/v2/config.pbtxt")
     assert parse_pbtxt(config.content.decode()).name == "rag_pipeline"
-    archive = zipfile.ZipFile(
-        io.BytesIO(client.get("/models/rag_pipeline/v2/repository.zip").content)
-    )
+    assert client.get("/models/rag_pipeline/v2/repository.zip").status_code == 403
+    client.force_login(operator)  # who may deploy it may have its files
+    streamed = client.get("/models/rag_pipeline/v2/repository.zip")
+    assert streamed.streaming
+    archive = zipfile.ZipFile(io.BytesIO(b"".join(streamed.streaming_content)))
     names = set(archive.namelist())
     assert {
         "rag_pipeline/config.pbtxt",
@@ -320,14 +323,13 @@ def test_model_list_searches_and_filters(client: Client, viewer: User) -> None:
 
 
 def test_a_release_download_reads_no_file_outside_the_model_repositories(
-    client: Client, viewer: User
+    client: Client, operator: User
 ) -> None:
     import_demo()
     ModelVersion.objects.filter(model__name="embedder", version=2).update(artifact="/etc")
-    client.force_login(viewer)
-    archive = zipfile.ZipFile(
-        io.BytesIO(client.get("/models/rag_pipeline/v2/repository.zip").content)
-    )
+    client.force_login(operator)
+    streamed = client.get("/models/rag_pipeline/v2/repository.zip")
+    archive = zipfile.ZipFile(io.BytesIO(b"".join(streamed.streaming_content)))
     assert archive.read("embedder/2/ARTIFACT") == b"/etc\n"
     assert not [
         name
@@ -354,3 +356,14 @@ def test_an_id_in_the_timeline_address_that_is_no_number_is_ignored(
     client.force_login(viewer)
     for query in ({"rollout": "²"}, {"operation": "²"}):
         assert client.get("/audit/timeline/", query).status_code == 200
+
+
+def test_a_release_download_past_its_cap_is_refused_before_anything_is_sent(
+    client: Client, operator: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import_demo()
+    monkeypatch.setattr(archives, "MAX_RELEASE_BYTES", 1024)
+    client.force_login(operator)
+    refused = client.get("/models/rag_pipeline/v2/repository.zip", follow=True)
+    assert refused.redirect_chain == [("/models/rag_pipeline/v2/", 302)]
+    assert "a download may: copy them from the repository" in refused.content.decode()
