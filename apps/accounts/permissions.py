@@ -10,7 +10,7 @@ from typing import Any
 
 from django.contrib.auth.models import AnonymousUser, User
 from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.shortcuts import render
 
 from apps.accounts.models import PoolRole
@@ -18,7 +18,7 @@ from apps.accounts.roles import roles_granting
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 
-View = Callable[..., HttpResponse]
+View = Callable[..., HttpResponseBase]
 # What the viewer role grants first: a user without it has no role, and sees nothing.
 ANY_ROLE = "fleet.view_node"
 # What a role held on one pool can grant there. The registry (models, versions, imports) and the
@@ -129,7 +129,7 @@ def require(permission: str, action: str) -> Callable[[View], View]:
 
     def decorator(view: View) -> View:
         @wraps(view)
-        def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
             if may_somewhere(request.user, permission):
                 return view(request, *args, **kwargs)
             audit_record(

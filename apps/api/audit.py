@@ -47,6 +47,8 @@ class TimelineOut(Schema):
     end: datetime
     changes: list[ChangeOut]
     events: list[EventOut]
+    # Set when the window holds more events than one answer: ask again from this time.
+    more_from: datetime | None = None
 
 
 def _utc(name: str, value: datetime | None) -> datetime | None:
@@ -118,11 +120,12 @@ def get_timeline(
     if start is None or end is None or not window_valid(start, end):
         message = f"start must come before end, {MAX_WINDOW.days} days at most"
         raise ApiError(422, "invalid_request", message)
-    found = timeline_events(start, end)
+    found, more = timeline_events(start, end)
     changes = [vars(change) for change in what_changed(found)]
     return {
         "start": start,
         "end": end,
         "changes": changes,
         "events": [_event_out(e) for e in found],
+        "more_from": more,
     }

@@ -12,6 +12,8 @@ from apps.rollouts.models import Measurement, Rollout
 
 # The longest timeline window a page, a report or the API reads: bounded work per request.
 MAX_WINDOW = timedelta(days=31)
+# The most audit events one timeline page, report or API answer holds; the rest is linked.
+MAX_EVENTS = 2_000
 MARGIN = timedelta(minutes=5)
 Verdict = Measurement.Verdict
 # One analysis round's rows are written within one tick; rounds are a whole interval apart.
@@ -55,10 +57,14 @@ def _span(begun: datetime, finished: datetime | None) -> tuple[datetime, datetim
     return begun - MARGIN, min(now, (finished or now) + MARGIN)
 
 
-def timeline_events(start: datetime, end: datetime) -> list[AuditEvent]:
-    """The trail in [start, end], oldest first, with the rollouts' verdict changes merged in."""
-    trail = AuditEvent.objects.filter(created_at__range=(start, end)).order_by("created_at", "id")
-    return sorted([*trail, *verdict_changes(start, end)], key=lambda e: e.created_at)
+def timeline_events(start: datetime, end: datetime) -> tuple[list[AuditEvent], datetime | None]:
+    """The trail in [start, end], oldest first, with the rollouts' verdict changes merged in: at
+    most MAX_EVENTS of it, and then the time it stopped at, where the rest goes on (else None)."""
+    window = AuditEvent.objects.filter(created_at__range=(start, end))
+    trail = list(window.order_by("created_at", "id")[: MAX_EVENTS + 1])
+    more = trail[MAX_EVENTS].created_at if len(trail) > MAX_EVENTS else None
+    shown = [*trail[:MAX_EVENTS], *verdict_changes(start, more or end)]
+    return sorted(shown, key=lambda e: e.created_at), more
 
 
 def verdict_changes(start: datetime, end: datetime) -> list[AuditEvent]:

@@ -29,6 +29,7 @@ from apps.incidents.services import (
 )
 from apps.incidents.suspects import suspects
 from apps.incidents.timeline import (
+    MAX_EVENTS,
     MAX_WINDOW,
     affected,
     around,
@@ -86,7 +87,7 @@ def _number(text: str) -> int:
 
 def _timeline_context(request: HttpRequest) -> dict[str, object]:
     start, end, model, title, preset = _window(request)
-    events = timeline_events(start, end)
+    events, more = timeline_events(start, end)
     # Written to the second, the end rounded up: nothing of the window falls out of its link.
     last = end.replace(microsecond=0) + timedelta(seconds=1 if end.microsecond else 0)
     fixed = {"start": f"{start:%Y-%m-%dT%H:%M:%S}", "end": f"{last:%Y-%m-%dT%H:%M:%S}"}
@@ -106,6 +107,13 @@ def _timeline_context(request: HttpRequest) -> dict[str, object]:
         "windows": WINDOWS,
         "permalink": permalink,
         "report": f"{reverse('incidents:timeline_report')}?{urlencode(fixed)}",
+        "more": more
+        and request.build_absolute_uri(
+            f"{reverse('incidents:timeline')}?"
+            # To the microsecond: a busy second may hold more than a page.
+            + urlencode(fixed | {"start": f"{more:%Y-%m-%dT%H:%M:%S.%f}"})
+        ),
+        "max_events": MAX_EVENTS,
     }
 
 

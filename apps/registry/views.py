@@ -2,7 +2,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.contrib import messages
-from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
@@ -91,7 +91,7 @@ def version_config(request: HttpRequest, name: str, version: int) -> HttpRespons
 
 @require("fleet.operate_node", "registry.download")
 @require_GET
-def version_archive(request: HttpRequest, name: str, version: int) -> HttpResponse:
+def version_archive(request: HttpRequest, name: str, version: int) -> HttpResponseBase:
     """The repository layout of a release: the version and, for an ensemble, its pinned steps;
     for the roles that may deploy it (its files are the model's weights and code)."""
     found = _version(name, version)

@@ -290,7 +290,7 @@ def test_downloads_give_the_config_and_a_loadable_release_layout(
     client.force_login(operator)  # who may deploy it may have its files
     streamed = client.get("/models/rag_pipeline/v2/repository.zip")
     assert streamed.streaming
-    archive = zipfile.ZipFile(io.BytesIO(b"".join(streamed.streaming_content)))
+    archive = zipfile.ZipFile(io.BytesIO(streamed.getvalue()))
     names = set(archive.namelist())
     assert {
         "rag_pipeline/config.pbtxt",
@@ -329,7 +329,7 @@ def test_a_release_download_reads_no_file_outside_the_model_repositories(
     ModelVersion.objects.filter(model__name="embedder", version=2).update(artifact="/etc")
     client.force_login(operator)
     streamed = client.get("/models/rag_pipeline/v2/repository.zip")
-    archive = zipfile.ZipFile(io.BytesIO(b"".join(streamed.streaming_content)))
+    archive = zipfile.ZipFile(io.BytesIO(streamed.getvalue()))
     assert archive.read("embedder/2/ARTIFACT") == b"/etc\n"
     assert not [
         name

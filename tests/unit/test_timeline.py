@@ -12,8 +12,10 @@ from django.utils import timezone
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 from apps.fleet.models import Node, NodePool, Operation
+from apps.incidents import timeline, views
 from apps.registry.models import Model
 from apps.rollouts.models import Measurement, Rollout
+from tests.support.users import bearer
 
 pytestmark = pytest.mark.django_db
 
@@ -172,3 +174,24 @@ def test_the_timeline_charts_each_model_and_node_its_events_touched(
     page = client.get("/audit/timeline/", {"start": "2026-01-01T00:00", "end": "2026-01-02T00:00"})
     (url,) = re.findall(r'hx-get="/audit/timeline/chart/\?([^"]+)"', page.content.decode())
     assert "model=" not in url and "node=" not in url
+
+
+def test_a_busy_window_shows_its_first_events_and_links_the_rest(
+    client: Client, viewer: User, settings: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    monkeypatch.setattr(timeline, "MAX_EVENTS", 3)
+    monkeypatch.setattr(views, "MAX_EVENTS", 3)
+    for number in range(5):
+        audit_record(actor="ops", action="node.drain", target=f"node:n{number}")
+    client.force_login(viewer)
+    page = client.get("/audit/timeline/?window=1h")
+    trail = [e.target for e in AuditEvent.objects.order_by("created_at", "id")]
+    assert len(trail) > 3 and [e.target for e in page.context["events"]] == trail[:3]
+    assert "more than 3 events" in page.content.decode()
+    rest = client.get(page.context["more"]).context["events"]
+    assert [e.target for e in rest][-2:] == ["node:n3", "node:n4"]
+    answer = client.get("/api/timeline", headers=bearer(viewer)).json()
+    assert len(answer["events"]) == 3 and answer["more_from"]
+    report = client.get("/audit/timeline/report.md?window=1h").content.decode()
+    assert "More than 3 events: the rest of the window is at http" in report
