@@ -233,4 +233,13 @@ class Approval(models.Model):
 
     @property
     def summary(self) -> str:
-        return ", ".join(f"{key} {value}" for key, value in self.params.items() if value)
+        """What will run, every field of it: a plan's steps and an analysis's settings too."""
+        return ", ".join(f"{key} {_shown(value)}" for key, value in self.params.items() if value)
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, dict):
+        return " ".join(f"{key}={_shown(each)}" for key, each in value.items())
+    if isinstance(value, list):
+        return " / ".join(_shown(each) for each in value)
+    return str(value)

@@ -40,7 +40,7 @@ def test_on_a_protected_pool_a_rollback_goes_alone_and_a_deployment_waits(
     section = page.locator("#pool-gpu")
     section.get_by_label("Deploy").select_option(label="rag_pipeline v2")
     page.once("dialog", lambda dialog: dialog.accept())
-    section.get_by_role("button", name="Deploy to it").click()
+    section.get_by_role("button", name="Deploy to gpu").click()
     expect(page).to_have_url(f"{base}/rollouts/approvals/")
     expect(page.locator(".flash")).to_contain_text("Pool gpu is protected: deployment.set")
     row = page.locator("#approvals tbody tr").first

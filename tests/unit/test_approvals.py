@@ -263,6 +263,7 @@ def test_a_rollout_start_waits_with_what_it_will_run(pool: NodePool) -> None:
     assert approval.params["plan"] == [{"percent": 100, "hold_s": 0}]
     assert approval.params["analysis"] == {**Analysis().as_dict(), "window_s": 90}
     assert approval.resolved == {"release": 1} and not Rollout.objects.exists()
+    assert "plan percent=100 hold_s=0, analysis interval_s=10 window_s=90" in approval.summary
     approval_approve(approval_id=approval.pk, actor=bob)
     started = Rollout.objects.get()
     assert (started.started_by, started.plan) == ("ann", approval.params["plan"])
