@@ -105,7 +105,7 @@ def test_the_deploy_form_warns_before_a_release_that_will_not_fit_is_sent(
     ModelVersion.objects.filter(model__name="model-001", version=1).update(memory_mb=50_000)
     ModelVersion.objects.filter(model__name="model-000").update(memory_mb=10)
     Node.objects.filter(name__in=["node-0001", "node-0002"]).update(memory_limit_mb=8_000)
-    sign_in(page, str(live_server), make_user(Role.OPERATOR).username)
+    sign_in(page, str(live_server), make_user(Role.RELEASE_MANAGER).username)
     page.goto(f"{live_server}/deployments/")
     section = page.locator(f"#pool-{pool.name}")
     choose = section.get_by_label("Deploy")

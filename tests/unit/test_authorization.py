@@ -285,6 +285,10 @@ def test_no_api_operation_changes_anything_for_who_may_not(world: World, who: st
 def test_a_pool_role_shows_its_buttons_on_its_pool_only(world: World, client: Client) -> None:
     client.force_login(role_on_a("operator"))
     deployments = client.get("/deployments/").content.decode()
+    # Releasing to a whole pool is a release manager's; an operator's pool role still removes.
+    assert "Deploy to a</button>" not in deployments and "Remove</button>" in deployments
+    client.force_login(role_on_a("release_manager"))
+    deployments = client.get("/deployments/").content.decode()
     assert "Deploy to a</button>" in deployments and "Deploy to b</button>" not in deployments
     assert "Load a model version on a-1" in client.get("/nodes/a-1/").content.decode()
     assert "Load a model version on b-1" not in client.get("/nodes/b-1/").content.decode()
