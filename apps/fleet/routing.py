@@ -3,8 +3,10 @@ of the pool (a rollout's exact shares), kept there by the reconcile, and nodes t
 traffic while a worker loads or unloads on them.
 
 The database holds what each node must get (`Node.weight`, `Node.draining`); `traffic_sync`
-makes the balancer agree, under the pool's row lock, so that a rollout changing weights and a
-worker draining a node never interleave their writes."""
+makes the balancer agree, under the pool's traffic lock, so that a rollout changing weights and a
+worker draining a node never interleave their writes. That lock is no row's: a balancer slow to
+answer never holds up a person's change of the pool, a rollout or a node; and a rollout's
+weights go to the balancer once its transaction has committed, never under its row lock."""
 
 import logging
 import math
@@ -15,8 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from django.db import transaction
-from django.db.models import Q
+from django.db import connection, transaction
 from django.utils import timezone
 
 from apps.audit.services import audit_record
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 DEFAULT_WEIGHT = 100
 MAX_WEIGHT = 256  # HAProxy's
 ACTOR = "system:traffic"
+TRAFFIC_LOCK = 26_0001  # the advisory lock's first key: the pool's traffic (its second, the pool)
 
 
 class BalancerError(Exception):
@@ -116,12 +118,13 @@ def share_weights(percent: int, canary: int, total: int) -> tuple[int, int]:
 
 
 def weights_set(pool: NodePool, weights: dict[str, int], actor: str) -> None:
-    """The pool's nodes get these weights (by name; others keep theirs), on the balancer too;
-    recorded when they change (a rollout's step, abort or end)."""
+    """The pool's nodes get these weights (by name; others keep theirs), on the balancer too once
+    the caller's transaction has committed; recorded when they change (a rollout's step, abort
+    or end)."""
     if not pool.traffic:
         return
     with transaction.atomic():
-        locked = _lock(pool.pk)
+        _lock(pool.pk)
         before = dict(pool.nodes.filter(name__in=weights).values_list("name", "weight"))
         changed = {name: w for name, w in weights.items() if before.get(name, w) != w}
         if not changed:
@@ -129,7 +132,8 @@ def weights_set(pool: NodePool, weights: dict[str, int], actor: str) -> None:
         for weight in set(changed.values()):
             names = [name for name, w in changed.items() if w == weight]
             pool.nodes.filter(name__in=names).update(weight=weight)
-        _sync(locked)
+        # Robust: a balancer away is recorded on the nodes; the periodic sync tries again.
+        transaction.on_commit(lambda: traffic_sync(pool.pk), robust=True)
     audit_record(
         actor=actor,
         action="pool.weights",
@@ -147,15 +151,20 @@ def weights_reset(pool: NodePool, actor: str) -> None:
 
 
 def _lock(pool_id: int) -> NodePool:
-    """The pool's row, locked for the transaction: every change of its nodes' weights or drains
-    and the balancer's sync with it happen under this lock, together. A sync that ran between a
-    change and its own sync would take the change for drift."""
+    """The pool's traffic lock, held for the transaction: every change of its nodes' weights or
+    drains, and every sync of the balancer, one at a time. On PostgreSQL an advisory lock, not
+    the pool's row: what waits on the balancer never holds up a change of the pool itself
+    (SQLite has no row locks; its writers take turns anyway)."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [TRAFFIC_LOCK, pool_id])
+        return NodePool.objects.get(pk=pool_id)
     return NodePool.objects.select_for_update().get(pk=pool_id)
 
 
 def traffic_sync(pool_id: int) -> dict[str, int]:
-    """The balancer made to agree with the pool's nodes, read back; returns what it changed
-    (node -> the weight it had)."""
+    """The balancer made to agree with the pool's nodes, read back; returns what it set back
+    that someone else had changed (node -> the weight it had)."""
     with transaction.atomic():
         return _sync(_lock(pool_id))
 
@@ -163,25 +172,32 @@ def traffic_sync(pool_id: int) -> dict[str, int]:
 def _sync(pool: NodePool) -> dict[str, int]:
     """`traffic_sync`, the pool locked. A drain whose worker is gone (no lease on the node) is
     over. A balancer that does not answer is recorded on every node, for their pages, and the
-    next sync tries again."""
+    next sync tries again. Drift is a weight other than the one last read back there: a change
+    of ours whose own sync is still to come (it runs once its transaction commits) is none."""
     target = balancer(pool)
     if target is None:
         return {}
-    lapsed = Q(lease_until__isnull=True) | Q(lease_until__lt=timezone.now())
-    pool.nodes.filter(lapsed, draining=True).update(draining=False)
     nodes = list(pool.nodes.all())
+    at = timezone.now()
+    lapsed = [n for n in nodes if n.draining and (n.lease_until is None or n.lease_until < at)]
+    for node in lapsed:
+        node.draining = False
     wanted = {node.name: node.wanted_weight for node in nodes}
     try:
+        # Nothing written yet in this transaction: it holds no row while the balancer answers.
         reading = target.sync(wanted)
     except BalancerError as exc:
         pool.nodes.update(traffic_error=str(exc))
         log.warning("pool %s: %s", pool.name, exc)
         return {}
+    finally:
+        Node.objects.filter(pk__in=[n.pk for n in lapsed], draining=True).update(draining=False)
     for node in nodes:
         now = (reading.served.get(node.name), reading.problems.get(node.name, ""))
         if (node.served_weight, node.traffic_error) != now:
             Node.objects.filter(pk=node.pk).update(served_weight=now[0], traffic_error=now[1])
-    return reading.changed
+    last_read = {node.name: node.served_weight for node in nodes}
+    return {name: had for name, had in reading.changed.items() if had != last_read[name]}
 
 
 def pool_sync(pool_id: int) -> None:
@@ -223,20 +239,20 @@ def drained(node: Node) -> Iterator[None]:
         refused = weight and count < keep  # at weight 0 it serves nobody already
         if not refused:
             Node.objects.filter(pk=node.pk).update(draining=True)
-            _sync(locked)
     if refused:
         why = f"pool {pool.name} keeps {keep} nodes serving and {count} other"
         why += f"{' does' if count == 1 else 's do'}; the load waits for one to return"
         Node.objects.filter(pk=node.pk).update(traffic_error=why)
         raise PoolAtCapacity(why)
     try:
+        traffic_sync(pool.pk)  # committed first: its row is not held while the balancer answers
         _wait_idle(node, pool, target)
         yield
     finally:
         with transaction.atomic():
-            locked = _lock(pool.pk)
+            _lock(pool.pk)
             Node.objects.filter(pk=node.pk).update(draining=False)
-            _sync(locked)
+        traffic_sync(pool.pk)
 
 
 def _wait_idle(node: Node, pool: NodePool, target: Balancer) -> None:

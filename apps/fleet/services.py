@@ -417,7 +417,8 @@ def pool_set_traffic(
         "drain_timeout_s": drain_timeout_s,
     }
     pool = _pool_set(pool_name, "pool.set_traffic", settings, actor)
-    traffic_sync(pool.pk)
+    # Once committed: the balancer is never asked while the pool's row is held.
+    transaction.on_commit(lambda: traffic_sync(pool.pk), robust=True)
     return pool
 
 

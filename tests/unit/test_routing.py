@@ -5,9 +5,10 @@ import math
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 from hypothesis import given
 from hypothesis import strategies as st
@@ -27,6 +28,9 @@ from apps.fleet.routing import (
 )
 from apps.fleet.services import FleetError, pool_set_traffic
 from apps.fleet.triton import TritonError
+from apps.registry.models import Model as RegistryModel
+from apps.rollouts.models import Rollout
+from apps.rollouts.services import rollout_abort
 
 
 @given(
@@ -221,38 +225,78 @@ def test_what_a_node_just_loaded_is_warmed_on_the_node_itself_once_per_pipeline(
     assert "model 'broken' is not ready" in failed.message
 
 
-def _seen_elsewhere(name: str) -> tuple[int, bool]:
-    """The node's weight and drain as another connection sees them: what is committed."""
-    seen: list[tuple[int, bool]] = []
+def _free(*rows: tuple[Any, int]) -> bool:
+    """Whether another connection may lock these rows at once: nobody holds any of them."""
+    free: list[bool] = []
 
-    def read() -> None:
+    def probe() -> None:
         try:
-            seen.append(Node.objects.values_list("weight", "draining").get(name=name))
+            with transaction.atomic():
+                for model, pk in rows:
+                    list(model.objects.select_for_update(nowait=True).filter(pk=pk))
+            free.append(True)
+        except DatabaseError:
+            free.append(False)
         finally:
             connection.close()
 
-    reader = threading.Thread(target=read)
-    reader.start()
-    reader.join()
-    return seen[0]
+    prober = threading.Thread(target=probe)
+    prober.start()
+    prober.join()
+    return free[0]
 
 
 @pytest.mark.django_db(transaction=True)
-def test_no_one_sees_a_drain_or_a_weight_before_the_balancer_has_it(
+def test_the_balancer_is_never_asked_while_a_row_lock_is_held(
     balancer: Balancer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A periodic sync that saw a change the balancer did not have yet would take it for drift
-    and record it (and "repair" it): the change and its sync share one locked transaction."""
-    seen = []
+    """A slow balancer must not hold up a person's pause or abort of a rollout, nor a change of
+    the pool or a node: its rollout's weights go to it once the abort has committed."""
+    if connection.vendor != "postgresql":
+        pytest.skip("row locks are PostgreSQL's (SQLite locks the whole file)")
+    pool = node("gpu-1").pool
+    rollout = Rollout.objects.create(
+        model=RegistryModel.objects.create(name="rag"),
+        pool=pool,
+        baseline_version=1,
+        canary_version=2,
+        plan=[{"percent": 10}, {"percent": 100}],
+        state=Rollout.State.PROGRESSING,
+        canary_nodes=["gpu-1"],
+        started_by="ann",
+    )
+    rows = [(NodePool, pool.pk), (Rollout, rollout.pk), *((Node, n.pk) for n in pool.nodes.all())]
+    asked: list[bool] = []
     sync = balancer.sync
 
     def watched(wanted: dict[str, int]) -> Reading:
-        seen.append((wanted["gpu-1"], _seen_elsewhere("gpu-1")))
+        asked.append(_free(*rows))
         return sync(wanted)
 
     monkeypatch.setattr(balancer, "sync", watched)
+    rollout_abort(rollout_id=rollout.pk, actor="release-manager", reason="wrong answers")
+    assert balancer.weights["gpu-1"] == 0  # out of traffic as soon as the abort committed
     with drained(node("gpu-1")):
         pass
-    routing.weights_set(node("gpu-1").pool, {"gpu-1": 22}, "release")
-    # What the balancer is asked for, and what others saw meanwhile: the change before it.
-    assert seen == [(0, (100, False)), (100, (100, True)), (22, (100, False))]
+    pool_sync(pool.pk)
+    assert len(asked) == 4 and all(asked), asked
+
+
+def test_a_sync_between_a_change_and_its_own_sync_takes_it_for_no_drift(
+    balancer: Balancer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight committed whose own sync is still to come (it runs after the commit) differs
+    from what the balancer has, yet nobody else changed it: drift is a weight other than the
+    one last read back there."""
+    pool = node("gpu-1").pool
+    traffic_sync(pool.pk)  # read back once: what the balancer serves is known
+    with monkeypatch.context() as later:
+        later.setattr(routing, "traffic_sync", lambda pool_id: {})  # its own sync, not yet
+        routing.weights_set(pool, {"gpu-1": 22}, "release")
+    pool_sync(pool.pk)  # the periodic sync comes first
+    assert balancer.weights["gpu-1"] == 22
+    assert not AuditEvent.objects.filter(action="pool.traffic_drift").exists()
+    balancer.weights["gpu-2"] = 7  # someone else, by hand
+    pool_sync(pool.pk)
+    drift = AuditEvent.objects.get(action="pool.traffic_drift")
+    assert drift.before == {"weights": {"gpu-2": 7}} and balancer.weights["gpu-2"] == 100
