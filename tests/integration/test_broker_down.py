@@ -1,8 +1,6 @@
 """A real Redis, started for this test and then stopped: the web process stays ready, its pages
 still render (none of them enqueues on a GET), and /metrics says the broker is down."""
 
-import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,7 +16,7 @@ from apps.accounts.models import ApiToken
 from apps.accounts.services import token_create
 from apps.fleet.models import Node, NodePool
 from controlplane.celery import app as celery_app
-from tests.support.services import free_port
+from tests.support.services import redis_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
@@ -32,35 +30,17 @@ FAST_S = 3.0
 def own_redis(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A Redis of this test's own, and the Celery app pointed at it (its pools emptied, so a
     publish would really go there); the broker before is restored after."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed: apt-get install -y redis-server")
-    port = free_port()
-    server = subprocess.Popen(
-        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        cwd=tmp_path,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
     before = celery_app.conf.broker_url
-    celery_app.conf.broker_url = url
-    celery_app._pool = None
-    celery_app.amqp._producer_pool = None
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-        yield server, url
-    finally:
-        server.terminate()
-        server.wait(10)
-        celery_app.conf.broker_url = before
+    with redis_server(tmp_path) as (server, url):
+        celery_app.conf.broker_url = url
         celery_app._pool = None
         celery_app.amqp._producer_pool = None
+        try:
+            yield server, url
+        finally:
+            celery_app.conf.broker_url = before
+            celery_app._pool = None
+            celery_app.amqp._producer_pool = None
 
 
 def broker_up(client: Client, headers: dict[str, str]) -> float:

@@ -3,11 +3,14 @@ the test database's URL for other processes, a webhook receiver, and Celery work
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -22,6 +25,33 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextmanager
+def redis_server(home: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A redis-server of its own on a free port, keeping nothing on disk, once it answers; and
+    its URL. Stopped on the way out (if the test has not stopped it already)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed: apt-get install -y redis-server")
+    port = free_port()
+    server = subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        cwd=home,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        yield server, f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 class Webhook(ThreadingHTTPServer):

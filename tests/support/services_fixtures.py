@@ -4,10 +4,7 @@ session whatever happens. A plugin of the root conftest: one of each per session
 directories run."""
 
 import shutil
-import socket
-import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +27,7 @@ from tests.support.fleet import (
     wait_for,
     weights,
 )
-from tests.support.services import Celery, Webhook, database_url, free_port
+from tests.support.services import Celery, Webhook, database_url, redis_server
 
 
 @pytest.fixture(scope="session")
@@ -56,25 +53,8 @@ def clients(fleet: Fleet) -> list[TritonClient]:
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed: apt-get install -y redis-server")
-    port = free_port()
-    server = subprocess.Popen(
-        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        cwd=tmp_path_factory.mktemp("redis"),
-    )
-    try:
-        for _ in range(100):
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        server.terminate()
-        server.wait(10)
+    with redis_server(tmp_path_factory.mktemp("redis")) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="session")
