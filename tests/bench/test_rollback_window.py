@@ -20,9 +20,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from apps.fleet.devfleet import HAPROXY_BACKENDS, Devfleet, FleetState, Proc
+from apps.fleet.devfleet import Devfleet, FleetState, Proc
 from apps.fleet.models import NodePool, Operation
-from apps.fleet.services import deployment_set, pool_set_traffic
+from apps.fleet.services import deployment_set
 from apps.registry.models import Model
 from apps.rollouts.services import release_fallback, release_rollback
 from tests.support.bench import Report
@@ -31,12 +31,10 @@ from tests.support.fleet import (
     STEPS_V2,
     converged,
     equal,
-    runtime,
     traffic_to,
     wait_for,
     weights,
 )
-from tests.support.services import Celery
 
 ROUNDS = 2
 TARGET_S = 2.0
@@ -86,25 +84,11 @@ def click_to_v1(pool: NodePool, move: Callable[..., int]) -> float:
 @pytest.mark.timeout(1800)
 @pytest.mark.django_db(transaction=True)
 def test_a_move_back_that_only_narrows_reaches_every_node_at_once(
-    pool: NodePool,
-    trio: tuple[Devfleet, FleetState],
-    haproxy: Proc,
-    celery: Celery,
-    report: Report,
+    weighted: NodePool, trio: tuple[Devfleet, FleetState], haproxy: Proc, report: Report
 ) -> None:
     _, state = trio
-    pool_set_traffic(
-        pool_name=pool.name,
-        traffic=NodePool.Traffic.HAPROXY,
-        runtime=runtime(haproxy).address,
-        backends=list(HAPROXY_BACKENDS),
-        min_serving=2,
-        warmup_requests=3,
-        actor="system:bench",
-    )
+    pool = weighted  # behind HAProxy, serving v1, every node in traffic
     Model.objects.filter(name="rag_pipeline").update(fallback_version=1)
-    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:bench")
-    wait_for("v1 is READY on every node", converged(pool, STEPS_V1), 180)
     times: dict[str, list[float]] = {label: [] for label in MOVES}
     with traffic_to(state, through=f"http://127.0.0.1:{haproxy.ports['http']}", rps=4):
         for _ in range(ROUNDS):
