@@ -247,18 +247,23 @@ def test_an_abort_and_an_incident_rollback_at_once_both_go_through() -> None:
     assert not AuditEvent.objects.exclude(result="ok").exists()
 
 
+def start_embedder_v2(analysis: dict[str, object], actor: User) -> Rollout:
+    """A whole-pool rollout of embedder v2 on gpu, judged by `analysis`."""
+    return rollout_start(
+        model_name="embedder",
+        pool_name="gpu",
+        canary_version=2,
+        plan="100%",
+        analysis=analysis,
+        actor=actor,
+    )
+
+
 def test_a_rollout_start_waits_with_what_it_will_run(pool: NodePool) -> None:
     ann, bob = person("ann"), person("bob")
     Node.objects.create(name="gpu-1", pool=pool, http_url="http://127.0.0.1:1")
     with pytest.raises(ApprovalRequired, match=r"rollout\.start waits") as refused:
-        rollout_start(
-            model_name="embedder",
-            pool_name="gpu",
-            canary_version=2,
-            plan="100%",
-            analysis={"window_s": 90},
-            actor=ann,
-        )
+        start_embedder_v2({"window_s": 90}, ann)
     approval = approval_request(refused=refused.value, actor=ann)
     assert approval.params["plan"] == [{"percent": 100, "hold_s": 0}]
     assert approval.params["analysis"] == {**Analysis().as_dict(), "window_s": 90}
@@ -290,24 +295,10 @@ def test_a_protected_pool_refuses_a_dry_run_or_an_analysis_looser_than_its_templ
         actor="ops",
     )
     with pytest.raises(RolloutError, match=re.escape(refusal)):
-        rollout_start(
-            model_name="embedder",
-            pool_name="gpu",
-            canary_version=2,
-            plan="100%",
-            analysis=analysis,
-            actor=person("ann"),
-        )
+        start_embedder_v2(analysis, person("ann"))
     stricter = {"p99_tolerance": 0.05, "min_requests": 80}
     with pytest.raises(ApprovalRequired):
-        rollout_start(
-            model_name="embedder",
-            pool_name="gpu",
-            canary_version=2,
-            plan="100%",
-            analysis=stricter,
-            actor=person("ann"),
-        )
+        start_embedder_v2(stricter, person("ann"))
 
 
 def test_a_retry_an_override_and_an_adoption_wait_too(pool: NodePool) -> None:
