@@ -76,6 +76,7 @@ INSTALLED_APPS = [
     "apps.audit",
     "apps.registry",
     "apps.fleet",
+    "apps.quality",
     "apps.observability",
     "apps.rollouts",
     "apps.incidents",

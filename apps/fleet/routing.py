@@ -278,8 +278,12 @@ def warm_up(node: Node, configs: dict[str, dict | None]) -> None:
     """`warmup_requests` sample requests to each model just loaded (`configs`: by name, the
     config it was loaded with), sent to the node itself, before it takes traffic again. A step
     of an ensemble loaded with it is warmed through the ensemble; a model whose config has its
-    own `model_warmup` was warmed by Triton during the load."""
+    own `model_warmup` was warmed by Triton during the load. A node that will get no traffic
+    (weight 0: a canary waiting for its quality gate) is not warmed: no request but its
+    evaluation reaches it before it takes traffic."""
     count = node.pool.warmup_requests
+    if not Node.objects.filter(pk=node.pk, weight__gt=0).exists():
+        return
     steps = {
         step.get("model_name")
         for config in configs.values()

@@ -82,9 +82,8 @@ class TritonClient:
         self.node = node or self.address
         self.timeout = timeout if timeout is not None else settings.TRITON_TIMEOUT_S
 
-    @contextmanager
-    def _client(self, timeout: float | None = None) -> Iterator[httpclient.InferenceServerClient]:
-        # Checked on every call, not only when the URL was saved: DNS may have changed since.
+    def _open(self, timeout: float | None = None) -> httpclient.InferenceServerClient:
+        # Checked on every connection, not only when the URL was saved: DNS may have changed.
         try:
             pinned = addresses.pinned(self.host)
         except addresses.Refused as exc:
@@ -100,16 +99,27 @@ class TritonClient:
             else None,
         )
         _connect_to(client, pinned)
+        return client
+
+    @contextmanager
+    def _mapped(self) -> Iterator[None]:
         try:
-            yield client
+            yield
         except InferenceServerException as exc:
             raise TritonRejected(self.node, exc.message() or str(exc)) from exc
         except (TimeoutError, gevent.Timeout) as exc:
             raise TritonTimeout(self.node, f"{type(exc).__name__}: {exc}") from exc
         except OSError as exc:
             raise TritonUnreachable(self.node, f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            client.close()
+
+    @contextmanager
+    def _client(self, timeout: float | None = None) -> Iterator[httpclient.InferenceServerClient]:
+        with self._mapped():
+            client = self._open(timeout)
+            try:
+                yield client
+            finally:
+                client.close()
 
     def health(self) -> str:
         """'ready' or 'live' (up, but some model failed or the server is still starting)."""
@@ -175,15 +185,51 @@ class TritonClient:
 
     def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One inference; every input carries its batch dimension. Returns every output."""
+        with self.session() as session:
+            return session.infer(model, inputs)
+
+    @contextmanager
+    def session(self, timeout: float | None = None) -> Iterator["Session"]:
+        """Many inferences over one connection, from one thread: evaluations send hundreds."""
+        session = Session(self, timeout)
+        try:
+            yield session
+        finally:
+            session.close()
+
+
+class Session:
+    def __init__(self, owner: TritonClient, timeout: float | None) -> None:
+        self.owner, self.timeout = owner, timeout
+        self._client: httpclient.InferenceServerClient | None = None
+
+    def infer(
+        self, model: str, inputs: dict[str, np.ndarray], *, version: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """One inference, of `version` exactly when given; every input carries its batch
+        dimension. Returns every output."""
         tensors = []
         for name, array in inputs.items():
             tensor = httpclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
-        with self._client() as client:
-            result = client.infer(model, tensors)
+        with self.owner._mapped():
+            if self._client is None:
+                self._client = self.owner._open(self.timeout)
+            try:
+                result = self._client.infer(
+                    model, tensors, model_version=str(version) if version else ""
+                )
+            except (TimeoutError, gevent.Timeout, OSError):
+                self.close()  # the connection may hold half an answer: the next one opens anew
+                raise
             outputs = result.get_response()["outputs"]
             return {out["name"]: result.as_numpy(out["name"]) for out in outputs}
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
 
 _GPU_METRIC = re.compile(

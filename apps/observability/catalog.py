@@ -174,6 +174,25 @@ def step_mean_latency_query(*, step: str, pool: str, window_s: int) -> str:
     )
 
 
+# A template's own quality series, per side: the same text with each side's nodes and version.
+PLACEHOLDERS = ("pool", "nodes", "version", "window")
+
+
+def custom_query(
+    template: str, *, pool: str, nodes: list[str], version: int | None, window_s: int
+) -> str:
+    """`template` with `$pool`, `$nodes` (a regex matching exactly these nodes), `$version` and
+    `$window` filled in, escaped for a double-quoted label value. One pass: text put in is never
+    read again as a placeholder."""
+    values = {
+        "pool": escape_label(pool),
+        "nodes": escape_label("|".join(re.escape(n) for n in sorted(nodes))),
+        "version": "" if version is None else str(version),
+        "window": f"{window_s}s",
+    }
+    return re.sub(rf"\$({'|'.join(PLACEHOLDERS)})\b", lambda m: values[m[1]], template)
+
+
 def sample_queries(*, model: str, pool: str, step_s: int) -> dict[str, str]:
     """Per node, one sample every `step_s` (which must hold two scrapes at least): mean latency
     (ms) and error ratio from counters, which forget the past, unlike a summary's quantiles."""

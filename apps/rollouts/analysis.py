@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from apps.observability.catalog import (
     canary_queries,
+    custom_query,
     quantiles_query,
     sample_queries,
     step_mean_latency_query,
@@ -31,7 +32,7 @@ from apps.observability.prometheus import (
 )
 from apps.rollouts.judge import compare, score
 from apps.rollouts.models import Measurement
-from apps.rollouts.plans import Analysis
+from apps.rollouts.plans import Analysis, QualityMetric
 from apps.rollouts.slo import Objectives, burn_rate, gate, over_budget
 
 Verdict = Measurement.Verdict
@@ -75,10 +76,15 @@ def measure(
     steps: list[ChangedStep],
     compare: bool = True,
     slo: Objectives | None = None,
+    canary_version: int | None = None,
+    baseline_version: int | None = None,
+    baseline_nodes: list[str] | None = None,
 ) -> list[Result]:
     """One round of analysis. `compare` is False when no node serves the baseline any more (a
     100% step): the canary is then held to the budget and the error allowance alone. A model
-    with objectives is also held to them (`slo`), at every step. Raises PrometheusUnavailable."""
+    with objectives is also held to them (`slo`), at every step. The analysis's own metrics
+    are queried with each side's version and nodes (`baseline_nodes`: the pool's other nodes;
+    by default those that served the model in the window). Raises PrometheusUnavailable."""
     text = canary_queries(model=model, pool=pool, window_s=spec.window_s)
     per_node = {name: _by("node", query) for name, query in text.items()}
     canary_set = set(canary_nodes)
@@ -154,9 +160,88 @@ def measure(
         results.append(
             _judge(label, query, c, b if compare else None, limit, enough, " ms", compare)
         )
+    if spec.metrics and baseline_nodes is None:
+        served = per_node["ok"].keys() | per_node["failed"].keys()
+        baseline_nodes = sorted(served - canary_set)
+    for metric in spec.metrics:
+        sides = {"canary": (canary_nodes, canary_version)}
+        if compare:
+            sides["baseline"] = (baseline_nodes or [], baseline_version)
+        found = _custom(metric, pool, spec.window_s, sides, enough)
+        results += [found] if found else []
     if slo is not None:
         results += _burn_rates(model, pool, canary_set, spec, slo, enough, per_node)
     return results
+
+
+def _custom(
+    metric: QualityMetric,
+    pool: str,
+    window_s: int,
+    sides: dict[str, tuple[list[str], int | None]],
+    enough: bool,
+) -> Result | None:
+    """One of the analysis's own metrics: the canary against the baseline and its bounds, or
+    its bounds alone with no baseline left (`sides` without one): none then without bounds."""
+    if "baseline" not in sides and metric.min is None and metric.max is None:
+        return None
+    queries = {
+        side: custom_query(metric.query, pool=pool, nodes=nodes, version=version, window_s=window_s)
+        for side, (nodes, version) in sides.items()
+    }
+    read = {side: _one_value(query) for side, query in queries.items()}
+    canary, baseline = read["canary"][0], read.get("baseline", (None, ""))[0]
+    better = "higher" if metric.higher_is_better else "lower"
+    limit = None
+    if baseline is not None:
+        allowed = abs(baseline) * metric.tolerance
+        limit = baseline - allowed if metric.higher_is_better else baseline + allowed
+    # The row's threshold: the strictest limit on the worse side, else the other bound.
+    near, far = (metric.min, metric.max) if metric.higher_is_better else (metric.max, metric.min)
+    worse = [x for x in (limit, near) if x is not None]
+    threshold = (max if metric.higher_is_better else min)(worse) if worse else far
+    missing = [f"the {side} ({reason})" for side, (value, reason) in read.items() if value is None]
+    why: list[str] = []
+    if missing:
+        verdict = Verdict.INCONCLUSIVE
+        why.append(f"no data for {metric.name!r} from {' nor '.join(missing)} in the window")
+    elif not enough:
+        verdict = Verdict.INCONCLUSIVE
+        why.append("too few requests to judge")
+    else:
+        assert canary is not None
+        if limit is not None and (canary < limit if metric.higher_is_better else canary > limit):
+            why.append(
+                f"canary {canary:.4g} is worse than the baseline's {baseline:.4g} by more than "
+                f"{metric.tolerance * 100:g}% ({better} is better; the limit is {limit:.4g})"
+            )
+        if metric.min is not None and canary < metric.min:
+            why.append(f"canary {canary:.4g} is below the min {metric.min:g}")
+        if metric.max is not None and canary > metric.max:
+            why.append(f"canary {canary:.4g} is above the max {metric.max:g}")
+        verdict = Verdict.FAILURE if why else Verdict.SUCCESS
+    return Result(
+        f"quality: {metric.name}",
+        "\n".join(f"{query}\n# {side}" for side, query in queries.items()),
+        canary,
+        baseline,
+        threshold,
+        verdict,
+        "; ".join(why),
+    )
+
+
+def _one_value(query: str) -> tuple[float | None, str]:
+    """The query's single value now, or None and why not."""
+    rows = instant_query(query)
+    if len(rows) > 1:
+        return None, f"{len(rows)} series, not one: aggregate them (sum, avg, max)"
+    if not rows:
+        return None, "no series"
+    value = rows[0][1]
+    if not math.isfinite(value):  # 0/0 where a side served nothing that the series counts
+        return None, f"its value is {'NaN' if math.isnan(value) else value}"
+    return value, ""
 
 
 def _p99_limit(baseline: float | None, budget_ms: int | None, spec: Analysis) -> float | None:

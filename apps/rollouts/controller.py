@@ -24,6 +24,10 @@ from apps.fleet.routing import share_weights, weights_reset, weights_set
 from apps.fleet.selectors import observed_many
 from apps.fleet.services import FleetError, deployment_remove, deployment_set
 from apps.observability.prometheus import PrometheusUnavailable
+from apps.quality.errors import QualityError
+from apps.quality.models import EvaluationRun
+from apps.quality.selectors import latest_set, run_rows
+from apps.quality.services import evaluation_start
 from apps.registry.codec import from_dict
 from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.models import Model
@@ -299,6 +303,8 @@ def _apply_share(rollout: Rollout, canary: list[Node], nodes: list[Node]) -> Non
         each, rest = share_weights(step.percent or 100, len(canary), len(nodes))
         if step.percent is None:  # a step in nodes: as many requests as any other node
             each = rest
+        if gate_pending(rollout):  # no request reaches the canary before its answers are right
+            each = 0
         weights = {node.name: each if node in canary else rest for node in nodes}
         weights_set(rollout.pool, weights, ACTOR)
     for member in members(rollout):
@@ -320,6 +326,8 @@ def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: dat
         n for n in canary if any(readings[(n.pk, name)][0] != v for name, v in wanted.items())
     ]
     if not waiting:
+        if gate_pending(rollout):
+            return _gate(rollout, canary, spec, now)
         rollout.step_ready_at = now
         rollout.save()
         return None
@@ -339,7 +347,117 @@ def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: dat
     return None
 
 
+def gate_pending(rollout: Rollout) -> bool:
+    """Whether the canary still has its quality gate to pass before any traffic."""
+    spec = Analysis.from_dict(rollout.analysis)
+    return bool(spec.quality_set) and rollout.step == 0 and rollout.gate_passed_at is None
+
+
+def _gate(rollout: Rollout, canary: list[Node], spec: Analysis, now: datetime) -> None:
+    """The canary is READY and has no traffic yet: its evaluation set runs against canary and
+    baseline, case by case, each version asked by number. It passes, and the step's share goes
+    out, or the rollout is rolled back before a single user request reached the canary."""
+    run = rollout.gate_run
+    if run is None:
+        return _gate_start(rollout, canary, spec)
+    if not run.finished:
+        if now > gate_deadline(run, spec):
+            rollout.gate_run = None  # a resume starts a new run
+            return pause(
+                rollout,
+                f"quality gate: evaluation run #{run.pk} did not finish in time (its worker may "
+                "have been lost); resume to run it again",
+            )
+        return None
+    verdict, detail = gate_verdict(run, spec)
+    Measurement.objects.create(
+        rollout=rollout,
+        step=rollout.step,
+        metric="quality before traffic",
+        query=f"evaluation run #{run.pk}: {run.evaluation_set}",
+        canary_value=run.score,
+        baseline_value=run.baseline_score,
+        threshold=spec.quality_min_score,
+        verdict=verdict,
+        detail=detail,
+        evidence={"run": run.pk, "passed": run.passed, "failed": run.failed},
+    )
+    if verdict != Verdict.SUCCESS:
+        rollout.first_failure_at = rollout.first_failure_at or now
+        return begin_abort(rollout, f"quality gate failed before any traffic: {detail}")
+    rollout.gate_passed_at = now
+    _apply_share(rollout, canary, _nodes(rollout))  # now with the step's share of requests
+    rollout.step_ready_at = now
+    rollout.save()
+    return None
+
+
+def _gate_start(rollout: Rollout, canary: list[Node], spec: Analysis) -> None:
+    found = latest_set(model_id=rollout.model_id, name=spec.quality_set)
+    if found is None:
+        return pause(
+            rollout,
+            f"quality gate: {rollout.model.name} has no evaluation set "
+            f"{spec.quality_set!r}; import one and resume",
+        )
+    lead = members(rollout)[0]
+    others = [n for n in _nodes(rollout) if n not in canary]
+    # The baseline is asked on a node still serving it. Beside the canary only for a plain
+    # model: an ensemble's versions share one config, so the baseline loaded beside a canary
+    # ensemble runs the canary's steps; with no other node, it is not compared at all.
+    plain = rollout.model.kind != Model.Kind.ENSEMBLE
+    baseline_node = others[0] if others else (canary[0] if plain and lead.beside else None)
+    try:
+        rollout.gate_run = evaluation_start(
+            set_id=found.pk,
+            version=lead.canary,
+            baseline_version=lead.baseline if baseline_node else None,
+            node=canary[0],
+            baseline_node=baseline_node,
+            concurrency=spec.quality_concurrency,
+            timeout_s=spec.quality_timeout_s,
+            purpose=f"rollout #{rollout.pk}, before traffic",
+            actor=ACTOR,
+        )
+    except QualityError as exc:
+        return pause(rollout, f"quality gate: {exc}")
+    rollout.save()
+    return None
+
+
+def gate_deadline(run: EvaluationRun, spec: Analysis) -> datetime:
+    """When a run that has not finished is given up: every case at its timeout, a round of
+    `concurrency` at a time, for both versions, plus a minute to reach a worker."""
+    cases = run.evaluation_set.cases.count()
+    rounds = -(-cases // run.concurrency) * (2 if run.baseline_version else 1)
+    return run.created_at + timedelta(seconds=60 + rounds * run.timeout_s)
+
+
+def gate_verdict(run: EvaluationRun, spec: Analysis) -> tuple[str, str]:
+    """Success, or failure with what failed: the score below the minimum, or too far below
+    the baseline's, or no case judged at all (never passed on missing answers)."""
+    if run.status == EvaluationRun.Status.FAILED:
+        return Verdict.FAILURE, f"the evaluation could not run: {run.error}"
+    if run.score is None:
+        return Verdict.FAILURE, "no case was judged"
+    failing = [row.case.name for row in run_rows(run, only="failing", limit=5)]
+    named = f"; failing: {', '.join(failing)}{', ...' if run.failed > 5 else ''}" if failing else ""
+    score = f"canary scored {run.score:.0%} ({run.passed} of {run.passed + run.failed} cases)"
+    if run.score < spec.quality_min_score:
+        return Verdict.FAILURE, f"{score}, below {spec.quality_min_score:.0%}{named}"
+    if run.baseline_score is not None and run.score < run.baseline_score - spec.quality_tolerance:
+        return (
+            Verdict.FAILURE,
+            f"{score}, the baseline {run.baseline_score:.0%}: more than "
+            f"{spec.quality_tolerance:.0%} below it{named}",
+        )
+    return Verdict.SUCCESS, score + (
+        f", the baseline {run.baseline_score:.0%}" if run.baseline_score is not None else ""
+    )
+
+
 def _measure(rollout: Rollout, spec: Analysis, compare: bool) -> list[Result]:
+    others = [n.name for n in _nodes(rollout) if n.name not in rollout.canary_nodes]
     return [
         # A lockstep member's metrics carry its name; any member failing fails the step.
         found
@@ -350,11 +468,15 @@ def _measure(rollout: Rollout, spec: Analysis, compare: bool) -> list[Result]:
             model=member.model.name,
             pool=rollout.pool.name,
             canary_nodes=rollout.canary_nodes,
-            spec=spec,
+            # The analysis's own metrics are the rollout's: judged once, with its model's versions.
+            spec=spec if member.model == rollout.model else replace(spec, metrics=()),
             budget_ms=member.model.latency_budget_ms,
             steps=changed_steps(member),
             compare=compare,
             slo=Objectives.of(member.model),
+            canary_version=member.canary,
+            baseline_version=member.baseline,
+            baseline_nodes=others,
         )
     ]
 

@@ -5,6 +5,7 @@ from django.db import models
 from django.db.models import Q
 
 from apps.fleet.models import NodePool
+from apps.quality.models import EvaluationRun
 from apps.registry.models import Model
 
 
@@ -81,6 +82,15 @@ class Rollout(models.Model):
     step_started_at = models.DateTimeField(null=True, blank=True, help_text="share applied")
     step_ready_at = models.DateTimeField(null=True, blank=True, help_text="canary READY on it")
     canary_nodes = models.JSONField(default=list, blank=True, help_text="nodes given the canary")
+    gate_run = models.ForeignKey(
+        EvaluationRun,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        help_text="the quality gate's evaluation, before the canary gets any traffic",
+    )
+    gate_passed_at = models.DateTimeField(null=True, blank=True)
     last_verdict = models.CharField(max_length=15, blank=True)
     last_measured_at = models.DateTimeField(null=True, blank=True)
     failures = models.PositiveIntegerField(default=0, help_text="failed measurements so far")

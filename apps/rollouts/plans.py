@@ -3,8 +3,10 @@
 import math
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from apps.observability.catalog import PLACEHOLDERS
 
 
 class PlanError(ValueError):
@@ -36,7 +38,14 @@ class Step:
 
 UNITS = {"s": 1, "m": 60, "h": 3600}
 JUDGES = ("threshold", "statistical")
-POSITIVE = ("interval_s", "window_s", "sample_s", "slo_short_s")  # analysis fields, 1 at least
+POSITIVE = (
+    "interval_s",
+    "window_s",
+    "sample_s",
+    "slo_short_s",
+    "quality_timeout_s",
+    "quality_concurrency",
+)  # analysis fields, 1 at least
 LINE = re.compile(
     r"^\s*(?:(?P<nodes>\d+)\s*nodes?|(?P<percent>\d+)\s*%)\s*"
     r"(?:,?\s*hold\s+(?P<hold>\d+)\s*(?P<unit>[smh]))?\s*$",
@@ -96,6 +105,86 @@ def _step(nodes: object, percent: object, hold_s: int, where: str) -> Step:
 
 
 @dataclass(frozen=True)
+class QualityMetric:
+    """A series of the application's own (a helpful-answer ratio, say), queried once per side
+    with that side's `$nodes` or `$version`, and judged canary against baseline."""
+
+    name: str
+    query: str
+    higher_is_better: bool
+    tolerance: float = 0.05  # the canary may be this share worse than the baseline
+    min: float | None = None  # absolute bounds, held at every step, a 100% one too
+    max: float | None = None
+
+    @classmethod
+    def from_dict(cls, raw: object, where: str) -> "QualityMetric":
+        if not isinstance(raw, dict):
+            raise PlanError(f"{where}: {raw!r} is not an object with a name and a query")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise PlanError(f"{where}: unknown field {unknown[0]!r}; known: {', '.join(known)}")
+        for name in ("name", "query"):
+            if not isinstance(raw.get(name), str) or not raw[name].strip():
+                raise PlanError(f"{where}.{name}: a metric needs one")
+        if len(raw["name"]) > 80:
+            raise PlanError(f"{where}.name: 80 characters at most")
+        used = set(re.findall(r"\$(\w+)", raw["query"]))
+        if used - set(PLACEHOLDERS):
+            raise PlanError(
+                f"{where}.query: unknown placeholder ${sorted(used - set(PLACEHOLDERS))[0]};"
+                f" known: {', '.join('$' + p for p in PLACEHOLDERS)}"
+            )
+        if not used & {"nodes", "version"}:
+            raise PlanError(
+                f"{where}.query: names neither $nodes nor $version, so it could not tell the"
+                " canary from the baseline"
+            )
+        if not isinstance(raw.get("higher_is_better"), bool):
+            raise PlanError(f"{where}.higher_is_better: true or false is needed")
+        values = {
+            name: _number(raw[name], f"{where}.{name}")
+            for name in ("tolerance", "min", "max")
+            if raw.get(name) is not None
+        }
+        if values.get("tolerance", 0.0) < 0:
+            raise PlanError(f"{where}.tolerance: {raw['tolerance']!r} is below 0")
+        low, high = values.get("min"), values.get("max")
+        if low is not None and high is not None and low > high:
+            raise PlanError(f"{where}.min: {low:g} is above max {high:g}")
+        return cls(raw["name"].strip(), raw["query"], raw["higher_is_better"], **values)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def looser_than(self, other: "QualityMetric") -> list[str]:
+        """Where this metric lets through what `other` (of the same name) would stop."""
+        found = [] if self.query == other.query else ["another query"]
+        if self.higher_is_better != other.higher_is_better:
+            found.append("the other way round")
+        if self.tolerance > other.tolerance:
+            found.append(f"tolerance {self.tolerance:g}, the template's {other.tolerance:g}")
+        for bound, mine, theirs, sign in [
+            ("min", self.min, other.min, -1),
+            ("max", self.max, other.max, 1),
+        ]:
+            if theirs is not None and (mine is None or (mine - theirs) * sign > 0):
+                shown = "none" if mine is None else f"{mine:g}"
+                found.append(f"{bound} {shown}, the template's {theirs:g}")
+        return found
+
+
+def _number(value: object, where: str) -> float:
+    try:
+        number = math.nan if isinstance(value, bool) else float(str(value))
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise PlanError(f"{where}: {value!r} is not a number")
+    return number
+
+
+@dataclass(frozen=True)
 class Analysis:
     """How each step is judged: every `interval_s`, over the last `window_s`, canary against
     baseline."""
@@ -127,6 +216,17 @@ class Analysis:
     slo_short_s: int = 15
     # Measure and record every verdict, never act on one: to tune the analysis on a live release.
     dry_run: bool = False
+    # The quality gate (apps/quality): the model's evaluation set of this name runs through
+    # Triton against canary and baseline once the canary is READY, before it gets any traffic;
+    # the canary must score `quality_min_score` and stay within `quality_tolerance` of the
+    # baseline's score. None named: no gate.
+    quality_set: str = ""
+    quality_min_score: float = 0.9
+    quality_tolerance: float = 0.05
+    quality_timeout_s: float = 10.0  # per case: one that takes longer fails, with that reason
+    quality_concurrency: int = 4
+    # The application's own quality series, judged like latency (apps/rollouts/analysis.py).
+    metrics: tuple[QualityMetric, ...] = ()
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Analysis":
@@ -142,6 +242,14 @@ class Analysis:
                     raise PlanError(f"analysis.judge: {raw_value!r} is not one of {JUDGES}")
                 values[name] = raw_value
                 continue
+            if name == "quality_set":
+                if not isinstance(raw_value, str) or not re.fullmatch(r"[-\w]{0,60}", raw_value):
+                    raise PlanError(f"analysis.quality_set: {raw_value!r} is not a set's name")
+                values[name] = raw_value
+                continue
+            if name == "metrics":
+                values[name] = _metrics(raw_value)
+                continue
             if name == "dry_run":
                 if raw_value not in (True, False, "true", "false"):
                     raise PlanError(f"analysis.dry_run: {raw_value!r} is not true or false")
@@ -152,24 +260,45 @@ class Analysis:
             except (TypeError, ValueError):
                 raise PlanError(f"analysis.{name}: {raw_value!r} is not a number") from None
             positive = name.endswith("_limit") or name in POSITIVE
-            share = name in ("confidence", "pass_score")
+            share = name in ("confidence", "pass_score", "quality_min_score")
             if value < 0 or (positive and value < 1) or (share and not 0 < value <= 1):
                 raise PlanError(f"analysis.{name}: {raw_value!r} is out of range")
             values[name] = value
         return cls(**values)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain JSON, as a JSONField keeps it: `from_dict` reads it back equal."""
+        return asdict(self) | {"metrics": [m.as_dict() for m in self.metrics]}
 
     def looser_than(self, other: "Analysis") -> list[str]:
         """Where this analysis lets through what `other` would stop, field by field."""
         found = [f"judge {self.judge}, not {other.judge}"] if self.judge != other.judge else []
         found += ["a dry run"] if self.dry_run and not other.dry_run else []
+        if other.quality_set and self.quality_set != other.quality_set:
+            found.append(f"quality set {self.quality_set or 'none'!r}, not {other.quality_set!r}")
         for name, higher_is_looser in LOOSER_WHEN_HIGHER.items():
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs and (mine > theirs) == higher_is_looser:
                 found.append(f"{name} {mine}, the template's {theirs}")
+        kept = {m.name: m for m in self.metrics}
+        for metric in other.metrics:
+            if metric.name not in kept:
+                found.append(f"no metric {metric.name!r}, which the template judges")
+            elif looser := kept[metric.name].looser_than(metric):
+                found.append(f"metric {metric.name!r}: {', '.join(looser)}")
         return found
+
+
+def _metrics(raw: object) -> tuple[QualityMetric, ...]:
+    if not isinstance(raw, list | tuple):
+        raise PlanError(f"analysis.metrics: {raw!r} is not a list")
+    found: list[QualityMetric] = []
+    for number, each in enumerate(raw):
+        metric = QualityMetric.from_dict(each, f"analysis.metrics[{number}]")
+        if any(m.name == metric.name for m in found):
+            raise PlanError(f"analysis.metrics[{number}].name: {metric.name!r} is named twice")
+        found.append(metric)
+    return tuple(found)
 
 
 # Each gate of an analysis, and whether a higher value lets more through. A higher confidence
@@ -187,6 +316,8 @@ LOOSER_WHEN_HIGHER = {
     "error_tolerance": True,
     "pass_score": False,
     "slo_burn_limit": True,
+    "quality_min_score": False,
+    "quality_tolerance": True,
 }
 
 

@@ -14,6 +14,7 @@ from apps.fleet.desired import fleet_desired
 from apps.fleet.memory import shortfalls
 from apps.fleet.models import Deployment, NodePool, Release
 from apps.fleet.services import FleetError, deployment_set
+from apps.quality.selectors import latest_set
 from apps.registry.codec import from_dict
 from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.models import Model, ModelVersion
@@ -162,6 +163,11 @@ def rollout_propose(
     judged = Analysis.from_dict((chosen.analysis if chosen else {}) | (analysis or {}))
     if pool.protected:
         _as_strict_as_the_pool(judged, pool)
+    if judged.quality_set and latest_set(model_id=model.pk, name=judged.quality_set) is None:
+        raise RolloutError(
+            f"{model_name} has no evaluation set {judged.quality_set!r} for the quality gate; "
+            "import one first"
+        )
     # Each node as a canary node would be, the baseline beside the canary: the widest step.
     change = {
         m.model.name: (m.canary, m.beside, f"{m.model.name} v{m.canary}, a canary")

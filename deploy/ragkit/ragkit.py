@@ -152,10 +152,13 @@ class Reranker(StepModel):
     inputs = ("QUESTION", "CANDIDATES")
     refined = False
     slow_s = 0.0
+    worst_first = False
 
     def infer(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         time.sleep(self.slow_s)
         ranked = rerank(text(row["QUESTION"][0]), decode(row["CANDIDATES"]), refined=self.refined)
+        if self.worst_first:
+            ranked.reverse()
         scores = np.array([entry["score"] for entry in ranked], dtype=np.float32)
         return {"RANKED": encode(ranked), "SCORES": scores}
 
@@ -204,6 +207,12 @@ class RerankerV3(RerankerV2):
     """Deliberately slow, for rollback drills: a canary that must lose on P99."""
 
     slow_s = 0.25
+
+
+class RerankerV6(RerankerV2):
+    """Fast but wrong, for quality drills: as quick as v2, with the worst passage first."""
+
+    worst_first = True
 
 
 class GeneratorV1(Generator):

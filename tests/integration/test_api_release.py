@@ -44,7 +44,7 @@ class Api:
 
 def archive_without_later_pipelines(repository: Path) -> bytes:
     """The repository without rag_pipeline's later versions: v2 is what the pipeline registers."""
-    later = [repository / "rag_pipeline" / number for number in ("2", "3", "4", "5", "6")]
+    later = [repository / "rag_pipeline" / number for number in ("2", "3", "4", "5", "6", "7")]
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
         for path in sorted(repository.rglob("*")):

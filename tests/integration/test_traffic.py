@@ -2,8 +2,6 @@
 driven by the real worker and beat; requests counted by Triton's own per-version counters."""
 
 import itertools
-import json
-import urllib.request
 from collections import Counter
 from datetime import timedelta
 
@@ -27,6 +25,7 @@ from tests.support.fleet import (
     converged,
     equal,
     ready_on,
+    served,
     traffic_to,
     wait_for,
     weights,
@@ -37,17 +36,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 State = Rollout.State
 OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
 RECONCILE_INTERVAL_S = 2  # the test worker's beat (tests/support/services.py)
-
-
-def served(nodes: list[Proc], state: FleetState, model: str) -> Counter[int]:
-    """Requests each version of `model` answered on `nodes`: Triton's own statistics."""
-    counts: Counter[int] = Counter()
-    for proc in nodes:
-        url = f"{state.node_urls(proc)['http_url']}/v2/models/{model}/stats"
-        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - a local node
-            for entry in json.load(response)["model_stats"]:
-                counts[int(entry["version"])] += entry["inference_stats"]["success"]["count"]
-    return counts
 
 
 def through(haproxy: Proc, count: int) -> Counter[str]:

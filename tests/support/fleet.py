@@ -1,7 +1,10 @@
 """The fleet the integration tests drive: real nodes, what they serve, traffic to them."""
 
+import json
 import threading
 import time
+import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -112,3 +115,14 @@ def weights(haproxy: Proc) -> dict[str, int] | None:
 
 def equal(state: FleetState) -> dict[str, int]:
     return {proc.name: 100 for proc in state.nodes}
+
+
+def served(nodes: list[Proc], state: FleetState, model: str) -> Counter[int]:
+    """Requests each version of `model` answered on `nodes`: Triton's own statistics."""
+    counts: Counter[int] = Counter()
+    for proc in nodes:
+        url = f"{state.node_urls(proc)['http_url']}/v2/models/{model}/stats"
+        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - a local node
+            for entry in json.load(response)["model_stats"]:
+                counts[int(entry["version"])] += entry["inference_stats"]["success"]["count"]
+    return counts

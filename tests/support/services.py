@@ -179,6 +179,29 @@ class Celery:
                 return
             time.sleep(0.2)
 
+    @contextmanager
+    def holding_rollouts(self) -> Iterator[None]:
+        """The rollout controller's queue left unconsumed, once no tick of it runs or waits in
+        the worker: the test ticks the controller itself, and reads what is between two ticks."""
+        control = celery_app.control
+        control.cancel_consumer("rollouts", destination=[self.hostname], reply=True, timeout=5)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                inspect = control.inspect(destination=[self.hostname], timeout=1)
+                tasks = [
+                    *(inspect.active() or {}).get(self.hostname, []),
+                    *(inspect.reserved() or {}).get(self.hostname, []),
+                ]
+                if not any(task["name"].startswith("rollouts.") for task in tasks):
+                    break
+                time.sleep(0.2)
+            else:
+                pytest.fail("the worker kept running rollout ticks")
+            yield
+        finally:
+            control.add_consumer("rollouts", destination=[self.hostname], reply=True, timeout=5)
+
     def resume(self) -> None:
         celery_app.control.add_consumer(
             "celery", destination=[self.hostname], reply=True, timeout=5

@@ -20,6 +20,8 @@ from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
 from apps.fleet import services as fleet
 from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.quality import services as quality
+from apps.quality.models import EvaluationSet
 from apps.registry import imports
 from apps.registry import services as registry
 from apps.registry.models import Model, ModelVersion
@@ -146,6 +148,7 @@ NOT_ACTIONS = {
     "actor_name": "the trail itself",
     "audit_record": "the trail itself",
     "audited": "the trail itself",
+    "reference_version": "a read: which config a set is checked against",
 }
 
 
@@ -162,7 +165,10 @@ def test_every_service_is_an_audited_action_and_is_in_a_table() -> None:
 
 
 SERVICE_MODULES = [
-    *(f"apps.{app}.services" for app in ("accounts", "audit", "fleet", "registry", "rollouts")),
+    *(
+        f"apps.{app}.services"
+        for app in ("accounts", "audit", "fleet", "quality", "registry", "rollouts")
+    ),
     "apps.rollouts.approvals",
     "apps.fleet.polling",
     "apps.registry.imports",
@@ -193,6 +199,8 @@ FLEET_REGISTRY_SERVICES = {
     registry.version_set_memory,
     approvals.approval_request,
     approvals.approval_approve,
+    quality.evaluation_set_import,
+    quality.evaluation_start,
 }
 
 
@@ -221,6 +229,13 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
     )
     deployed = lambda: Deployment.objects.get(pool=pool).pk  # noqa: E731
     ann = lambda: User.objects.get(username="ann")  # noqa: E731
+    smoke = lambda: EvaluationSet.objects.get(name="smoke").pk  # noqa: E731
+    evaluation_case = json.dumps(
+        {
+            "inputs": {"IMAGE": [1, 2, 3, 4]},
+            "expect": {"TEXT": {"close_to": [1, 2, 3, 4], "abs": 0.1}},
+        }
+    )
     cases = [
         Case(
             accounts.user_ensure,
@@ -406,6 +421,22 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             "approval.approve",
             lambda: approvals.approval_approve(approval_id=0, actor=bob),
             lambda: approvals.approval_approve(approval_id=Approval.objects.get().pk, actor=bob),
+        ),
+        Case(
+            quality.evaluation_set_import,
+            "evaluation_set.import",
+            lambda: quality.evaluation_set_import(
+                model_name="ocr", name="smoke", text='{"inputs": {}}', actor="ops"
+            ),
+            lambda: quality.evaluation_set_import(
+                model_name="ocr", name="smoke", text=evaluation_case, actor="ops"
+            ),
+        ),
+        Case(
+            quality.evaluation_start,
+            "evaluation.start",
+            lambda: quality.evaluation_start(set_id=smoke(), version=9, node=node, actor="ops"),
+            lambda: quality.evaluation_start(set_id=smoke(), version=1, node=node, actor="ops"),
         ),
     ]
     assert {case.service for case in cases} == FLEET_REGISTRY_SERVICES

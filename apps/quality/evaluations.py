@@ -1,0 +1,129 @@
+"""A queued evaluation run carried out: every case sent, every answer scored and stored."""
+
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from apps.fleet.triton import TritonClient
+from apps.quality.cases import Signature
+from apps.quality.errors import QualityError
+from apps.quality.models import CaseResult, EvaluationCase, EvaluationRun
+from apps.quality.rules import MISSING, score
+from apps.quality.runner import Answer, ask, request, storable
+
+
+def evaluation_execute(*, run_id: int) -> None:
+    """Send every case, score and store the answers. Claimed by a conditional update, so a run
+    delivered twice is sent once."""
+    claimed = EvaluationRun.objects.filter(pk=run_id, status=EvaluationRun.Status.QUEUED).update(
+        status=EvaluationRun.Status.RUNNING, started_at=timezone.now()
+    )
+    if claimed != 1:
+        return
+    run = EvaluationRun.objects.select_related(
+        "evaluation_set__model", "node", "baseline_node"
+    ).get(pk=run_id)
+    try:
+        answers = _answers(run)
+    except QualityError as exc:
+        return _finish(run, status=EvaluationRun.Status.FAILED, error=str(exc))
+    _store(run, answers)
+
+
+def _answers(run: EvaluationRun) -> dict[int, tuple[list[EvaluationCase], list[Answer]]]:
+    model = run.evaluation_set.model
+    cases = list(run.evaluation_set.cases.all())
+    sides = {run.version: run.node}
+    if run.baseline_version:
+        sides[run.baseline_version] = run.baseline_node
+    configs = dict(model.versions.filter(version__in=sides).values_list("version", "config"))
+    found = {}
+    for version, node in sides.items():
+        if node is None:
+            raise QualityError(f"the node chosen for v{version} is gone")
+        signature = Signature.of(configs[version])
+        try:
+            requests = [request(c.inputs, signature) for c in cases]
+        except (KeyError, ValueError) as exc:
+            raise QualityError(f"v{version} takes other inputs than the set's: {exc}") from exc
+        client = TritonClient(node.http_url, node=node.name)
+        answers = ask(
+            client,
+            model=model.name,
+            version=version,
+            requests=requests,
+            batched=signature.batched,
+            concurrency=run.concurrency,
+            timeout_s=run.timeout_s,
+        )
+        found[version] = (cases, answers)
+    return found
+
+
+def _store(
+    run: EvaluationRun, answers: dict[int, tuple[list[EvaluationCase], list[Answer]]]
+) -> None:
+    rows = []
+    baseline = answers.get(run.baseline_version or 0)
+    for version, (cases, given) in answers.items():
+        for index, (case, answer) in enumerate(zip(cases, given, strict=True)):
+            against = baseline[1][index] if baseline and version == run.version else None
+            rows.append(_judged(run, case, version, answer, against))
+    scores = {version: _share([r for r in rows if r.version == version]) for version in answers}
+    with transaction.atomic():
+        CaseResult.objects.bulk_create(rows)
+        mine = [r for r in rows if r.version == run.version]
+        _finish(
+            run,
+            status=EvaluationRun.Status.DONE,
+            score=scores[run.version],
+            baseline_score=scores.get(run.baseline_version or 0),
+            passed=sum(r.passed is True for r in mine),
+            failed=sum(r.passed is False for r in mine),
+        )
+
+
+def _judged(
+    run: EvaluationRun,
+    case: EvaluationCase,
+    version: int,
+    answer: Answer,
+    baseline: Answer | None,
+) -> CaseResult:
+    """One version's answer to one case, judged by each of its rules ("agrees" rules against
+    the baseline's answer to the same case, on the version under test only)."""
+    scores: dict[str, dict[str, Any]] = {}
+    if answer.outputs is not None:
+        for output, rule in case.expect.items():
+            other = baseline.outputs.get(output) if baseline and baseline.outputs else MISSING
+            judged = score(rule, answer.outputs.get(output), baseline=other)
+            scores[output] = {
+                "passed": judged.passed,
+                "value": judged.value,
+                "detail": judged.detail,
+            }
+    applied = [s["passed"] for s in scores.values() if s["passed"] is not None]
+    passed = False if answer.error else (all(applied) if applied else None)
+    return CaseResult(
+        run=run,
+        case=case,
+        version=version,
+        outputs=storable(answer.outputs or {}),
+        scores=storable(scores),
+        passed=passed,
+        latency_ms=answer.latency_ms,
+        error=answer.error,
+    )
+
+
+def _share(rows: list[CaseResult]) -> float | None:
+    judged = [r.passed for r in rows if r.passed is not None]
+    return sum(judged) / len(judged) if judged else None
+
+
+def _finish(run: EvaluationRun, **values: Any) -> None:
+    values["finished_at"] = timezone.now()
+    EvaluationRun.objects.filter(pk=run.pk).update(**values)
+    for key, value in values.items():
+        setattr(run, key, value)

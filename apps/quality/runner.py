@@ -1,0 +1,91 @@
+"""Cases sent through Triton itself: each to an explicit version on one node, a bounded number
+at a time, each within its own timeout."""
+
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from apps.fleet.triton import Session, TritonClient, TritonError, TritonTimeout
+from apps.quality.cases import Signature, as_array
+
+
+@dataclass(frozen=True)
+class Answer:
+    outputs: dict[str, Any] | None  # as JSON values, without the batch dimension
+    latency_ms: float | None
+    error: str = ""
+
+
+def request(inputs: dict[str, Any], signature: Signature) -> dict[str, np.ndarray]:
+    """A case's inputs as a request of batch 1 (a batched model's first dimension)."""
+    arrays = {name: as_array(value, signature.inputs[name]) for name, value in inputs.items()}
+    return {name: a[np.newaxis] if signature.batched else a for name, a in arrays.items()}
+
+
+def ask(
+    client: TritonClient,
+    *,
+    model: str,
+    version: int,
+    requests: list[dict[str, np.ndarray]],
+    batched: bool,
+    concurrency: int,
+    timeout_s: float,
+) -> list[Answer]:
+    """One answer per request, in their order. A request that takes longer than `timeout_s`,
+    or that Triton refuses, is an answer with its error: one slow case never holds the rest."""
+    local = threading.local()
+    with ExitStack() as sessions, ThreadPoolExecutor(max_workers=concurrency) as pool:
+        lock = threading.Lock()
+
+        def session() -> Session:
+            if not hasattr(local, "session"):
+                with lock:  # ExitStack is not thread-safe
+                    local.session = sessions.enter_context(client.session(timeout_s))
+            return local.session
+
+        def one(inputs: dict[str, np.ndarray]) -> Answer:
+            start = time.perf_counter()
+            try:
+                outputs = session().infer(model, inputs, version=version)
+            except TritonTimeout:
+                return Answer(None, None, f"no answer within {timeout_s:g} s")
+            except TritonError as exc:
+                return Answer(None, None, exc.message)
+            latency = (time.perf_counter() - start) * 1000
+            return Answer({k: jsonable(v, batched) for k, v in outputs.items()}, latency)
+
+        return list(pool.map(one, requests))
+
+
+def jsonable(array: np.ndarray, batched: bool) -> Any:
+    """An output as a JSON value: the batch dimension dropped, bytes as text."""
+    value = array[0] if batched and array.ndim else array
+    return _plain(value.tolist() if isinstance(value, np.ndarray) else value)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def storable(value: Any) -> Any:
+    """NaN and infinities as null: JSON has none, and PostgreSQL refuses them."""
+    if isinstance(value, list):
+        return [storable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: storable(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

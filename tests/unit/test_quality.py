@@ -1,0 +1,99 @@
+import json
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from apps.audit.models import AuditEvent
+from apps.quality.errors import QualityError
+from apps.quality.models import EvaluationSet
+from apps.quality.services import evaluation_set_import
+from tests.support import ROOT
+from tests.support.registry import import_demo
+
+pytestmark = pytest.mark.django_db
+DEMO_SET = ROOT / "deploy" / "evaluations" / "rag_pipeline-faq.jsonl"
+
+
+def case(**fields: object) -> str:
+    base = {"name": "track", "inputs": {"QUESTION": "track my order"}}
+    return json.dumps(base | {"expect": {"SOURCE": {"exact": "faq:orders-track"}}} | fields)
+
+
+def problems(text: str, model: str = "rag_pipeline") -> list[str]:
+    with pytest.raises(QualityError) as refused:
+        evaluation_set_import(model_name=model, name="faq", text=text, actor="ops")
+    return [str(p) for p in refused.value.problems]
+
+
+def test_the_demo_set_imports_once_and_again_unchanged_adds_nothing() -> None:
+    import_demo()
+    call_command("import_evaluation_set", "rag_pipeline", "faq", str(DEMO_SET))
+    call_command("import_evaluation_set", "rag_pipeline", "faq", str(DEMO_SET))
+    (found,) = EvaluationSet.objects.all()
+    assert (found.version, found.cases.count(), found.source) == (1, 30, DEMO_SET.name)
+    (event,) = AuditEvent.objects.filter(action="evaluation_set.import")
+    assert (event.actor, event.after["cases"], event.after["version"]) == ("system:cli", 30, 1)
+
+
+def test_a_changed_set_is_the_next_version() -> None:
+    import_demo()
+    evaluation_set_import(model_name="rag_pipeline", name="faq", text=case(), actor="ops")
+    text = case() + "\n" + case(name="cancel", inputs={"QUESTION": "cancel it"})
+    found = evaluation_set_import(model_name="rag_pipeline", name="faq", text=text, actor="ops")
+    assert (found.version, [c.name for c in found.cases.all()]) == (2, ["track", "cancel"])
+
+
+def test_each_bad_line_is_named_with_its_field_and_nothing_is_stored() -> None:
+    import_demo()
+    lines = [
+        case(),
+        '{"name": "broken", "inputs": {',
+        case(name="tensor", inputs={"QUERY": "where is it"}),
+        case(name="type", inputs={"QUESTION": 3.5}),
+        case(name="dims", inputs={"QUESTION": ["a", "b"]}),
+        case(name="output", expect={"URL": {"exact": "x"}}),
+        case(name="rule", expect={"SOURCE": {"top_k": ["x"], "k": "3"}}),
+        case(name="track"),
+    ]
+    found = problems("\n".join(lines))
+    assert (
+        found[0]
+        == "line 2: not JSON: Expecting property name enclosed in double quotes at column 31"
+    )
+    assert found[1:] == [
+        "line 3: inputs.QUESTION: missing",
+        "line 3: inputs.QUERY: no such input; the model's: QUESTION",
+        "line 4: inputs.QUESTION: BYTES takes strings",
+        "line 5: inputs.QUESTION: shape [2] does not match dims [1]",
+        "line 6: expect.URL: no such output; the model's: ANSWER, SOURCE",
+        found[6],
+        "line 8: name: 'track' is already line 1",
+    ]
+    assert found[6].startswith('line 7: expect.SOURCE: "k" is an integer >= 1')
+    assert not EvaluationSet.objects.exists()
+    (event,) = AuditEvent.objects.filter(action="evaluation_set.import")
+    assert event.result == "failed" and "line 2: not JSON" in event.message
+
+
+def test_numeric_inputs_are_checked_against_the_declared_type_and_dims() -> None:
+    import_demo()
+    vector = [0.5] * 64
+    ok = json.dumps({"inputs": {"EMBEDDING": vector}, "expect": {"CANDIDATES": {"contains": "x"}}})
+    found = evaluation_set_import(model_name="retriever", name="r", text=ok, actor="ops")
+    assert found.cases.get().name == "line 1"
+    short = json.dumps({"inputs": {"EMBEDDING": [0.5] * 3}, "expect": {"CANDIDATES": {"exact": 1}}})
+    words = json.dumps(
+        {"inputs": {"EMBEDDING": ["a"] * 64}, "expect": {"CANDIDATES": {"exact": 1}}}
+    )
+    assert problems(f"{short}\n{words}", model="retriever") == [
+        "line 1: inputs.EMBEDDING: shape [3] does not match dims [64]",
+        "line 2: inputs.EMBEDDING: FP32 takes numbers, not strings",
+    ]
+
+
+def test_an_unknown_model_or_an_empty_file_is_refused_in_words() -> None:
+    import_demo()
+    assert problems(case(), model="nope") == ["no model named 'nope' in the registry"]
+    assert problems("\n\n") == ["line 1: no cases: one JSON object per line is expected"]
+    with pytest.raises(CommandError, match=r"missing\.jsonl"):
+        call_command("import_evaluation_set", "rag_pipeline", "faq", "/nonexistent/missing.jsonl")
