@@ -34,6 +34,8 @@ ROLE_GRANTS: dict[Role, list[str]] = {
         "registry.add_model",
         "registry.add_modelversion",
         "registry.change_modelversion",
+        "quality.add_evaluationset",  # import a set
+        "quality.add_evaluationrun",  # send a set's cases to a node
         "rollouts.add_rollout",
         "rollouts.change_rollout",
     ],

@@ -3,6 +3,7 @@
 from django.contrib.auth.models import User
 from django.db import transaction
 
+from apps.accounts.permissions import authorize
 from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet.models import Node
 from apps.fleet.selectors import observed_many
@@ -35,6 +36,7 @@ def evaluation_set_import(
 ) -> EvaluationSet:
     """The cases of a JSON Lines text as the set's next version, checked against the model's
     config (tensor names, types, dims) and each rule; a single problem refuses the whole set."""
+    authorize(actor, "quality.add_evaluationset", None)
     model = Model.objects.select_for_update().filter(name=model_name).first()
     if model is None:
         raise QualityError(f"no model named {model_name!r} in the registry")
@@ -116,6 +118,8 @@ def evaluation_start(
     node = node or _serving(found.model.name, version)
     if baseline_version:
         baseline_node = baseline_node or _serving(found.model.name, baseline_version)
+    for where in {node.pool, *([baseline_node.pool] if baseline_node else [])}:
+        authorize(actor, "quality.add_evaluationrun", where)
     run = EvaluationRun.objects.create(
         evaluation_set=found,
         version=version,
