@@ -369,7 +369,7 @@ def _gate(rollout: Rollout, canary: list[Node], spec: Analysis, now: datetime) -
                 "have been lost); resume to run it again",
             )
         return None
-    verdict, detail = gate_verdict(run, spec)
+    verdict, detail = evaluation_verdict(run, spec)
     Measurement.objects.create(
         rollout=rollout,
         step=rollout.step,
@@ -382,6 +382,9 @@ def _gate(rollout: Rollout, canary: list[Node], spec: Analysis, now: datetime) -
         detail=detail,
         evidence={"run": run.pk, "passed": run.passed, "failed": run.failed},
     )
+    if verdict == Verdict.INCONCLUSIVE:
+        rollout.gate_run = None  # a resume runs it again
+        return pause(rollout, f"quality gate: {detail}; resume to run it again")
     if verdict != Verdict.SUCCESS:
         rollout.first_failure_at = rollout.first_failure_at or now
         return begin_abort(rollout, f"quality gate failed before any traffic: {detail}")
@@ -393,12 +396,21 @@ def _gate(rollout: Rollout, canary: list[Node], spec: Analysis, now: datetime) -
 
 
 def _gate_start(rollout: Rollout, canary: list[Node], spec: Analysis) -> None:
+    try:
+        rollout.gate_run = _evaluate(rollout, canary, spec, "before traffic")
+    except QualityError as exc:
+        return pause(rollout, f"quality gate: {exc}")
+    rollout.save()
+    return None
+
+
+def _evaluate(rollout: Rollout, canary: list[Node], spec: Analysis, when: str) -> EvaluationRun:
+    """Queue the rollout's evaluation set against the canary, on a canary node, and against the
+    baseline where a node serves it. Raises QualityError."""
     found = latest_set(model_id=rollout.model_id, name=spec.quality_set)
     if found is None:
-        return pause(
-            rollout,
-            f"quality gate: {rollout.model.name} has no evaluation set "
-            f"{spec.quality_set!r}; import one and resume",
+        raise QualityError(
+            f"{rollout.model.name} has no evaluation set {spec.quality_set!r}; import one"
         )
     lead = members(rollout)[0]
     others = [n for n in _nodes(rollout) if n not in canary]
@@ -407,22 +419,56 @@ def _gate_start(rollout: Rollout, canary: list[Node], spec: Analysis) -> None:
     # ensemble runs the canary's steps; with no other node, it is not compared at all.
     plain = rollout.model.kind != Model.Kind.ENSEMBLE
     baseline_node = others[0] if others else (canary[0] if plain and lead.beside else None)
-    try:
-        rollout.gate_run = evaluation_start(
-            set_id=found.pk,
-            version=lead.canary,
-            baseline_version=lead.baseline if baseline_node else None,
-            node=canary[0],
-            baseline_node=baseline_node,
-            concurrency=spec.quality_concurrency,
-            timeout_s=spec.quality_timeout_s,
-            purpose=f"rollout #{rollout.pk}, before traffic",
-            actor=ACTOR,
+    return evaluation_start(
+        set_id=found.pk,
+        version=lead.canary,
+        baseline_version=lead.baseline if baseline_node else None,
+        node=canary[0],
+        baseline_node=baseline_node,
+        concurrency=spec.quality_concurrency,
+        timeout_s=spec.quality_timeout_s,
+        purpose=f"rollout #{rollout.pk}, {when}",
+        actor=ACTOR,
+    )
+
+
+def _evaluated(rollout: Rollout, spec: Analysis, canary: list[Node]) -> list[Result]:
+    """During a step, the evaluation set again every `quality_every` rounds: a finished run's
+    verdict joins the round that finds it, and the next run starts when one is due. One that
+    has not finished by its deadline is inconclusive: never a pass on missing answers."""
+    if not (spec.quality_set and spec.quality_every):
+        return []
+    found: list[Result] = []
+    run = rollout.quality_run
+    now = timezone.now()
+    if run is not None and (run.finished or now > gate_deadline(run, spec)):
+        verdict, detail = (
+            evaluation_verdict(run, spec)
+            if run.finished
+            else (Verdict.INCONCLUSIVE, f"evaluation run #{run.pk} did not finish in time")
         )
-    except QualityError as exc:
-        return pause(rollout, f"quality gate: {exc}")
-    rollout.save()
-    return None
+        found.append(
+            Result(
+                "quality (evaluation)",
+                f"evaluation run #{run.pk}: {run.evaluation_set}",
+                run.score,
+                run.baseline_score,
+                spec.quality_min_score,
+                verdict,
+                "" if verdict == Verdict.SUCCESS else detail,
+                {"run": run.pk, "passed": run.passed, "failed": run.failed},
+            )
+        )
+        run = rollout.quality_run = None
+    rounds = rollout.measurements.filter(step=rollout.step, metric="requests").count() + 1
+    if run is None and rounds % spec.quality_every == 0:
+        try:
+            rollout.quality_run = _evaluate(rollout, canary, spec, f"step {rollout.step + 1}")
+        except QualityError as exc:
+            found.append(
+                Result("quality (evaluation)", "", None, None, None, Verdict.INCONCLUSIVE, str(exc))
+            )
+    return found
 
 
 def gate_deadline(run: EvaluationRun, spec: Analysis) -> datetime:
@@ -433,11 +479,11 @@ def gate_deadline(run: EvaluationRun, spec: Analysis) -> datetime:
     return run.created_at + timedelta(seconds=60 + rounds * run.timeout_s)
 
 
-def gate_verdict(run: EvaluationRun, spec: Analysis) -> tuple[str, str]:
+def evaluation_verdict(run: EvaluationRun, spec: Analysis) -> tuple[str, str]:
     """Success, or failure with what failed: the score below the minimum, or too far below
     the baseline's, or no case judged at all (never passed on missing answers)."""
-    if run.status == EvaluationRun.Status.FAILED:
-        return Verdict.FAILURE, f"the evaluation could not run: {run.error}"
+    if run.status == EvaluationRun.Status.FAILED:  # missing answers: never a pass, nor a fail
+        return Verdict.INCONCLUSIVE, f"evaluation run #{run.pk} could not run: {run.error}"
     if run.score is None:
         return Verdict.FAILURE, "no case was judged"
     failing = [row.case.name for row in run_rows(run, only="failing", limit=5)]
@@ -502,6 +548,7 @@ def _analyse(rollout: Rollout, spec: Analysis, reading: Reading) -> None:
             )
         rollout.save()
         return None
+    results = [*results, *_evaluated(rollout, spec, _canary(rollout, _nodes(rollout)))]
     Measurement.objects.bulk_create(
         Measurement(
             rollout=rollout,

@@ -91,6 +91,14 @@ class Rollout(models.Model):
         help_text="the quality gate's evaluation, before the canary gets any traffic",
     )
     gate_passed_at = models.DateTimeField(null=True, blank=True)
+    quality_run = models.ForeignKey(
+        EvaluationRun,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        help_text="an evaluation under way during a step",
+    )
     last_verdict = models.CharField(max_length=15, blank=True)
     last_measured_at = models.DateTimeField(null=True, blank=True)
     failures = models.PositiveIntegerField(default=0, help_text="failed measurements so far")

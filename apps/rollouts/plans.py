@@ -225,6 +225,7 @@ class Analysis:
     quality_tolerance: float = 0.05
     quality_timeout_s: float = 10.0  # per case: one that takes longer fails, with that reason
     quality_concurrency: int = 4
+    quality_every: int = 0  # during steps, the set again every this many rounds; 0: never
     # The application's own quality series, judged like latency (apps/rollouts/analysis.py).
     metrics: tuple[QualityMetric, ...] = ()
 

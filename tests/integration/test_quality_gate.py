@@ -9,7 +9,7 @@ from apps.quality.models import EvaluationRun
 from apps.quality.services import evaluation_set_import
 from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Measurement, Rollout
-from apps.rollouts.services import rollout_abort, rollout_start
+from apps.rollouts.services import rollout_start
 from tests.support import ROOT
 from tests.support.fleet import (
     ANALYSIS,
@@ -29,14 +29,16 @@ CANARY = "trio-1"  # the first node by name
 FAQ = (ROOT / "deploy" / "evaluations" / "rag_pipeline-faq.jsonl").read_text()
 
 
-def start(pool: NodePool, canary: int) -> Rollout:
+def start(
+    pool: NodePool, canary: int, plan: str = "33%, hold 10m\n100%", **analysis: object
+) -> Rollout:
     evaluation_set_import(model_name="rag_pipeline", name="faq", text=FAQ, actor="ci")
     return rollout_start(
         model_name="rag_pipeline",
         pool_name=pool.name,
         canary_version=canary,
-        plan="33%, hold 10m\n100%",
-        analysis={**ANALYSIS, **HEALTHY, "quality_set": "faq"},
+        plan=plan,
+        analysis={**ANALYSIS, **HEALTHY, "quality_set": "faq", **analysis},
         actor="release-manager",
     )
 
@@ -83,15 +85,20 @@ def test_a_fast_but_wrong_release_is_rolled_back_before_any_request_reaches_it(
     wait_for("equal shares again", lambda: weights(haproxy) == equal(state))
 
 
-def test_a_healthy_release_passes_its_gate_and_takes_its_share(
+def test_a_healthy_release_passes_its_gate_and_is_evaluated_again_at_each_step(
     weighted: NodePool, haproxy: Proc, trio: tuple[Devfleet, FleetState]
 ) -> None:
-    rollout = start(weighted, canary=2)
-    current = lambda: Rollout.objects.get(pk=rollout.pk)  # noqa: E731
-    wait_for("the gate passed", lambda: current().gate_passed_at is not None, timeout=120)
-    gate = Measurement.objects.get(rollout=rollout, metric="quality before traffic")
-    assert (gate.verdict, gate.canary_value, gate.baseline_value) == ("success", 1.0, 1.0)
-    assert current().step_ready_at == current().gate_passed_at  # judged from traffic on
-    wait_for("the canary takes its share", lambda: weights(haproxy)[CANARY] > 0)
-    rollout_abort(rollout_id=rollout.pk, actor="release-manager")
-    wait_for("rolled back", lambda: current().state == State.ROLLED_BACK, timeout=120)
+    balancer = f"http://127.0.0.1:{haproxy.ports['http']}"
+    with traffic_to(trio[1], through=balancer, rps=8):
+        rollout = start(weighted, canary=2, plan="33%, hold 5s\n100%", quality_every=1)
+        current = lambda: Rollout.objects.get(pk=rollout.pk)  # noqa: E731
+        wait_for("the gate passed", lambda: current().gate_passed_at is not None, timeout=120)
+        gate = Measurement.objects.get(rollout=rollout, metric="quality before traffic")
+        assert (gate.verdict, gate.canary_value, gate.baseline_value) == ("success", 1.0, 1.0)
+        assert current().step_ready_at == current().gate_passed_at  # judged from traffic on
+        wait_for("the canary takes its share", lambda: (weights(haproxy) or {}).get(CANARY))
+        wait_for("promoted", lambda: current().state == State.SUCCEEDED, timeout=180)
+    during = Measurement.objects.filter(rollout=rollout, metric="quality (evaluation)")
+    assert during.exists() and {m.verdict for m in during} == {"success"}
+    runs = EvaluationRun.objects.filter(purpose__startswith=f"rollout #{rollout.pk}, step 1")
+    assert {(r.version, r.baseline_version, r.score) for r in runs} == {(2, 1, 1.0)}
