@@ -8,6 +8,7 @@ from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 
 from apps.accounts.permissions import ApprovalRequired, current_user
+from apps.quality.errors import QualityError
 from apps.rollouts.approvals import approval_request
 
 
@@ -89,6 +90,15 @@ def install(api: NinjaAPI) -> None:
             "message": f"{exc} (POST /api/approvals/{approval.pk}/approve)",
         }
         return api.create_response(request, body, status=202)
+
+    @api.exception_handler(QualityError)
+    def _quality(request: HttpRequest, exc: QualityError) -> HttpResponse:
+        """An evaluation set or run refused: every problem, each with its line (null where
+        none applies) and field, as the import command lists them."""
+        details = [
+            {"line": p.line or None, "field": p.field, "message": p.message} for p in exc.problems
+        ]
+        return error_response(api, request, ApiError(422, "invalid_evaluation", str(exc), details))
 
     @api.exception_handler(PermissionDenied)
     def _forbidden(request: HttpRequest, exc: PermissionDenied) -> HttpResponse:

@@ -1,16 +1,22 @@
-"""A queued evaluation run carried out: every case sent, every answer scored and stored."""
+"""What the worker carries out: a queued evaluation run (every case sent, every answer scored
+and stored) and a synthetic load."""
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
-from apps.fleet.triton import TritonClient
+from apps.fleet.models import Node
+from apps.fleet.triton import TritonClient, TritonError
 from apps.quality.cases import Signature
 from apps.quality.errors import QualityError
-from apps.quality.models import CaseResult, EvaluationCase, EvaluationRun
+from apps.quality.models import CaseResult, EvaluationCase, EvaluationRun, SyntheticLoad
 from apps.quality.rules import MISSING, score
 from apps.quality.runner import Answer, ask, request, storable
+from apps.quality.selectors import reference_version
 
 
 def evaluation_execute(*, run_id: int) -> None:
@@ -127,3 +133,52 @@ def _finish(run: EvaluationRun, **values: Any) -> None:
     EvaluationRun.objects.filter(pk=run.pk).update(**values)
     for key, value in values.items():
         setattr(run, key, value)
+
+
+def load_drive(*, load_id: int) -> None:
+    """Send the load's requests at its rate, round-robin over its nodes, counting what was
+    answered; the counts are saved every few seconds, for the pages and the judge's evidence."""
+    claimed = SyntheticLoad.objects.filter(pk=load_id, claimed_at=None).update(
+        claimed_at=timezone.now()
+    )
+    if claimed != 1:
+        return
+    load = SyntheticLoad.objects.select_related("evaluation_set__model").get(pk=load_id)
+    model = load.evaluation_set.model
+    reference = reference_version(model)
+    nodes = {n.name: n for n in Node.objects.filter(name__in=load.nodes)}
+    if reference is None or not nodes:
+        return
+    signature = Signature.of(reference.config)
+    requests = [request(c.inputs, signature) for c in load.evaluation_set.cases.all()]
+    clients = [
+        TritonClient(nodes[name].http_url, node=name) for name in load.nodes if name in nodes
+    ]
+    total = int(load.rps * load.seconds)
+    counts = {"sent": 0, "failed": 0}
+    lock = threading.Lock()
+
+    def one(index: int) -> None:
+        client = clients[index % len(clients)]
+        try:
+            client.infer(model.name, requests[index % len(requests)])
+            key = "sent"
+        except TritonError:
+            key = "failed"
+        with lock:
+            counts[key] += 1
+
+    start = time.monotonic()
+    saved = start
+    with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
+        for index in range(total):
+            time.sleep(max(0.0, start + index / load.rps - time.monotonic()))
+            pool.submit(one, index)
+            if time.monotonic() - saved >= SAVE_EVERY_S:
+                saved = time.monotonic()
+                SyntheticLoad.objects.filter(pk=load_id).update(**counts)
+    SyntheticLoad.objects.filter(pk=load_id).update(**counts)
+
+
+LOAD_THREADS = 4
+SAVE_EVERY_S = 5.0

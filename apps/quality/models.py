@@ -116,3 +116,27 @@ class CaseResult(models.Model):
 
     def __str__(self) -> str:
         return f"{self.case} on v{self.version}"
+
+
+class SyntheticLoad(models.Model):
+    """Requests made from a set's inputs to nodes whose own traffic is too thin for a judge:
+    recorded, so that a rollout's evidence and its page say which of its requests were made."""
+
+    evaluation_set = models.ForeignKey(
+        EvaluationSet, on_delete=models.PROTECT, related_name="loads"
+    )
+    nodes = models.JSONField(help_text="the names of the nodes sent to, round-robin")
+    rps = models.FloatField(help_text="requests per second, across those nodes")
+    seconds = models.PositiveIntegerField()
+    purpose = models.CharField(max_length=200, blank=True)
+    requested_by = models.CharField(max_length=150)
+    created_at = models.DateTimeField(auto_now_add=True)
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    sent = models.PositiveIntegerField(default=0)
+    failed = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.rps:g} rps to {', '.join(self.nodes)} for {self.seconds} s"

@@ -10,10 +10,10 @@ from apps.fleet.selectors import observed_many
 from apps.fleet.tasks import send_to
 from apps.quality.cases import Case, Signature, parse_cases
 from apps.quality.errors import QualityError
-from apps.quality.models import EvaluationCase, EvaluationRun, EvaluationSet
-from apps.quality.selectors import latest_set
-from apps.quality.tasks import run_evaluation
-from apps.registry.models import Model, ModelVersion
+from apps.quality.models import EvaluationCase, EvaluationRun, EvaluationSet, SyntheticLoad
+from apps.quality.selectors import latest_set, reference_version
+from apps.quality.tasks import drive_load, run_evaluation
+from apps.registry.models import Model
 
 Actor = str | User
 MAX_BYTES = 20 * 2**20
@@ -21,13 +21,6 @@ MAX_BYTES = 20 * 2**20
 
 def _model_target(*, model_name: str, **_: object) -> str:
     return f"model:{model_name}"
-
-
-def reference_version(model: Model) -> ModelVersion | None:
-    """The version whose config a set is checked against: the newest with status released,
-    else the newest."""
-    versions = model.versions.order_by("-version")
-    return versions.filter(status=ModelVersion.Status.RELEASED).first() or versions.first()
 
 
 @audited("evaluation_set.import", _model_target, (QualityError,))
@@ -158,3 +151,48 @@ def _serving(model: str, version: int) -> Node:
         if version in readings[(node.pk, model)][0]:
             return node
     raise QualityError(f"no reachable node has {model} v{version} READY")
+
+
+@audited("synthetic_load.start", _run_target, (QualityError,))
+def synthetic_load_start(
+    *,
+    set_id: int,
+    nodes: list[Node],
+    rps: float,
+    seconds: int,
+    actor: Actor,
+    purpose: str = "",
+) -> SyntheticLoad:
+    """Send the set's inputs, unversioned, round-robin to `nodes` at `rps` for `seconds`: each
+    node answers with what it serves. Requests a judge needs where users send too few."""
+    found = EvaluationSet.objects.filter(pk=set_id).select_related("model").first()
+    if found is None:
+        raise QualityError(f"no evaluation set #{set_id}")
+    if not nodes or not 0 < rps <= 100 or not 1 <= seconds <= 3600:
+        raise QualityError("a load goes to 1 node at least, at 0 to 100 rps, for 1 s to 1 h")
+    for where in {node.pool for node in nodes}:
+        authorize(actor, "quality.add_evaluationrun", where)
+    load = SyntheticLoad.objects.create(
+        evaluation_set=found,
+        nodes=[node.name for node in nodes],
+        rps=rps,
+        seconds=seconds,
+        purpose=purpose[:200],
+        requested_by=actor_name(actor),
+    )
+    audit_record(
+        actor=actor,
+        action="synthetic_load.start",
+        target=f"model:{found.model.name}",
+        after={
+            "load": load.pk,
+            "set": f"{found.name} v{found.version}",
+            "nodes": load.nodes,
+            "rps": rps,
+            "seconds": seconds,
+        },
+        message=purpose,
+    )
+    queue = nodes[0].pool.queue if nodes[0].pool_id else ""
+    transaction.on_commit(lambda: send_to(queue, drive_load, load.pk), robust=True)
+    return load

@@ -25,9 +25,9 @@ from apps.fleet.selectors import observed_many
 from apps.fleet.services import FleetError, deployment_remove, deployment_set
 from apps.observability.prometheus import PrometheusUnavailable
 from apps.quality.errors import QualityError
-from apps.quality.models import EvaluationRun
+from apps.quality.models import EvaluationRun, SyntheticLoad
 from apps.quality.selectors import latest_set, run_rows
-from apps.quality.services import evaluation_start
+from apps.quality.services import evaluation_start, synthetic_load_start
 from apps.registry.codec import from_dict
 from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.models import Model
@@ -256,6 +256,7 @@ def _progress(rollout: Rollout, reading: Reading | None = None) -> None:
     if rollout.step_started_at is None:
         _apply_share(rollout, canary, nodes)
         rollout.step_started_at, rollout.step_ready_at = now, None
+        rollout.synthetic_load = None  # each step makes requests only where it lacks them
         rollout.last_verdict, rollout.last_measured_at = "", None
         return transition(rollout, State.PROGRESSING, event="step")
     down = [n.name for n in nodes if n.health == Node.Health.UNREACHABLE]
@@ -264,6 +265,7 @@ def _progress(rollout: Rollout, reading: Reading | None = None) -> None:
     if rollout.step_ready_at is None:
         return _await_canary(rollout, canary, spec, now)
     compare = len(canary) < len(nodes)
+    _drive_evidence(rollout, spec, canary, nodes, now)
     if _due(rollout, spec, now):
         if reading is None or reading.of != _as_measured(rollout, compare):
             return None  # it moved since, or came due since: measured on the next tick
@@ -276,6 +278,8 @@ def _progress(rollout: Rollout, reading: Reading | None = None) -> None:
     if not held or rollout.last_verdict in stopped:
         return None
     if rollout.last_verdict == Verdict.INCONCLUSIVE and not spec.dry_run:
+        if _filling(rollout, spec, now):
+            return None  # the requests the judge needs are being made: it waits for them
         return pause(rollout, f"inconclusive: {_last_round_details(rollout)}")
     if rollout.step + 1 < len(steps):
         rollout.step += 1
@@ -283,6 +287,100 @@ def _progress(rollout: Rollout, reading: Reading | None = None) -> None:
         rollout.save()
         return _progress(rollout)  # the next share goes out in this same tick
     return transition(rollout, State.PROMOTING)
+
+
+def _drive_evidence(
+    rollout: Rollout, spec: Analysis, canary: list[Node], nodes: list[Node], now: datetime
+) -> None:
+    """Once a round finds a side with fewer requests than the judge needs, the evaluation set's
+    inputs go to that side's nodes at `synthetic_rps`, a window and two intervals at a time,
+    for the rest of the step: the judge gets its evidence instead of guessing, and the step's
+    measurements say which requests were made (`_labelled`)."""
+    load = rollout.synthetic_load
+    if not spec.synthetic_rps or (load is not None and _covers(load, now, spec.interval_s)):
+        return
+    names = load.nodes if load is not None else _short_sides(rollout, spec, canary, nodes)
+    if not names:
+        return
+    found = latest_set(model_id=rollout.model_id, name=spec.quality_set)
+    if found is None:
+        return  # its absence pauses the gate, and rounds say why they are inconclusive
+    seconds = spec.window_s + 2 * spec.interval_s
+    try:
+        rollout.synthetic_load = synthetic_load_start(
+            set_id=found.pk,
+            nodes=[n for n in nodes if n.name in names],
+            rps=spec.synthetic_rps,
+            seconds=seconds,
+            purpose=f"rollout #{rollout.pk}, step {rollout.step + 1}: too few requests to judge",
+            actor=ACTOR,
+        )
+    except QualityError as exc:
+        log.warning("rollout #%s: no synthetic requests: %s", rollout.pk, exc)
+        return
+    rollout.save()
+
+
+def _covers(load: SyntheticLoad, now: datetime, margin_s: int) -> bool:
+    return load.created_at + timedelta(seconds=load.seconds - margin_s) > now
+
+
+def _short_sides(
+    rollout: Rollout, spec: Analysis, canary: list[Node], nodes: list[Node]
+) -> list[str]:
+    """The nodes of each side that served fewer than `min_requests` in the last round."""
+    last = (
+        rollout.measurements.filter(step=rollout.step, metric="requests")
+        .order_by("-taken_at", "-id")
+        .first()
+    )
+    if last is None:
+        return []
+    short = []
+    if last.canary_value is not None and last.canary_value < spec.min_requests:
+        short += [n.name for n in canary]
+    if last.baseline_value is not None and last.baseline_value < spec.min_requests:
+        short += [n.name for n in nodes if n not in canary]
+    return short
+
+
+def _filling(rollout: Rollout, spec: Analysis, now: datetime) -> bool:
+    """Whether synthetic requests began less than a window (and a round) ago: the window the
+    judge reads is not full of them yet."""
+    load = rollout.synthetic_load
+    if load is None:
+        return False
+    began = (
+        rollout.measurements.filter(
+            step=rollout.step, metric="requests", evidence__has_key="synthetic"
+        )
+        .order_by("taken_at", "id")
+        .values_list("taken_at", flat=True)
+        .first()
+    ) or load.created_at
+    return (now - began).total_seconds() < spec.window_s + spec.interval_s
+
+
+def _labelled(rollout: Rollout, results: list[Result]) -> list[Result]:
+    """The round's request counts, saying which of them the rollout made."""
+    load = rollout.synthetic_load
+    if load is None:
+        return results
+    note = (
+        f"{load.rps:g} synthetic requests/s from {load.evaluation_set} to "
+        f"{', '.join(load.nodes)} since {load.created_at:%H:%M:%S}"
+    )
+    made = {"load": load.pk, "rps": load.rps, "nodes": load.nodes, "sent": load.sent}
+    return [
+        replace(
+            r,
+            detail="; ".join(filter(None, [r.detail, note])),
+            evidence=r.evidence | {"synthetic": made},
+        )
+        if r.metric == "requests"
+        else r
+        for r in results
+    ]
 
 
 def _last_round_details(rollout: Rollout) -> str:
@@ -548,7 +646,9 @@ def _analyse(rollout: Rollout, spec: Analysis, reading: Reading) -> None:
             )
         rollout.save()
         return None
-    results = [*results, *_evaluated(rollout, spec, _canary(rollout, _nodes(rollout)))]
+    results = _labelled(
+        rollout, [*results, *_evaluated(rollout, spec, _canary(rollout, _nodes(rollout)))]
+    )
     Measurement.objects.bulk_create(
         Measurement(
             rollout=rollout,

@@ -5,7 +5,7 @@ from django.db import models
 from django.db.models import Q
 
 from apps.fleet.models import NodePool
-from apps.quality.models import EvaluationRun
+from apps.quality.models import EvaluationRun, SyntheticLoad
 from apps.registry.models import Model
 
 
@@ -98,6 +98,14 @@ class Rollout(models.Model):
         on_delete=models.SET_NULL,
         related_name="+",
         help_text="an evaluation under way during a step",
+    )
+    synthetic_load = models.ForeignKey(
+        SyntheticLoad,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        help_text="the step's latest synthetic requests, where its own were too few",
     )
     last_verdict = models.CharField(max_length=15, blank=True)
     last_measured_at = models.DateTimeField(null=True, blank=True)

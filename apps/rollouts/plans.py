@@ -226,6 +226,9 @@ class Analysis:
     quality_timeout_s: float = 10.0  # per case: one that takes longer fails, with that reason
     quality_concurrency: int = 4
     quality_every: int = 0  # during steps, the set again every this many rounds; 0: never
+    # Where a side served fewer than `min_requests` in a round, the set's inputs are sent to its
+    # nodes at this rate (requests per second) for the rest of the step; 0: never.
+    synthetic_rps: float = 0.0
     # The application's own quality series, judged like latency (apps/rollouts/analysis.py).
     metrics: tuple[QualityMetric, ...] = ()
 
@@ -265,6 +268,10 @@ class Analysis:
             if value < 0 or (positive and value < 1) or (share and not 0 < value <= 1):
                 raise PlanError(f"analysis.{name}: {raw_value!r} is out of range")
             values[name] = value
+        if values.get("synthetic_rps") and not values.get("quality_set"):
+            raise PlanError("analysis.synthetic_rps: needs a quality_set, whose inputs it sends")
+        if values.get("synthetic_rps", 0) > 100:
+            raise PlanError("analysis.synthetic_rps: 100 requests per second at most")
         return cls(**values)
 
     def as_dict(self) -> dict[str, Any]:

@@ -3,9 +3,10 @@ wrong never gets a user request; a healthy one passes and takes its share."""
 
 import pytest
 
+from apps.audit.models import AuditEvent
 from apps.fleet.devfleet import Devfleet, FleetState, Proc
 from apps.fleet.models import NodePool
-from apps.quality.models import EvaluationRun
+from apps.quality.models import EvaluationRun, SyntheticLoad
 from apps.quality.services import evaluation_set_import
 from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Measurement, Rollout
@@ -102,3 +103,28 @@ def test_a_healthy_release_passes_its_gate_and_is_evaluated_again_at_each_step(
     assert during.exists() and {m.verdict for m in during} == {"success"}
     runs = EvaluationRun.objects.filter(purpose__startswith=f"rollout #{rollout.pk}, step 1")
     assert {(r.version, r.baseline_version, r.score) for r in runs} == {(2, 1, 1.0)}
+
+
+def test_a_quiet_canary_gets_the_requests_its_judge_needs_labelled_as_made(
+    weighted: NodePool, haproxy: Proc, trio: tuple[Devfleet, FleetState]
+) -> None:
+    balancer = f"http://127.0.0.1:{haproxy.ports['http']}"
+    # 10 % of 3 requests a second: about 3 in a 10 s window, where the judge needs 20.
+    with traffic_to(trio[1], through=balancer, rps=3):
+        rollout = start(
+            weighted, canary=2, plan="10%, hold 20s\n100%", min_requests=20, synthetic_rps=4
+        )
+        current = lambda: Rollout.objects.get(pk=rollout.pk)  # noqa: E731
+        wait_for("promoted", lambda: current().state == State.SUCCEEDED, timeout=240)
+    rounds = Measurement.objects.filter(rollout=rollout, step=0, metric="requests")
+    first = rounds.order_by("taken_at").first()
+    assert first is not None and first.verdict == "inconclusive"
+    assert "at least 20 each are needed" in first.detail
+    made = rounds.filter(verdict="success").order_by("taken_at").first()
+    assert made is not None and made.evidence["synthetic"]["nodes"] == [CANARY]
+    assert "synthetic requests/s from rag_pipeline/faq v1 to trio-1" in made.detail
+    load = SyntheticLoad.objects.get(pk=made.evidence["synthetic"]["load"])
+    assert load.sent > 0 and load.failed == 0
+    assert not AuditEvent.objects.filter(
+        action="rollout.paused", target__startswith=f"rollout:{rollout.pk}:"
+    )

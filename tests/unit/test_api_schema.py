@@ -21,9 +21,11 @@ from apps.accounts.roles import Role
 from apps.accounts.services import token_create
 from apps.fleet.models import Node, NodePool
 from apps.fleet.services import deployment_set
+from apps.quality.models import CaseResult
+from apps.quality.services import evaluation_set_import
 from apps.registry.imports import repository_import
 from apps.rollouts.services import rollout_start
-from tests.support import REPOSITORY
+from tests.support import REPOSITORY, ROOT
 from tests.support.users import make_user
 
 CHECKS = [
@@ -109,3 +111,58 @@ def test_a_pools_httproute_answers_as_its_schema_says(
     response = case.call(headers={"Authorization": f"Bearer {tokens[Role.VIEWER]}"})
     assert response.status_code == 200
     case.validate_response(response, checks=CHECKS)
+
+
+def test_evaluation_sets_and_runs_answer_as_their_schema_says(
+    api_schema: schemathesis.schemas.BaseSchema, tokens: dict[Role, str]
+) -> None:
+    """Each evaluation operation called with what exists (a set, a run with both answers), as
+    an admin: generated ids rarely hit one, so the cases above mostly see their 404s."""
+    headers = {"Authorization": f"Bearer {tokens[Role.ADMIN]}"}
+    text = (ROOT / "deploy" / "evaluations" / "rag_pipeline-faq.jsonl").read_text()
+    operation = api_schema["/api/models/{name}/evaluation-sets"]["POST"]
+    case = operation.Case(
+        path_parameters={"name": "rag_pipeline"},
+        body={"name": "faq", "file": text.encode()},
+        media_type="multipart/form-data",
+    )
+    created = case.call(headers=headers)
+    assert created.status_code == 201, created.text
+    case.validate_response(created, checks=CHECKS)
+    found = evaluation_set_import(model_name="rag_pipeline", name="faq", text=text, actor="t")
+    Node.objects.filter(name="gpu-1").update(
+        index=[{"model": "rag_pipeline", "version": v, "state": "READY"} for v in (1, 2)]
+    )
+    operation = api_schema["/api/evaluation-runs"]["POST"]
+    body = {"model": "rag_pipeline", "set": "faq", "version": 2, "baseline_version": 1}
+    case = operation.Case(body=body, media_type="application/json")
+    started = case.call(headers=headers)
+    assert started.status_code == 202, started.text
+    case.validate_response(started, checks=CHECKS)
+    run = started.json()
+    for line, version in ((1, 1), (1, 2), (2, 2)):
+        CaseResult.objects.create(
+            run_id=run["id"],
+            case=found.cases.get(line=line),
+            version=version,
+            outputs={"SOURCE": "faq:orders-track"},
+            passed=version == 1,
+            latency_ms=None if line == 2 else 3.0,
+        )
+    calls = [
+        ("/api/models/{name}/evaluation-sets", {"name": "rag_pipeline"}, {}),
+        ("/api/evaluation-sets/{set_id}", {"set_id": found.pk}, {}),
+        ("/api/evaluation-runs/{run_id}", {"run_id": run["id"]}, {"only": "failing"}),
+        ("/api/evaluation-runs/{run_id}", {"run_id": run["id"]}, {}),
+        (
+            "/api/models/{name}/versions/{version}/quality",
+            {"name": "rag_pipeline", "version": 2},
+            {},
+        ),
+    ]
+    for path, parameters, query in calls:
+        case = api_schema[path]["GET"].Case(path_parameters=parameters, query=query)
+        response = case.call(headers=headers)
+        assert response.status_code == 200, (path, response.text)
+        case.validate_response(response, checks=CHECKS)
+    assert len(response.json()) == 1

@@ -201,6 +201,7 @@ FLEET_REGISTRY_SERVICES = {
     approvals.approval_approve,
     quality.evaluation_set_import,
     quality.evaluation_start,
+    quality.synthetic_load_start,
 }
 
 
@@ -437,6 +438,16 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             "evaluation.start",
             lambda: quality.evaluation_start(set_id=smoke(), version=9, node=node, actor="ops"),
             lambda: quality.evaluation_start(set_id=smoke(), version=1, node=node, actor="ops"),
+        ),
+        Case(
+            quality.synthetic_load_start,
+            "synthetic_load.start",
+            lambda: quality.synthetic_load_start(
+                set_id=smoke(), nodes=[node], rps=0, seconds=60, actor="ops"
+            ),
+            lambda: quality.synthetic_load_start(
+                set_id=smoke(), nodes=[node], rps=2, seconds=60, actor="ops"
+            ),
         ),
     ]
     assert {case.service for case in cases} == FLEET_REGISTRY_SERVICES
