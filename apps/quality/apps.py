@@ -4,3 +4,9 @@ from django.apps import AppConfig
 class QualityConfig(AppConfig):
     name = "apps.quality"
     label = "quality"
+
+    def ready(self) -> None:
+        from apps.fleet.routing import WARMUP_INPUTS
+        from apps.quality.selectors import warmup_requests
+
+        WARMUP_INPUTS.append(warmup_requests)

@@ -1,9 +1,12 @@
 import json
 
+import numpy as np
 import pytest
 from django.core.management import CommandError, call_command
 
 from apps.audit.models import AuditEvent
+from apps.fleet import routing
+from apps.fleet.models import Node, NodePool
 from apps.quality.errors import QualityError
 from apps.quality.models import EvaluationSet
 from apps.quality.services import evaluation_set_import
@@ -97,3 +100,30 @@ def test_an_unknown_model_or_an_empty_file_is_refused_in_words() -> None:
     assert problems("\n\n") == ["line 1: no cases: one JSON object per line is expected"]
     with pytest.raises(CommandError, match=r"missing\.jsonl"):
         call_command("import_evaluation_set", "rag_pipeline", "faq", "/nonexistent/missing.jsonl")
+
+
+def test_a_node_is_warmed_with_its_models_own_cases_and_not_while_it_gets_no_traffic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import_demo()
+    call_command("import_evaluation_set", "rag_pipeline", "faq", str(DEMO_SET))
+    sent: list[tuple[str, list[str]]] = []
+
+    class Client:  # Triton, at the client's boundary
+        def __init__(self, url: str, *, node: str) -> None:
+            self.node = node
+
+        def infer(self, model: str, inputs: dict[str, np.ndarray]) -> None:
+            sent.append((model, [q.decode() for q in inputs["QUESTION"].flat]))
+
+    monkeypatch.setattr(routing, "TritonClient", Client)
+    pool = NodePool.objects.create(name="demo", warmup_requests=2)
+    node = Node.objects.create(name="demo-1", pool=pool, http_url="http://demo-1:8000")
+    routing.warm_up(node, {"rag_pipeline": None})
+    assert sent == [
+        ("rag_pipeline", ["How do I track my order?"]),
+        ("rag_pipeline", ["track my parcel please"]),
+    ]
+    Node.objects.filter(pk=node.pk).update(weight=0)  # a canary waiting for its quality gate
+    routing.warm_up(node, {"rag_pipeline": None})
+    assert len(sent) == 2
