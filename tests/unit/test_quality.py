@@ -8,7 +8,7 @@ from apps.audit.models import AuditEvent
 from apps.fleet import routing
 from apps.fleet.models import Node, NodePool
 from apps.quality.errors import QualityError
-from apps.quality.models import EvaluationSet
+from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.quality.services import evaluation_set_import
 from tests.support import ROOT
 from tests.support.registry import import_demo
@@ -127,3 +127,39 @@ def test_a_node_is_warmed_with_its_models_own_cases_and_not_while_it_gets_no_tra
     Node.objects.filter(pk=node.pk).update(weight=0)  # a canary waiting for its quality gate
     routing.warm_up(node, {"rag_pipeline": None})
     assert len(sent) == 2
+
+
+def test_the_gate_passes_only_a_score_at_the_minimum_and_near_the_baseline() -> None:
+    from apps.rollouts.controller import evaluation_verdict
+    from apps.rollouts.plans import Analysis
+
+    import_demo()
+    found = evaluation_set_import(model_name="rag_pipeline", name="faq", text=case(), actor="ops")
+    spec = Analysis(quality_min_score=0.9, quality_tolerance=0.05)
+
+    def verdict(**fields: object) -> tuple[str, str]:
+        run = EvaluationRun(evaluation_set=found, version=7, baseline_version=1, **fields)
+        run.save()
+        return evaluation_verdict(run, spec)
+
+    done = EvaluationRun.Status.DONE
+    assert verdict(status=done, score=0.95, baseline_score=1.0, passed=19, failed=1) == (
+        "success",
+        "canary scored 95% (19 of 20 cases), the baseline 100%",
+    )
+    assert verdict(status=done, score=0.85, baseline_score=0.8, passed=17, failed=3)[1] == (
+        "canary scored 85% (17 of 20 cases), below 90%"
+    )
+    below = verdict(status=done, score=0.92, baseline_score=1.0, passed=23, failed=2)
+    assert below == (
+        "failure",
+        "canary scored 92% (23 of 25 cases), the baseline 100%: more than 5% below it",
+    )
+    assert verdict(status=done, score=None, passed=0, failed=0) == (
+        "failure",
+        "no case was judged",
+    )
+    lost = verdict(status=EvaluationRun.Status.FAILED, error="no reachable node has it READY")
+    assert lost[0] == "inconclusive" and lost[1].endswith(
+        "could not run: no reachable node has it READY"
+    )
