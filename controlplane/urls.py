@@ -14,6 +14,7 @@ urlpatterns = [
     path("", include("apps.fleet.urls")),
     path("accounts/", include("apps.accounts.urls")),
     path("models/", include("apps.registry.urls")),
+    path("", include("apps.quality.urls")),  # a model's evaluations, a version's quality, runs
     path("rollouts/", include("apps.rollouts.urls")),
     path("metrics/", include("apps.observability.urls")),
     path("", include("apps.incidents.urls")),  # before audit/: the timeline is audit/timeline/

@@ -214,9 +214,15 @@ class Shown:
     checks: list[Check]
 
 
-def shown_rows(rows: Iterable[Row]) -> list[Shown]:
+def shown_rows(rows: Iterable[Row], *, judged_only: bool = False) -> list[Shown]:
+    """`judged_only`: only the outputs a rule looks at (where a page lists failing cases)."""
     return [
-        Shown(row, [(k, shown(v)) for k, v in row.case.inputs.items()], checks(row)) for row in rows
+        Shown(
+            row,
+            [(k, shown(v)) for k, v in row.case.inputs.items()],
+            [c for c in checks(row) if c.rule or not judged_only],
+        )
+        for row in rows
     ]
 
 

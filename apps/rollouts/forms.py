@@ -1,6 +1,10 @@
+from typing import Any
+
 from django import forms
+from django.urls import reverse_lazy
 
 from apps.fleet.models import NodePool
+from apps.quality.selectors import released_versions, set_names
 from apps.registry.models import Model
 from apps.rollouts.plans import Analysis
 from apps.rollouts.selectors import template_names
@@ -10,9 +14,27 @@ DEFAULTS = Analysis()
 
 
 class RolloutForm(forms.Form):
-    model = forms.ModelChoiceField(Model.objects.all(), to_field_name="name")
+    # Choosing a model fetches its released versions and evaluation sets (the page's
+    # "model-fields" partial); without JavaScript, a preview does.
+    model = forms.ModelChoiceField(
+        Model.objects.all(),
+        to_field_name="name",
+        widget=forms.Select(
+            attrs={
+                "hx-get": reverse_lazy("rollouts:rollout_new"),
+                "hx-target": "#canary-field",
+                "hx-swap": "outerHTML",
+            }
+        ),
+    )
     pool = forms.ModelChoiceField(NodePool.objects.all(), to_field_name="name")
-    canary_version = forms.IntegerField(min_value=1, label="Canary version")
+    canary_version = forms.TypedChoiceField(
+        coerce=int,
+        label="Canary version",
+        error_messages={
+            "invalid_choice": "v%(value)s is not a version of the model with status released."
+        },
+    )
     plan = forms.CharField(
         widget=forms.Textarea(attrs={"rows": 4}),
         initial=DEFAULT_PLAN,
@@ -65,8 +87,27 @@ class RolloutForm(forms.Form):
         label="Dry run",
         help_text="Measure and record every verdict, never act on one.",
     )
+    quality_set = forms.ChoiceField(
+        required=False,
+        label="Evaluation set",
+        help_text="Its cases run against canary and baseline once the canary is READY, before "
+        "any traffic; none: no gate, unless the analysis template names one.",
+    )
+    quality_min_score = forms.FloatField(
+        required=False,
+        initial=DEFAULTS.quality_min_score,
+        label="Min score (share of cases)",
+    )
+    quality_tolerance = forms.FloatField(
+        required=False,
+        min_value=0,
+        max_value=1,
+        initial=DEFAULTS.quality_tolerance,
+        label="Tolerance below the baseline",
+    )
 
     TARGET = ["model", "pool", "canary_version", "lockstep", "template"]
+    QUALITY = ["quality_set", "quality_min_score", "quality_tolerance"]
     ANALYSIS = [
         "interval_s",
         "window_s",
@@ -78,7 +119,34 @@ class RolloutForm(forms.Form):
         "failure_limit",
         "judge",
         "dry_run",
+        *QUALITY,
     ]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        name = (self.data if self.is_bound else self.initial).get("model") or ""
+        model = Model.objects.filter(name=name).first() if name else None
+        self.versions = released_versions(model_id=model.pk) if model else []
+        # Not "model": a select's label takes its chosen option's text, and "Model" must name
+        # the model's select alone.
+        if model is None:
+            empty = "pick what to release first"
+        elif self.versions:
+            empty = "choose a released version"
+        else:
+            empty = "none has status released"
+        canary, quality = self.fields["canary_version"], self.fields["quality_set"]
+        assert isinstance(canary, forms.ChoiceField) and isinstance(quality, forms.ChoiceField)
+        canary.choices = [("", empty), *((v.version, v.label) for v in self.versions)]
+        sets = set_names(model_id=model.pk) if model else []
+        quality.choices = [("", "none"), *((name, name) for name in sets)]
+        self.sets_note = f"{model.name} has no evaluation set yet" if model and not sets else ""
+
+    def clean_quality_min_score(self) -> float | None:
+        value: float | None = self.cleaned_data["quality_min_score"]
+        if value is not None and not 0 < value <= 1:
+            raise forms.ValidationError("a share of the cases: above 0, at most 1")
+        return value
 
     def clean_lockstep(self) -> list[tuple[str, int]]:
         found = []
@@ -93,7 +161,10 @@ class RolloutForm(forms.Form):
         return [self[name] for name in self.TARGET]
 
     def analysis_fields(self) -> list[forms.BoundField]:
-        return [self[name] for name in self.ANALYSIS]
+        return [self[name] for name in self.ANALYSIS if name not in self.QUALITY]
+
+    def quality_fields(self) -> list[forms.BoundField]:
+        return [self[name] for name in self.QUALITY]
 
     def analysis(self) -> dict[str, object]:
         """The values changed from the defaults the form shows: over a template, only those

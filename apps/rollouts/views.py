@@ -1,23 +1,27 @@
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from django.contrib import messages
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
+from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
-from django.utils.http import url_has_allowed_host_and_scheme
+from django.utils.http import url_has_allowed_host_and_scheme, urlencode
 from django.views.decorators.http import require_POST
 
 from apps.accounts.permissions import current_user, require
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment
 from apps.observability.charts import Chart, distributions
+from apps.quality.selectors import run_rows, shown_rows
 from apps.rollouts.analysis import Share, observed_share
 from apps.rollouts.approvals import APPROVER_PERMISSION, ApprovalError, approval_approve
 from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Approval, Measurement, Rollout
-from apps.rollouts.plans import PlanError, parse_plan, preview
+from apps.rollouts.plans import Analysis, PlanError, parse_plan, preview
 from apps.rollouts.services import (
     RolloutError,
     last_good_versions,
@@ -51,10 +55,22 @@ def rollout_list(request: HttpRequest) -> HttpResponse:
 
 
 @require("rollouts.add_rollout", "rollout.start")
-def rollout_new(request: HttpRequest) -> HttpResponse:
-    """The form; "Preview" shows what each step does to which nodes, "Start" starts it."""
+def rollout_new(request: HtmxHttpRequest) -> HttpResponse:
+    """The form; "Preview" shows what each step does to which nodes, "Start" starts it. A
+    model chosen (htmx) gets its released versions and evaluation sets."""
     form = RolloutForm(request.POST or None, initial=request.GET.dict())
     context: dict[str, object] = {"form": form}
+    if request.htmx and request.htmx.target == "canary-field":
+        # The evaluation set's field sits elsewhere in the form: it is swapped out of band.
+        parts = [("canary-field", False), ("quality-set-field", True)]
+        return HttpResponse(
+            "".join(
+                render_to_string(
+                    f"rollouts/rollout_new.html#{part}", context | {"oob": oob}, request
+                )
+                for part, oob in parts
+            )
+        )
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
         arguments = {
@@ -80,7 +96,14 @@ def rollout_new(request: HttpRequest) -> HttpResponse:
 
 def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
     """The rollout page; htmx polling gets the live part, and HTTP 286 stops it once terminal."""
-    found = Rollout.objects.select_related("model", "pool", "template")
+    found = Rollout.objects.select_related(
+        "model",
+        "pool",
+        "template",
+        "gate_run__evaluation_set",
+        "gate_run__node",
+        "gate_run__baseline_node",
+    )
     rollout = get_object_or_404(found, pk=pk)
     nodes = list(rollout.pool.nodes.order_by("name").values_list("name", flat=True))
     # Each step with the share it really gets, and the current one's as now observed.
@@ -94,12 +117,62 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
         "evidence": evidence_charts(rollout),
         "notifications": rollout.notifications.all()[:20],
         "events": rollout_events(rollout),
+        "gate": quality_gate(rollout),
+        "chart_query": chart_query(rollout, timezone.now()),
     }
     if request.htmx and request.htmx.target == "rollout-live":
         response = render(request, "rollouts/rollout_detail.html#rollout-live", context)
         response.status_code = 200 if rollout.active else 286
         return response
     return render(request, "rollouts/rollout_detail.html", context)
+
+
+GATE_CASES = 10  # failing cases named on the rollout page; the run's page has every one
+# The charts start before the rollout began, to show the baseline it was judged against: half
+# its age, a minute at least and five at most; they end a minute after it finished.
+LEAD_MIN, LEAD_MAX, AFTER = timedelta(minutes=1), timedelta(minutes=5), timedelta(minutes=1)
+MAX_SPAN = timedelta(days=30)  # what a chart's custom range allows (apps/observability/views.py)
+
+
+def quality_gate(rollout: Rollout) -> dict[str, Any] | None:
+    """The gate's run, what it was judged against and, once finished, its failing cases."""
+    run = rollout.gate_run
+    if run is None:
+        return None
+    measured = next(
+        (
+            m
+            for m in rollout.measurements.filter(metric="quality before traffic")[:5]
+            if m.evidence.get("run") == run.pk
+        ),
+        None,
+    )
+    failing = run_rows(run, only="failing", limit=GATE_CASES) if run.finished else []
+    return {
+        "run": run,
+        "spec": Analysis.from_dict(rollout.analysis),
+        "measured": measured,
+        "failing": shown_rows(failing, judged_only=True),
+    }
+
+
+def chart_query(rollout: Rollout, now: datetime) -> str:
+    """The chart's query: from shortly before the rollout began to now, or to shortly after it
+    finished, so that a young rollout is not squeezed into the last pixels of a fixed range."""
+    end = min(now, rollout.finished_at + AFTER) if rollout.finished_at else now
+    age = min(now, rollout.finished_at or now) - rollout.created_at
+    lead = min(LEAD_MAX, max(LEAD_MIN, age / 2))
+    start = max(rollout.created_at - lead, end - MAX_SPAN)
+    return urlencode(
+        {
+            "metric": "p99_nodes",
+            "model": rollout.model.name,
+            "pool": rollout.pool.name,
+            "range": "custom",
+            "start": f"{start.astimezone(UTC):%Y-%m-%dT%H:%M:%S}",
+            "end": f"{end.astimezone(UTC):%Y-%m-%dT%H:%M:%S}",
+        }
+    )
 
 
 def _observed(rollout: Rollout) -> Share | None:
@@ -119,7 +192,8 @@ def evidence_charts(rollout: Rollout) -> list[tuple[str, Chart]]:
     with its element id."""
     latest: dict[str, Measurement] = {}
     for found in rollout.measurements.exclude(evidence={})[:20]:
-        latest.setdefault(found.metric, found)
+        if {"canary", "baseline", "p"} <= found.evidence.keys():  # not an evaluation's run
+            latest.setdefault(found.metric, found)
     charts: list[tuple[str, Chart]] = []
     for found in sorted(latest.values(), key=lambda m: m.metric):
         evidence = found.evidence

@@ -26,8 +26,8 @@ from apps.fleet.models import Node, NodePool
 from apps.quality.evaluations import evaluation_execute
 from apps.quality.models import EvaluationRun
 from apps.quality.services import evaluation_set_import, evaluation_start
-from tests.support import ROOT
 from tests.support.bench import Report
+from tests.support.quality import DEMO_SET
 from tests.support.services import Celery
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -38,7 +38,7 @@ CONCURRENCY = 4
 
 
 def hundred_cases() -> str:
-    demo = (ROOT / "deploy" / "evaluations" / "rag_pipeline-faq.jsonl").read_text().splitlines()
+    demo = DEMO_SET.read_text().splitlines()
     lines = []
     for number in range(CASES):
         case = json.loads(demo[number % len(demo)])

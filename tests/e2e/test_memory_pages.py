@@ -83,7 +83,7 @@ def test_the_rollout_preview_warns_of_memory_and_names_what_goes_in_lockstep(
     page.goto(f"{live_server}/rollouts/new/")
     page.get_by_label("Model").select_option("generator")
     page.get_by_label("Pool").select_option("pair")
-    page.get_by_label("Canary version").fill("2")
+    page.get_by_label("Canary version").select_option("2")
     page.get_by_label("Release with it (lockstep)").fill("embedder:2")
     page.get_by_label("Plan").fill("1 node\n100%")
     page.get_by_role("button", name="Preview").click()

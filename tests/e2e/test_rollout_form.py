@@ -19,7 +19,7 @@ def test_a_rollout_started_from_the_form_progresses_and_is_aborted(
     page.goto(f"{live_server}/rollouts/new/")
     page.get_by_label("Model").select_option("rag_pipeline")
     page.get_by_label("Pool").select_option("trio")
-    page.get_by_label("Canary version").fill("2")
+    page.get_by_label("Canary version").select_option("2")  # waits for the model's versions
     page.get_by_label("Plan").fill("1 node, hold 5m\n100%")
     page.get_by_label("Every (s)").fill("2")
     page.get_by_label("Window (s)").fill("10")

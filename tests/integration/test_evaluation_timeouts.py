@@ -12,7 +12,7 @@ from apps.fleet.models import Node, NodePool
 from apps.quality.evaluations import evaluation_execute
 from apps.quality.models import EvaluationRun
 from apps.quality.services import evaluation_set_import, evaluation_start
-from tests.support import ROOT
+from tests.support.quality import DEMO_SET
 from tests.support.registry import import_demo
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
@@ -49,7 +49,7 @@ def test_cases_that_get_no_answer_fail_with_their_reason_and_the_run_still_ends(
     silent_node: str,
 ) -> None:
     import_demo()
-    text = (ROOT / "deploy" / "evaluations" / "rag_pipeline-faq.jsonl").read_text()
+    text = DEMO_SET.read_text()
     cases = "\n".join(text.splitlines()[:8])
     found = evaluation_set_import(model_name="rag_pipeline", name="faq", text=cases, actor="ci")
     pool = NodePool.objects.create(name="quiet")

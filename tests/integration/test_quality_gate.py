@@ -11,7 +11,6 @@ from apps.quality.services import evaluation_set_import
 from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.services import rollout_start
-from tests.support import ROOT
 from tests.support.fleet import (
     ANALYSIS,
     HEALTHY,
@@ -21,13 +20,14 @@ from tests.support.fleet import (
     wait_for,
     weights,
 )
+from tests.support.quality import DEMO_SET
 from tests.support.services import Celery
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 State = Rollout.State
 CANARY = "trio-1"  # the first node by name
-FAQ = (ROOT / "deploy" / "evaluations" / "rag_pipeline-faq.jsonl").read_text()
+FAQ = DEMO_SET.read_text()
 
 
 def start(

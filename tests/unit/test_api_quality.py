@@ -14,12 +14,11 @@ from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
 from apps.quality.models import CaseResult, EvaluationRun, EvaluationSet
 from apps.quality.services import evaluation_set_import
-from tests.support import ROOT
+from tests.support.quality import DEMO_SET
 from tests.support.registry import import_demo
 from tests.support.users import bearer, make_user
 
 pytestmark = pytest.mark.django_db
-DEMO_SET = ROOT / "deploy" / "evaluations" / "rag_pipeline-faq.jsonl"
 
 
 def case(**fields: object) -> str:

@@ -25,7 +25,8 @@ from apps.quality.models import CaseResult
 from apps.quality.services import evaluation_set_import
 from apps.registry.imports import repository_import
 from apps.rollouts.services import rollout_start
-from tests.support import REPOSITORY, ROOT
+from tests.support import REPOSITORY
+from tests.support.quality import DEMO_SET
 from tests.support.users import make_user
 
 CHECKS = [
@@ -119,7 +120,7 @@ def test_evaluation_sets_and_runs_answer_as_their_schema_says(
     """Each evaluation operation called with what exists (a set, a run with both answers), as
     an admin: generated ids rarely hit one, so the cases above mostly see their 404s."""
     headers = {"Authorization": f"Bearer {tokens[Role.ADMIN]}"}
-    text = (ROOT / "deploy" / "evaluations" / "rag_pipeline-faq.jsonl").read_text()
+    text = DEMO_SET.read_text()
     operation = api_schema["/api/models/{name}/evaluation-sets"]["POST"]
     case = operation.Case(
         path_parameters={"name": "rag_pipeline"},

@@ -21,6 +21,7 @@ from apps.accounts.services import roles_sync, token_create
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.services import pool_role_set
+from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.registry.models import ModelVersion
 from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Approval, Rollout
@@ -102,6 +103,8 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "rollouts:release_switch": ({"pool": "b", "model": "embedder", "to": "last-good"}, {}),
         "rollouts:approval_approve": ({"pk": world.approval_b.pk}, {}),
         "accounts:token_revoke": ({"token_id": world.token_id}, {}),
+        "quality:set_import": ({"name": "embedder"}, {"name": "x", "text": "{}"}),
+        "quality:run_start": ({"name": "embedder", "set_name": "x", "version": 1}, {"version": 1}),
     }
 
 
@@ -135,6 +138,8 @@ def changes() -> tuple[int, ...]:
         ApiToken.objects.filter(revoked_at__isnull=False).count(),
         Approval.objects.exclude(status=Approval.Status.PENDING).count(),
         AuditEvent.objects.exclude(result=AuditEvent.Result.DENIED).count(),
+        EvaluationSet.objects.count(),
+        EvaluationRun.objects.count(),
     )
 
 

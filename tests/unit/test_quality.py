@@ -10,11 +10,10 @@ from apps.fleet.models import Node, NodePool
 from apps.quality.errors import QualityError
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.quality.services import evaluation_set_import
-from tests.support import ROOT
+from tests.support.quality import DEMO_SET
 from tests.support.registry import import_demo
 
 pytestmark = pytest.mark.django_db
-DEMO_SET = ROOT / "deploy" / "evaluations" / "rag_pipeline-faq.jsonl"
 
 
 def case(**fields: object) -> str:

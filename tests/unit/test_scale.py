@@ -14,9 +14,11 @@ from apps.accounts.services import token_create
 from apps.fleet.desired import fleet_desired
 from apps.fleet.models import Node, NodePool
 from apps.incidents.models import Incident
-from apps.registry.models import Model
+from apps.quality.models import CaseResult, EvaluationCase, EvaluationRun, EvaluationSet
+from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Approval, Rollout
 from apps.rollouts.seed import Size, seed_fleet
+from tests.support.registry import import_demo
 
 SMALL = Size(nodes=4, pools=2, models=10, versions=3, operations=20, rollouts=2, events=30)
 BIGGER = Size(nodes=60, pools=3, models=15, versions=4, operations=300, rollouts=9, events=900)
@@ -123,3 +125,137 @@ def test_a_pools_desired_state_costs_the_same_for_any_number_of_nodes(db: None) 
     many, many_nodes = queries(NodePool.objects.get(name="b-pool-00"))
     assert many_nodes > 5 * few_nodes
     assert many == few
+
+
+def evaluations(model: Model, sets: int, cases: int) -> None:
+    """`sets` more versions of a set of `cases` cases, each run once on version 1 beside
+    version 2, every case answered by both."""
+    for _ in range(sets):
+        latest = EvaluationSet.objects.filter(model=model).order_by("-version").first()
+        found = EvaluationSet.objects.create(
+            model=model, name="faq", version=latest.version + 1 if latest else 1, created_by="t"
+        )
+        made = EvaluationCase.objects.bulk_create(
+            EvaluationCase(evaluation_set=found, line=n, name=f"c{n}", inputs={}, expect={})
+            for n in range(1, cases + 1)
+        )
+        run = EvaluationRun.objects.create(
+            evaluation_set=found, version=1, baseline_version=2, requested_by="t", score=0.5
+        )
+        CaseResult.objects.bulk_create(
+            CaseResult(run=run, case=c, version=v, outputs={"A": v}, passed=v == 1)
+            for c in made
+            for v in (1, 2)
+        )
+
+
+def test_the_evaluation_api_costs_the_same_queries_for_any_number_of_sets_runs_and_cases(
+    client: Client, admin_user: User
+) -> None:
+    model = Model.objects.create(name="rag")
+    for version in (1, 2):
+        ModelVersion.objects.create(model=model, version=version, config={})
+    _, token = token_create(user=admin_user, name="ci", actor="system:test")
+
+    def urls() -> list[str]:
+        largest = EvaluationSet.objects.order_by("-version").first()
+        run = EvaluationRun.objects.order_by("-id").first()
+        assert largest and run
+        return [
+            "/api/models/rag/evaluation-sets",
+            f"/api/evaluation-sets/{largest.pk}",
+            "/api/models/rag/versions/1/quality",
+            f"/api/evaluation-runs/{run.pk}",
+            f"/api/evaluation-runs/{run.pk}?only=failing",
+        ]
+
+    evaluations(model, sets=2, cases=3)
+    small = [count(client, url, token) for url in urls()]
+    evaluations(model, sets=20, cases=40)
+    assert [count(client, url, token) for url in urls()] == small
+
+
+def evaluation(found: EvaluationSet, cases: int, runs: int, prefix: str) -> EvaluationRun:
+    """`cases` more cases in the set and `runs` more finished runs of it on rag_pipeline v7
+    against v1, each with both answers to every case; the last run."""
+    start = found.cases.count()
+    EvaluationCase.objects.bulk_create(
+        EvaluationCase(
+            evaluation_set=found,
+            line=start + i + 1,
+            name=f"{prefix}{i}",
+            inputs={"QUESTION": f"question {i}"},
+            expect={"SOURCE": {"exact": "faq:orders-track"}},
+        )
+        for i in range(cases)
+    )
+    every = list(found.cases.all())
+    for _ in range(runs):
+        run = EvaluationRun.objects.create(
+            evaluation_set=found,
+            version=7,
+            baseline_version=1,
+            status=EvaluationRun.Status.DONE,
+            score=0.0,
+            baseline_score=1.0,
+            failed=len(every),
+            requested_by="ops",
+        )
+        CaseResult.objects.bulk_create(
+            CaseResult(
+                run=run,
+                case=case,
+                version=version,
+                outputs={"SOURCE": [source]},
+                scores={"SOURCE": {"passed": version == 1, "value": None, "detail": "wrong"}},
+                passed=version == 1,
+            )
+            for case in every
+            for version, source in ((7, "faq:contact"), (1, "faq:orders-track"))
+        )
+    return run
+
+
+def test_the_quality_pages_cost_the_same_queries_as_sets_cases_and_runs_grow(
+    client: Client, admin_user: User, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    client.force_login(admin_user)
+    import_demo()
+    ModelVersion.objects.update(status=ModelVersion.Status.RELEASED)
+    model = Model.objects.get(name="rag_pipeline")
+    found = EvaluationSet.objects.create(model=model, name="faq", version=1, created_by="ops")
+    run = evaluation(found, cases=2, runs=1, prefix="a-")
+    pool = NodePool.objects.create(name="trio")
+    Node.objects.create(name="trio-1", pool=pool, http_url="http://10.0.0.1:8000")
+    rollout = Rollout.objects.create(
+        model=model,
+        pool=pool,
+        baseline_version=1,
+        canary_version=7,
+        plan=[{"percent": 100}],
+        analysis={"quality_set": "faq"},
+        state=Rollout.State.ROLLED_BACK,
+        gate_run=run,
+        started_by="ops",
+    )
+    urls = [
+        "/models/rag_pipeline/evaluations/",
+        "/models/rag_pipeline/evaluations/faq/v1/",
+        f"/evaluations/runs/{run.pk}/",
+        f"/evaluations/runs/{run.pk}/?only=changed",
+        "/models/rag_pipeline/v7/quality/",
+        f"/rollouts/{rollout.pk}/",
+        "/rollouts/new/?model=rag_pipeline",
+    ]
+    small = [count(client, url, "") for url in urls]
+    for i in range(30):  # more sets and versions of sets, each with a case
+        grown = EvaluationSet.objects.create(
+            model=model, name=f"set-{i % 10}", version=2 + i // 10, created_by="ops"
+        )
+        evaluation(grown, cases=1, runs=1, prefix="c-")
+    last = evaluation(found, cases=60, runs=40, prefix="b-")
+    Rollout.objects.filter(pk=rollout.pk).update(gate_run=last)
+    urls = [url.replace(f"/runs/{run.pk}/", f"/runs/{last.pk}/") for url in urls]
+    big = [count(client, url, "") for url in urls]
+    assert big == small, [(url, s, b) for url, s, b in zip(urls, small, big, strict=True) if s != b]

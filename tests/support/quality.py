@@ -1,0 +1,87 @@
+"""Evaluation data for tests: the demo's FAQ set, and finished runs written straight to the
+database (no Triton)."""
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from apps.fleet.models import Node
+from apps.quality.models import CaseResult, EvaluationRun, EvaluationSet
+from apps.quality.rules import score
+from apps.quality.services import evaluation_set_import
+from apps.registry.models import ModelVersion
+from tests.support import ROOT
+from tests.support.registry import import_demo
+
+DEMO_SET = ROOT / "deploy" / "evaluations" / "rag_pipeline-faq.jsonl"
+
+
+def demo_faq() -> EvaluationSet:
+    """The demo repository, every rag_pipeline version with status released, and its set."""
+    import_demo()
+    ModelVersion.objects.filter(model__name="rag_pipeline").update(
+        status=ModelVersion.Status.RELEASED
+    )
+    return evaluation_set_import(
+        model_name="rag_pipeline",
+        name="faq",
+        text=DEMO_SET.read_text(),
+        actor="release_manager-user",
+        source=DEMO_SET.name,
+    )
+
+
+def wrong_answers(
+    found: EvaluationSet,
+    *,
+    version: int = 7,
+    baseline: int = 1,
+    right: tuple[str, ...] = (),
+    node: Node | None = None,
+    baseline_node: Node | None = None,
+    purpose: str = "",
+) -> EvaluationRun:
+    """A finished run where `version` names the wrong source for every case but those named in
+    `right`, and the baseline the right one for each, as rag_pipeline v7 (whose reranker ranks
+    the worst passage first) does against v1."""
+    now = timezone.now()
+    cases = list(found.cases.all())
+    run = EvaluationRun.objects.create(
+        evaluation_set=found,
+        version=version,
+        baseline_version=baseline,
+        node=node,
+        baseline_node=baseline_node,
+        status=EvaluationRun.Status.DONE,
+        score=len(right) / len(cases),
+        baseline_score=1.0,
+        passed=len(right),
+        failed=len(cases) - len(right),
+        purpose=purpose,
+        requested_by="system:rollouts",
+        started_at=now - timedelta(seconds=4),
+        finished_at=now,
+    )
+    results = []
+    for case in cases:
+        expected = case.expect["SOURCE"]["exact"]
+        wrong = "faq:contact" if expected != "faq:contact" else "faq:warranty"
+        given = expected if case.name in right else wrong
+        for number, source in ((version, given), (baseline, expected)):
+            judged = score(case.expect["SOURCE"], [source])
+            results.append(
+                CaseResult(
+                    run=run,
+                    case=case,
+                    version=number,
+                    outputs={
+                        "ANSWER": [f"Here is what our help centre says ({source})."],
+                        "SOURCE": [source],
+                    },
+                    scores={"SOURCE": vars(judged)},
+                    passed=judged.passed,
+                    latency_ms=11.0,
+                )
+            )
+    CaseResult.objects.bulk_create(results)
+    return run
