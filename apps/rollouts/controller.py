@@ -25,21 +25,27 @@ from apps.fleet.selectors import observed_many
 from apps.fleet.services import FleetError, deployment_remove, deployment_set
 from apps.observability.prometheus import PrometheusUnavailable
 from apps.quality.errors import QualityError
-from apps.quality.models import EvaluationRun, SyntheticLoad
-from apps.quality.selectors import latest_set, run_rows
-from apps.quality.services import evaluation_start, synthetic_load_start
 from apps.registry.codec import from_dict
 from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.models import Model
 from apps.registry.selectors import registry_resolver
 from apps.rollouts.analysis import ChangedStep, Result, measure, overall
+from apps.rollouts.gates import (
+    ACTOR,
+    drive_evidence,
+    evaluate,
+    evaluated,
+    evaluation_verdict,
+    filling,
+    gate_deadline,
+    labelled,
+)
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.notify import notify
 from apps.rollouts.plans import Analysis, canary_nodes, parse_plan
 from apps.rollouts.slo import Objectives
 
 log = logging.getLogger(__name__)
-ACTOR = "system:rollouts"
 TICK_ERROR_LIMIT = 3
 Actor = str | User
 State = Rollout.State
@@ -265,7 +271,7 @@ def _progress(rollout: Rollout, reading: Reading | None = None) -> None:
     if rollout.step_ready_at is None:
         return _await_canary(rollout, canary, spec, now)
     compare = len(canary) < len(nodes)
-    _drive_evidence(rollout, spec, canary, nodes, now)
+    drive_evidence(rollout, spec, canary, nodes, now)
     if _due(rollout, spec, now):
         if reading is None or reading.of != _as_measured(rollout, compare):
             return None  # it moved since, or came due since: measured on the next tick
@@ -278,7 +284,7 @@ def _progress(rollout: Rollout, reading: Reading | None = None) -> None:
     if not held or rollout.last_verdict in stopped:
         return None
     if rollout.last_verdict == Verdict.INCONCLUSIVE and not spec.dry_run:
-        if _filling(rollout, spec, now):
+        if filling(rollout, spec, now):
             return None  # the requests the judge needs are being made: it waits for them
         return pause(rollout, f"inconclusive: {_last_round_details(rollout)}")
     if rollout.step + 1 < len(steps):
@@ -287,100 +293,6 @@ def _progress(rollout: Rollout, reading: Reading | None = None) -> None:
         rollout.save()
         return _progress(rollout)  # the next share goes out in this same tick
     return transition(rollout, State.PROMOTING)
-
-
-def _drive_evidence(
-    rollout: Rollout, spec: Analysis, canary: list[Node], nodes: list[Node], now: datetime
-) -> None:
-    """Once a round finds a side with fewer requests than the judge needs, the evaluation set's
-    inputs go to that side's nodes at `synthetic_rps`, a window and two intervals at a time,
-    for the rest of the step: the judge gets its evidence instead of guessing, and the step's
-    measurements say which requests were made (`_labelled`)."""
-    load = rollout.synthetic_load
-    if not spec.synthetic_rps or (load is not None and _covers(load, now, spec.interval_s)):
-        return
-    names = load.nodes if load is not None else _short_sides(rollout, spec, canary, nodes)
-    if not names:
-        return
-    found = latest_set(model_id=rollout.model_id, name=spec.quality_set)
-    if found is None:
-        return  # its absence pauses the gate, and rounds say why they are inconclusive
-    seconds = spec.window_s + 2 * spec.interval_s
-    try:
-        rollout.synthetic_load = synthetic_load_start(
-            set_id=found.pk,
-            nodes=[n for n in nodes if n.name in names],
-            rps=spec.synthetic_rps,
-            seconds=seconds,
-            purpose=f"rollout #{rollout.pk}, step {rollout.step + 1}: too few requests to judge",
-            actor=ACTOR,
-        )
-    except QualityError as exc:
-        log.warning("rollout #%s: no synthetic requests: %s", rollout.pk, exc)
-        return
-    rollout.save()
-
-
-def _covers(load: SyntheticLoad, now: datetime, margin_s: int) -> bool:
-    return load.created_at + timedelta(seconds=load.seconds - margin_s) > now
-
-
-def _short_sides(
-    rollout: Rollout, spec: Analysis, canary: list[Node], nodes: list[Node]
-) -> list[str]:
-    """The nodes of each side that served fewer than `min_requests` in the last round."""
-    last = (
-        rollout.measurements.filter(step=rollout.step, metric="requests")
-        .order_by("-taken_at", "-id")
-        .first()
-    )
-    if last is None:
-        return []
-    short = []
-    if last.canary_value is not None and last.canary_value < spec.min_requests:
-        short += [n.name for n in canary]
-    if last.baseline_value is not None and last.baseline_value < spec.min_requests:
-        short += [n.name for n in nodes if n not in canary]
-    return short
-
-
-def _filling(rollout: Rollout, spec: Analysis, now: datetime) -> bool:
-    """Whether synthetic requests began less than a window (and a round) ago: the window the
-    judge reads is not full of them yet."""
-    load = rollout.synthetic_load
-    if load is None:
-        return False
-    began = (
-        rollout.measurements.filter(
-            step=rollout.step, metric="requests", evidence__has_key="synthetic"
-        )
-        .order_by("taken_at", "id")
-        .values_list("taken_at", flat=True)
-        .first()
-    ) or load.created_at
-    return (now - began).total_seconds() < spec.window_s + spec.interval_s
-
-
-def _labelled(rollout: Rollout, results: list[Result]) -> list[Result]:
-    """The round's request counts, saying which of them the rollout made."""
-    load = rollout.synthetic_load
-    if load is None:
-        return results
-    note = (
-        f"{load.rps:g} synthetic requests/s from {load.evaluation_set} to "
-        f"{', '.join(load.nodes)} since {load.created_at:%H:%M:%S}"
-    )
-    made = {"load": load.pk, "rps": load.rps, "nodes": load.nodes, "sent": load.sent}
-    return [
-        replace(
-            r,
-            detail="; ".join(filter(None, [r.detail, note])),
-            evidence=r.evidence | {"synthetic": made},
-        )
-        if r.metric == "requests"
-        else r
-        for r in results
-    ]
 
 
 def _last_round_details(rollout: Rollout) -> str:
@@ -494,110 +406,15 @@ def _gate(rollout: Rollout, canary: list[Node], spec: Analysis, now: datetime) -
 
 
 def _gate_start(rollout: Rollout, canary: list[Node], spec: Analysis) -> None:
+    lead, nodes = members(rollout)[0], _nodes(rollout)
     try:
-        rollout.gate_run = _evaluate(rollout, canary, spec, "before traffic")
+        rollout.gate_run = evaluate(
+            rollout, spec, lead=lead, canary=canary, nodes=nodes, when="before traffic"
+        )
     except QualityError as exc:
         return pause(rollout, f"quality gate: {exc}")
     rollout.save()
     return None
-
-
-def _evaluate(rollout: Rollout, canary: list[Node], spec: Analysis, when: str) -> EvaluationRun:
-    """Queue the rollout's evaluation set against the canary, on a canary node, and against the
-    baseline where a node serves it. Raises QualityError."""
-    found = latest_set(model_id=rollout.model_id, name=spec.quality_set)
-    if found is None:
-        raise QualityError(
-            f"{rollout.model.name} has no evaluation set {spec.quality_set!r}; import one"
-        )
-    lead = members(rollout)[0]
-    others = [n for n in _nodes(rollout) if n not in canary]
-    # The baseline is asked on a node still serving it. Beside the canary only for a plain
-    # model: an ensemble's versions share one config, so the baseline loaded beside a canary
-    # ensemble runs the canary's steps; with no other node, it is not compared at all.
-    plain = rollout.model.kind != Model.Kind.ENSEMBLE
-    baseline_node = others[0] if others else (canary[0] if plain and lead.beside else None)
-    return evaluation_start(
-        set_id=found.pk,
-        version=lead.canary,
-        baseline_version=lead.baseline if baseline_node else None,
-        node=canary[0],
-        baseline_node=baseline_node,
-        concurrency=spec.quality_concurrency,
-        timeout_s=spec.quality_timeout_s,
-        purpose=f"rollout #{rollout.pk}, {when}",
-        actor=ACTOR,
-    )
-
-
-def _evaluated(rollout: Rollout, spec: Analysis, canary: list[Node]) -> list[Result]:
-    """During a step, the evaluation set again every `quality_every` rounds: a finished run's
-    verdict joins the round that finds it, and the next run starts when one is due. One that
-    has not finished by its deadline is inconclusive: never a pass on missing answers."""
-    if not (spec.quality_set and spec.quality_every):
-        return []
-    found: list[Result] = []
-    run = rollout.quality_run
-    now = timezone.now()
-    if run is not None and (run.finished or now > gate_deadline(run, spec)):
-        verdict, detail = (
-            evaluation_verdict(run, spec)
-            if run.finished
-            else (Verdict.INCONCLUSIVE, f"evaluation run #{run.pk} did not finish in time")
-        )
-        found.append(
-            Result(
-                "quality (evaluation)",
-                f"evaluation run #{run.pk}: {run.evaluation_set}",
-                run.score,
-                run.baseline_score,
-                spec.quality_min_score,
-                verdict,
-                "" if verdict == Verdict.SUCCESS else detail,
-                {"run": run.pk, "passed": run.passed, "failed": run.failed},
-            )
-        )
-        run = rollout.quality_run = None
-    rounds = rollout.measurements.filter(step=rollout.step, metric="requests").count() + 1
-    if run is None and rounds % spec.quality_every == 0:
-        try:
-            rollout.quality_run = _evaluate(rollout, canary, spec, f"step {rollout.step + 1}")
-        except QualityError as exc:
-            found.append(
-                Result("quality (evaluation)", "", None, None, None, Verdict.INCONCLUSIVE, str(exc))
-            )
-    return found
-
-
-def gate_deadline(run: EvaluationRun, spec: Analysis) -> datetime:
-    """When a run that has not finished is given up: every case at its timeout, a round of
-    `concurrency` at a time, for both versions, plus a minute to reach a worker."""
-    cases = run.evaluation_set.cases.count()
-    rounds = -(-cases // run.concurrency) * (2 if run.baseline_version else 1)
-    return run.created_at + timedelta(seconds=60 + rounds * run.timeout_s)
-
-
-def evaluation_verdict(run: EvaluationRun, spec: Analysis) -> tuple[str, str]:
-    """Success, or failure with what failed: the score below the minimum, or too far below
-    the baseline's, or no case judged at all (never passed on missing answers)."""
-    if run.status == EvaluationRun.Status.FAILED:  # missing answers: never a pass, nor a fail
-        return Verdict.INCONCLUSIVE, f"evaluation run #{run.pk} could not run: {run.error}"
-    if run.score is None:
-        return Verdict.FAILURE, "no case was judged"
-    failing = [row.case.name for row in run_rows(run, only="failing", limit=5)]
-    named = f"; failing: {', '.join(failing)}{', ...' if run.failed > 5 else ''}" if failing else ""
-    score = f"canary scored {run.score:.0%} ({run.passed} of {run.passed + run.failed} cases)"
-    if run.score < spec.quality_min_score:
-        return Verdict.FAILURE, f"{score}, below {spec.quality_min_score:.0%}{named}"
-    if run.baseline_score is not None and run.score < run.baseline_score - spec.quality_tolerance:
-        return (
-            Verdict.FAILURE,
-            f"{score}, the baseline {run.baseline_score:.0%}: more than "
-            f"{spec.quality_tolerance:.0%} below it{named}",
-        )
-    return Verdict.SUCCESS, score + (
-        f", the baseline {run.baseline_score:.0%}" if run.baseline_score is not None else ""
-    )
 
 
 def _measure(rollout: Rollout, spec: Analysis, compare: bool) -> list[Result]:
@@ -646,9 +463,10 @@ def _analyse(rollout: Rollout, spec: Analysis, reading: Reading) -> None:
             )
         rollout.save()
         return None
-    results = _labelled(
-        rollout, [*results, *_evaluated(rollout, spec, _canary(rollout, _nodes(rollout)))]
-    )
+    nodes = _nodes(rollout)
+    lead, canary = members(rollout)[0], _canary(rollout, nodes)
+    judged = evaluated(rollout, spec, lead=lead, canary=canary, nodes=nodes)
+    results = labelled(rollout, [*results, *judged])
     Measurement.objects.bulk_create(
         Measurement(
             rollout=rollout,

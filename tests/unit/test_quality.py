@@ -129,7 +129,7 @@ def test_a_node_is_warmed_with_its_models_own_cases_and_not_while_it_gets_no_tra
 
 
 def test_the_gate_passes_only_a_score_at_the_minimum_and_near_the_baseline() -> None:
-    from apps.rollouts.controller import evaluation_verdict
+    from apps.rollouts.gates import evaluation_verdict
     from apps.rollouts.plans import Analysis
 
     import_demo()
