@@ -348,7 +348,8 @@ class PreviewStep:
         pool's balancer weighs nodes, else its share of the nodes."""
         if self.weighted and self.step.percent is not None:
             return self.step.percent
-        return round(100 * len(self.canary_nodes) / len(self.canary_nodes + self.baseline_nodes))
+        nodes = len(self.canary_nodes + self.baseline_nodes)  # none: the pool's nodes are gone
+        return round(100 * len(self.canary_nodes) / nodes) if nodes else 0
 
     @property
     def overshoots(self) -> bool:

@@ -353,6 +353,17 @@ def test_the_rollout_page_shows_the_failed_quality_gate_and_its_failing_cases(
     assert client.get(f"/rollouts/{rollout.pk}/", headers=live).status_code == 286
 
 
+def test_the_rollout_page_of_a_pool_whose_nodes_are_gone_still_renders(
+    client: Client, faq: EvaluationSet, viewer: User
+) -> None:
+    rollout = gated_rollout(wrong_answers(faq))
+    Node.objects.all().delete()
+    client.force_login(viewer)
+    response = client.get(f"/rollouts/{rollout.pk}/")
+    assert response.status_code == 200
+    assert "0% of requests, on 0 of 0 nodes" in response.content.decode()
+
+
 def test_the_rollout_chart_spans_the_rollout_not_the_last_15_minutes(
     faq: EvaluationSet,
 ) -> None:
