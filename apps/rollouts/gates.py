@@ -157,7 +157,7 @@ def drive_evidence(
     """Once a round finds a side with fewer requests than the judge needs, the evaluation set's
     inputs go to that side's nodes at `synthetic_rps`, a window and two intervals at a time,
     for the rest of the step: the judge gets its evidence instead of guessing, and the step's
-    measurements say which requests were made (`_labelled`)."""
+    measurements say which requests were made (`labelled`)."""
     load = rollout.synthetic_load
     if not spec.synthetic_rps or (load is not None and _covers(load, now, spec.interval_s)):
         return
