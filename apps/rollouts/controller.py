@@ -559,9 +559,7 @@ def _promote(rollout: Rollout) -> None:
         for member in moving:
             drop_node_deployments(member.model, rollout.pool, ACTOR)
         return None
-    serving = {
-        name: {v for v in (d.version, d.baseline_version) if v} for name, d in pooled.items()
-    }
+    serving = {name: _serves(d) for name, d in pooled.items()}
     if _all_serve(rollout, serving) is not None:
         weights_reset(rollout.pool, ACTOR)
         return transition(rollout, State.SUCCEEDED)
@@ -588,8 +586,10 @@ def _aborting(rollout: Rollout) -> None:
     for member in released:  # a step may have raced the abort
         drop_node_deployments(member.model, rollout.pool, ACTOR)
     pooled = _pooled(rollout, released)
+    # What the pool's own deployment serves, the release before it too while its rollback window
+    # lasts: a rollout started inside that window is rolled back to both, not to the first alone.
     targets = {
-        m.model.name: {d.version if (d := pooled.get(m.model.name)) else m.baseline}
+        m.model.name: _serves(d) if (d := pooled.get(m.model.name)) else {m.baseline}
         for m in released
     }
     done_at = _all_serve(rollout, targets, timed=rollout.canary_nodes)
@@ -597,6 +597,11 @@ def _aborting(rollout: Rollout) -> None:
         rollout.rolled_back_at = done_at
         weights_reset(rollout.pool, ACTOR)
         transition(rollout, State.ROLLED_BACK)
+
+
+def _serves(deployment: Deployment) -> set[int]:
+    """The versions a deployment keeps READY: its own, and the one kept beside it."""
+    return {v for v in (deployment.version, deployment.baseline_version) if v}
 
 
 def _pooled(rollout: Rollout, released: list[Member]) -> dict[str, Deployment]:

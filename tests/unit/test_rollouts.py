@@ -293,6 +293,28 @@ def test_the_rollback_window_closes_and_a_rollback_inside_it_only_narrows(fleet:
     assert again.state == State.SUCCEEDED and fleet.served["gpu-1"] == {3}  # no window
 
 
+def test_a_rollout_started_inside_a_rollback_window_rolls_back_to_both_releases(
+    fleet: Fleet,
+) -> None:
+    deployment_set(
+        model_name="rag",
+        version=2,
+        pool=fleet.pool,
+        baseline=1,
+        baseline_until=timezone.now() + timedelta(minutes=15),
+        actor="ops",
+    )
+    fleet.converge()  # v2 served, v1 kept beside it for the window
+    rollout = tick(start(canary=3))
+    fleet.converge()
+    rollout = tick(rollout)
+    assert rollout.step_ready_at is not None and fleet.served["gpu-1"] == {2, 3}
+    rollout_abort(rollout_id=rollout.pk, actor="release-manager")
+    fleet.converge()
+    assert fleet.served["gpu-1"] == {1, 2}  # the pool's deployment, window and all
+    assert tick(rollout).state == State.ROLLED_BACK
+
+
 def test_a_failing_canary_rolls_back_by_itself(fleet: Fleet) -> None:
     rollout = tick(start(canary=3))
     fleet.converge()
