@@ -2,6 +2,7 @@
 Prometheus config and alerts (with a unit test of every alert), helm for the chart, systemd-analyze
 for the units. Every command is the guide's, and every environment variable is one the app reads."""
 
+import io
 import ipaddress
 import json
 import re
@@ -15,8 +16,10 @@ from typing import Any
 
 import pytest
 import yaml
+from django.core.management import call_command
 
 from apps.fleet.devfleet import HAPROXY_BACKENDS, FleetState, Proc, haproxy_config
+from apps.rollouts.models import AnalysisTemplate
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -541,3 +544,23 @@ def test_haproxy_accepts_the_demo_fleets_config_with_every_node_in_both_backends
         servers = text.split(f"\nbackend {backend}\n", 1)[1].split("\nbackend ", 1)[0]
         assert re.findall(r"^    server (\S+)", servers, re.M) == ["demo-1", "demo-2"]
     assert "stats socket ipv4@127.0.0.1:9002 level admin" in text
+
+
+# What `make demo` runs before the fleet starts: every such line must parse and succeed.
+DEMO_SETUP = ("setup_roles", "import_repository", "set_budgets", "set_fallback", "set_slo")
+DEMO_SETUP += ("import_evaluation_set", "analysis_template")
+
+
+@pytest.mark.django_db
+def test_the_demos_setup_commands_run_as_the_script_writes_them() -> None:
+    script = (ROOT / "deploy" / "bin" / "demo").read_text()
+    lines = re.findall(r"^\$py manage\.py (.+)$", script, re.M)
+    ran = []
+    for line in lines:
+        words = [w for w in shlex.split(line, comments=True) if not w.startswith(">")]
+        if words[0] in DEMO_SETUP:
+            call_command(*words, stdout=io.StringIO())
+            ran.append(words[0])
+    assert ran == list(DEMO_SETUP)
+    template = AnalysisTemplate.objects.get(name="answers")
+    assert template.analysis == {"quality_set": "faq", "quality_every": 3, "synthetic_rps": 2}
