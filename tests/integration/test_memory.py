@@ -51,8 +51,9 @@ def test_a_switch_that_fits_only_without_the_old_version_unloads_it_first(
 ) -> None:
     node = Node.objects.get(pool=limited)
     generator = footprint("generator", 1)
-    # Its 64 MiB, and the Python backend's own process for it.
-    assert generator.samples == 1 and 64 <= generator.mb <= 400, generator
+    # Its 64 MiB, and the Python backend's own process for it; read from the host's memory in
+    # use, which any other process moves by a little (63.9 MiB was seen in CI).
+    assert generator.samples == 1 and 60 <= generator.mb <= 400, generator
     version_set_memory(
         model_name="generator", version=2, memory_mb=round(generator.mb), actor="sre"
     )
