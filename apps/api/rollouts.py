@@ -3,7 +3,7 @@ them; and on-call's switch of a pool back to its last good release."""
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from django.http import HttpRequest
 from django.shortcuts import get_object_or_404
@@ -52,7 +52,10 @@ class RolloutIn(Schema):
     `$window`; the canary may be `tolerance` of the baseline's value worse, `min` and `max`
     hold at every step, and no data on a side is inconclusive;
     `lockstep`: other models the pool runs, released with this one as one (same canary nodes,
-    judged together, promoted or rolled back together)."""
+    judged together, promoted or rolled back together);
+    `strategy`: `canary`, or `blue_green` for a pipeline release whose changed steps load beside
+    the ones serving on every node, are evaluated there by their evaluation sets named
+    `analysis.quality_set`, then switch every node at once (its plan is that one step)."""
 
     model: str
     pool: str
@@ -62,6 +65,7 @@ class RolloutIn(Schema):
     accept_shares: bool = False  # a percent step may get more than twice its share (whole nodes)
     template: str = ""  # an analysis template's latest version; `analysis` overrides its fields
     lockstep: list[LockstepIn] = []
+    strategy: Literal["canary", "blue_green"] = "canary"
 
 
 class ReasonIn(Schema):
@@ -87,6 +91,7 @@ class RolloutOut(Schema):
     baseline_version: int
     canary_version: int
     lockstep: list[LockstepOut]
+    strategy: str
     state: str
     step: int
     plan: list[dict[str, Any]]
@@ -106,7 +111,8 @@ class ReleaseOut(Schema):
     version: int
 
 
-FIELDS = ["id", "baseline_version", "canary_version", "lockstep", "state", "step", "plan"]
+FIELDS = ["id", "baseline_version", "canary_version", "lockstep", "strategy", "state", "step"]
+FIELDS += ["plan"]
 FIELDS += ["analysis"]
 FIELDS += ["canary_nodes", "last_verdict", "reason", "started_by", "created_at", "finished_at"]
 
@@ -163,6 +169,7 @@ def start_rollout(request: HttpRequest, body: RolloutIn) -> Status[dict[str, Any
             accept_shares=body.accept_shares,
             template=body.template,
             lockstep=[(m.model, m.canary_version) for m in body.lockstep],
+            strategy=body.strategy,
             actor=current_user(request),
         )
     except (RolloutError, PlanError) as exc:

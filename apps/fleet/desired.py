@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db.models import Count, Max, Q, QuerySet
 
@@ -45,8 +45,22 @@ class DesiredStateError(Exception):
 
 
 Desired = dict[str, DesiredModel]
-# What a set of deployments asks for: model -> (version, baseline, the deployment in words).
-Wanted = dict[str, tuple[int, int | None, str]]
+
+
+class Want(NamedTuple):
+    """What one deployment asks for of its model."""
+
+    version: int
+    baseline: int | None  # kept READY beside it
+    label: str  # the deployment in words
+    standby: int | None = None  # a pipeline release whose steps load beside, unserved
+
+    @property
+    def numbers(self) -> list[int]:
+        return [n for n in (self.version, self.baseline, self.standby) if n]
+
+
+Wanted = dict[str, Want]  # by model name
 
 
 @dataclass
@@ -108,18 +122,19 @@ class _Registry:
 
 def _compute(wanted: Wanted, registry: _Registry) -> Desired:
     configs: dict[str, dict[int, Any]] = {}  # model -> version -> parsed config
-    for name, (version, baseline, label) in wanted.items():
-        for number in (version, baseline):
-            if not number:
-                continue
+    for name, want in wanted.items():
+        releases = []
+        for number in want.numbers:
             if (name, number) not in registry.configs:
-                raise DesiredStateError(f"{label}: {name} v{number} is not in the registry")
-            configs.setdefault(name, {})[number] = registry.configs[(name, number)]
-        for release in list(configs[name].values()):
+                raise DesiredStateError(f"{want.label}: {name} v{number} is not in the registry")
+            releases.append(release := registry.configs[(name, number)])
+            if number != want.standby:  # a standby pipeline loads its steps, not itself
+                configs.setdefault(name, {})[number] = release
+        for release in releases:
             try:
                 steps = pinned_steps(release, registry.resolve, nested=True)
             except UnresolvedStep as exc:
-                raise DesiredStateError(f"{label}: {exc}") from None
+                raise DesiredStateError(f"{want.label}: {exc}") from None
             for (step, number), config in steps.items():
                 configs.setdefault(step, {}).setdefault(number, config)
 
@@ -183,9 +198,8 @@ def _pairs(groups: Iterable[Wanted]) -> set[tuple[str, int]]:
     return {
         (name, number)
         for wanted in groups
-        for name, (version, baseline, _) in wanted.items()
-        for number in (version, baseline)
-        if number
+        for name, want in wanted.items()
+        for number in want.numbers
     }
 
 
@@ -203,7 +217,7 @@ def fleet_desired(*, pool_ids: Iterable[int] | None = None) -> FleetDesired:
             group = overrides.setdefault(d.node_id, {})
         else:
             group = pools.setdefault(d.pool_id, {})  # type: ignore[arg-type]
-        group[d.model.name] = (d.version, d.baseline_version, str(d))
+        group[d.model.name] = Want(d.version, d.baseline_version, str(d), d.standby_version)
     return FleetDesired(pools, overrides)
 
 
@@ -224,7 +238,11 @@ def desired_inputs(node: Node) -> tuple:
         deprecated=Count("id", filter=Q(status=ModelVersion.Status.DEPRECATED)),
     )
     return (
-        tuple(deployments.values_list("id", "version", "baseline_version", "updated_at")),
+        tuple(
+            deployments.values_list(
+                "id", "version", "baseline_version", "standby_version", "updated_at"
+            )
+        ),
         stages["released"] + 2 * stages["deprecated"],
     )
 

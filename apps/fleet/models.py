@@ -164,6 +164,12 @@ class Deployment(models.Model):
         blank=True,
         help_text="the baseline is let go then: the rollback window after a promotion",
     )
+    standby_version = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="a pipeline release whose steps are loaded beside, not served: a blue-green "
+        "release waiting for its evaluation before the switch",
+    )
     created_by = models.CharField(max_length=150)
     updated_at = models.DateTimeField(auto_now=True)
     # The request that last changed it: the reconciles that carry the change out record it too,
@@ -187,7 +193,8 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         beside = f" beside v{self.baseline_version}" if self.baseline_version else ""
-        return f"{self.model.name} v{self.version}{beside} on {self.pool or self.node}"
+        standby = f", v{self.standby_version} on standby" if self.standby_version else ""
+        return f"{self.model.name} v{self.version}{beside}{standby} on {self.pool or self.node}"
 
     @property
     def target(self) -> str:

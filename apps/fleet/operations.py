@@ -39,6 +39,7 @@ from apps.fleet.triton import (
     TritonTimeout,
     TritonUnreachable,
 )
+from apps.registry.codec import ensemble_steps, from_dict
 from apps.registry.models import Model
 
 log = logging.getLogger(__name__)
@@ -358,9 +359,10 @@ def node_run(*, node_id: int, wanted: "Wanted | None" = None) -> None:
         queued = node.operations.filter(status=Operation.Status.QUEUED).select_related("node")
         if not queued.exists():
             return
-        if _only_narrows(node, queued):
+        if _loads_nothing(node, queued):
             # A move back (a rollback inside the window, an abort, a fallback to a warm version)
-            # loads nothing: every node narrows at once, in traffic, with nothing to warm up.
+            # or a pipeline switching to steps already loaded (a blue-green switch): every node
+            # at once, in traffic, with nothing to warm up.
             _run_queued(node, queued, wanted, lease)
             return
         # Out of traffic, on a pool with a traffic strategy: loads never meet live requests.
@@ -369,14 +371,20 @@ def node_run(*, node_id: int, wanted: "Wanted | None" = None) -> None:
             warm_up(node, loaded)
 
 
-def _only_narrows(node: Node, queued: "QuerySet[Operation]") -> bool:
-    """Whether every queued operation only takes versions away: an unload, or a load of
-    versions all READY on the node already (a narrower version policy)."""
-    ready = node.ready_versions
-    return all(
-        op.kind == Operation.Kind.UNLOAD or set(op.versions) <= set(ready.get(op.model_name, ()))
-        for op in queued
-    )
+def _loads_nothing(node: Node, queued: "QuerySet[Operation]") -> bool:
+    """Whether no queued operation loads weights: each is an unload, a load of versions all
+    READY on the node already (a narrower version policy), or a pipeline's load whose steps
+    are all READY at the versions it pins (Triton keeps serving the pipeline it replaces
+    until the new one is loaded)."""
+    ready = {model: set(versions) for model, versions in node.ready_versions.items()}
+
+    def light(op: Operation) -> bool:
+        if op.kind == Operation.Kind.UNLOAD or set(op.versions) <= ready.get(op.model_name, set()):
+            return True
+        steps = ensemble_steps(from_dict(op.config)) if op.config else []
+        return bool(steps) and all(v in ready.get(name, set()) for name, v in steps)
+
+    return all(light(op) for op in queued)
 
 
 def _run_queued(

@@ -107,9 +107,11 @@ def deployment_set(
     node: Node | None = None,
     baseline: int | None = None,
     baseline_until: datetime | None = None,
+    standby: int | None = None,
 ) -> Deployment:
     """Desire `model_name` at `version` on a pool (every node) or on one node, with `baseline`
-    kept READY beside it when given (until `baseline_until`, when given); idempotent."""
+    kept READY beside it when given (until `baseline_until`, when given), and the steps of
+    pipeline release `standby` loaded beside it, unserved; idempotent."""
     if (pool is None) == (node is None):
         raise FleetError("a deployment targets a pool or a node")
     authorize(actor, "fleet.operate_node", pool or node.pool)  # type: ignore[union-attr]
@@ -118,7 +120,8 @@ def deployment_set(
         actor,
         pool or node.pool,  # type: ignore[union-attr]
         "deployment.set",
-        {**target, "model": model_name, "version": version, "baseline": baseline},
+        {**target, "model": model_name, "version": version, "baseline": baseline}
+        | ({"standby": standby} if standby else {}),
     )
     found = (
         ModelVersion.objects.filter(model__name=model_name, version=version)
@@ -142,9 +145,16 @@ def deployment_set(
         .filter(model=found.model, pool=pool, node=node)
         .first()
     )
-    if baseline is not None and not found.model.versions.filter(version=baseline).exists():
-        raise FleetError(f"{model_name} v{baseline} is not in the registry")
-    same = existing and (existing.version, existing.baseline_version) == (version, baseline)
+    for other in (baseline, standby):
+        if other is not None and not found.model.versions.filter(version=other).exists():
+            raise FleetError(f"{model_name} v{other} is not in the registry")
+    if standby is not None and found.model.kind != Model.Kind.ENSEMBLE:
+        raise FleetError(f"{model_name} is not a pipeline: only a pipeline's steps stand by")
+    wants = (version, baseline, standby)
+    same = (
+        existing
+        and (existing.version, existing.baseline_version, existing.standby_version) == wants
+    )
     if existing is not None and same:
         return existing  # a double click changes nothing
     before = _versions(existing) if existing else {}
@@ -158,6 +168,7 @@ def deployment_set(
             "version": version,
             "baseline_version": baseline,
             "baseline_until": baseline_until if baseline else None,
+            "standby_version": standby,
             "created_by": actor_name(actor),
             "request_id": REQUEST_ID.get(),
         },
@@ -446,6 +457,8 @@ def _versions(deployment: Deployment) -> dict[str, int]:
     found = {"version": deployment.version}
     if deployment.baseline_version:
         found["baseline"] = deployment.baseline_version
+    if deployment.standby_version:
+        found["standby"] = deployment.standby_version
     return found
 
 

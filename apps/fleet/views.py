@@ -11,7 +11,7 @@ from django.views.decorators.http import require_POST
 
 from apps.accounts.permissions import current_user, require
 from apps.audit.models import AuditEvent
-from apps.fleet.desired import DesiredStateError, Wanted, fleet_desired
+from apps.fleet.desired import DesiredStateError, Want, Wanted, fleet_desired
 from apps.fleet.memory import capacity, shortfalls
 from apps.fleet.models import Deployment, Footprint, Node, NodePool, Operation
 from apps.fleet.selectors import (
@@ -232,7 +232,7 @@ def pool_fit(request: HttpRequest, pool: str) -> HttpResponse:
         nodes = nodes.filter(name=request.GET["node"])
     short = []
     if version.isdigit():
-        change: Wanted = {model: (int(version), None, f"{model} v{version}")}
+        change: Wanted = {model: Want(int(version), None, f"{model} v{version}")}
         short = shortfalls(list(nodes), fleet_desired(pool_ids=[found.pk]), change)
     context = {"pool": found, "short": short[:FIT_SHOWN], "more": len(short) - FIT_SHOWN}
     return render(request, "fleet/partials/fit.html", context)

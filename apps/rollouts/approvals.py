@@ -79,6 +79,7 @@ ACTIONS: dict[str, Callable[[dict[str, Any], User], object]] = {
         template=p["template"],
         lockstep=[(m["model"], m["canary"]) for m in p["lockstep"]],
         accept_shares=p["accept_shares"],
+        strategy=p.get("strategy", "canary"),  # requests from before it had one
         actor=actor,
     ),
     "rollout.retry": lambda p, actor: rollout_retry(rollout_id=p["rollout_id"], actor=actor),

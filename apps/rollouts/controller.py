@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from apps.accounts.permissions import moving_back
 from apps.audit.services import actor_name, audit_record
-from apps.fleet.desired import Wanted, fleet_desired
+from apps.fleet.desired import Want, Wanted, fleet_desired
 from apps.fleet.memory import shortfalls
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.routing import share_weights, weights_reset, weights_set
@@ -34,8 +34,10 @@ from apps.rollouts.gates import (
     ACTOR,
     drive_evidence,
     evaluate,
+    evaluate_everywhere,
     evaluated,
     evaluation_verdict,
+    everywhere_verdicts,
     filling,
     gate_deadline,
     labelled,
@@ -182,12 +184,16 @@ def begin_abort(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
     with moving_back():
         for member in reversed(released):  # pipelines first, then what they pin
             pool = pooled.get(member.model.name)
-            if pool is not None and pool.version == member.canary:
+            if pool is not None and (pool.version == member.canary or pool.standby_version):
+                # A blue-green release not switched yet: its standby goes, the rest stays.
+                kept = pool.version != member.canary
                 deployment_set(
                     model_name=member.model.name,
                     version=member.baseline,
                     pool=rollout.pool,
                     actor=actor,
+                    baseline=pool.baseline_version if kept else None,
+                    baseline_until=pool.baseline_until if kept else None,
                 )
             drop_node_deployments(member.model, rollout.pool, actor)
     transition(rollout, State.ABORTING, reason, actor=actor)
@@ -239,6 +245,8 @@ def _measure_ahead(rollout_id: int) -> Reading | None:
     found = Rollout.objects.select_related("model", "pool").filter(pk=rollout_id).first()
     if found is None or found.state != State.PROGRESSING or found.step_started_at is None:
         return None
+    if found.strategy == Rollout.Strategy.BLUE_GREEN:
+        return None  # judged on its evaluations alone
     spec = Analysis.from_dict(found.analysis)
     if not _due(found, spec, timezone.now()):
         return None
@@ -252,6 +260,8 @@ def _measure_ahead(rollout_id: int) -> Reading | None:
 
 
 def _progress(rollout: Rollout, reading: Reading | None = None) -> None:
+    if rollout.strategy == Rollout.Strategy.BLUE_GREEN:
+        return _blue_green(rollout)
     steps = parse_plan(rollout.plan)
     spec = Analysis.from_dict(rollout.analysis)
     nodes = _nodes(rollout)
@@ -341,9 +351,23 @@ def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: dat
         rollout.step_ready_at = now
         rollout.save()
         return None
+    what = ", ".join(f"{m.model.name} v{m.canary}" for m in released)
+    return _stalled(rollout, waiting, list(wanted), what, spec, now)
+
+
+def _stalled(
+    rollout: Rollout,
+    waiting: list[Node],
+    models: list[str],
+    what: str,
+    spec: Analysis,
+    now: datetime,
+) -> None:
+    """Pause a rollout whose nodes do not get to READY: a load of `models` failed, or they
+    took longer than the analysis allows."""
     failed = (
         waiting[0]
-        .operations.filter(model_name__in=wanted, finished_at__gte=rollout.step_started_at)
+        .operations.filter(model_name__in=models, finished_at__gte=rollout.step_started_at)
         .exclude(status__in=["succeeded", "queued", "running", "cancelled"])
         .first()
     )
@@ -352,9 +376,83 @@ def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: dat
     assert rollout.step_started_at is not None
     if (now - rollout.step_started_at).total_seconds() > spec.converge_timeout_s:
         names = ", ".join(n.name for n in waiting)
-        what = ", ".join(f"{m.model.name} v{m.canary}" for m in released)
         return pause(rollout, f"{what} not READY on {names} after {spec.converge_timeout_s} s")
     return None
+
+
+def _blue_green(rollout: Rollout) -> None:
+    """A blue-green release: the new pipeline release's changed steps load beside the ones
+    serving on every node (the pool's deployment keeps serving the release before, the new one
+    on standby); each is evaluated on every node against the version it replaces; then every
+    node switches at once, only reloading the pipeline. A failed evaluation lets the standby
+    go: the release before never stopped serving."""
+    spec = Analysis.from_dict(rollout.analysis)
+    nodes = _nodes(rollout)
+    if not nodes:
+        return pause(rollout, f"pool {rollout.pool.name} has no nodes")
+    lead = members(rollout)[0]
+    now = timezone.now()
+    if rollout.step_started_at is None:
+        serving = _pooled(rollout, [lead])[lead.model.name]
+        deployment_set(
+            model_name=lead.model.name,
+            version=serving.version,
+            pool=rollout.pool,
+            actor=ACTOR,
+            baseline=serving.baseline_version,  # a rollback window still open stays open
+            baseline_until=serving.baseline_until,
+            standby=lead.canary,
+        )
+        rollout.canary_nodes = [n.name for n in nodes]
+        rollout.step_started_at, rollout.step_ready_at = now, None
+        return transition(rollout, State.PROGRESSING, event="standby")
+    down = [n.name for n in nodes if n.health == Node.Health.UNREACHABLE]
+    if down:
+        return pause(rollout, f"node {', '.join(down)} is unreachable; resume when it is back")
+    changed = changed_steps(lead)
+    if rollout.step_ready_at is None:
+        readings = observed_many(nodes, [c.model for c in changed])
+        waiting = [
+            n
+            for n in nodes
+            if any(not {c.baseline, c.canary} <= readings[(n.pk, c.model)][0] for c in changed)
+        ]
+        if waiting:
+            what = ", ".join(f"{c.model} v{c.canary} beside v{c.baseline}" for c in changed)
+            return _stalled(rollout, waiting, [c.model for c in changed], what, spec, now)
+        rollout.step_ready_at = now
+        rollout.save()
+    runs = list(rollout.gate_runs.select_related("evaluation_set__model", "node"))
+    if not runs:
+        try:
+            rollout.gate_runs.set(evaluate_everywhere(rollout, spec, changed, nodes))
+        except QualityError as exc:
+            return pause(rollout, f"evaluation before the switch: {exc}")
+        return None
+    if not all(run.finished for run in runs):
+        if now > max(gate_deadline(run, spec) for run in runs):
+            rollout.gate_runs.clear()  # a resume runs them again
+            return pause(
+                rollout,
+                "evaluation before the switch did not finish in time (a worker may have been "
+                "lost); resume to run it again",
+            )
+        return None
+    results = everywhere_verdicts(runs, spec)
+    _record(rollout, results)
+    verdict = overall(results)
+    findings = "; ".join(f"{r.metric}: {r.detail}" for r in results if r.verdict == verdict)
+    if verdict == Verdict.INCONCLUSIVE:
+        rollout.gate_runs.clear()
+        return pause(rollout, f"{findings}; resume to run it again")
+    if verdict != Verdict.SUCCESS:
+        rollout.first_failure_at = now
+        return begin_abort(
+            rollout, f"failed before the switch, still serving the release before: {findings}"
+        )
+    rollout.gate_passed_at = now
+    transition(rollout, State.PROMOTING, event="switch")
+    return _promote(rollout)  # the switch goes out in this same tick
 
 
 def gate_pending(rollout: Rollout) -> bool:
@@ -467,6 +565,20 @@ def _analyse(rollout: Rollout, spec: Analysis, reading: Reading) -> None:
     lead, canary = members(rollout)[0], _canary(rollout, nodes)
     judged = evaluated(rollout, spec, lead=lead, canary=canary, nodes=nodes)
     results = labelled(rollout, [*results, *judged])
+    _record(rollout, results)
+    rollout.errors = 0
+    rollout.last_verdict = overall(results, spec.pass_score)
+    if rollout.last_verdict == Verdict.FAILURE and not spec.dry_run:
+        rollout.failures += 1
+        rollout.first_failure_at = rollout.first_failure_at or now
+        if rollout.failures >= spec.failure_limit:
+            why = "; ".join(f"{r.metric}: {r.detail}" for r in results if r.verdict == "failure")
+            return begin_abort(rollout, f"failure: {why}")
+    rollout.save()
+    return None
+
+
+def _record(rollout: Rollout, results: list[Result]) -> None:
     Measurement.objects.bulk_create(
         Measurement(
             rollout=rollout,
@@ -482,16 +594,6 @@ def _analyse(rollout: Rollout, spec: Analysis, reading: Reading) -> None:
         )
         for r in results
     )
-    rollout.errors = 0
-    rollout.last_verdict = overall(results, spec.pass_score)
-    if rollout.last_verdict == Verdict.FAILURE and not spec.dry_run:
-        rollout.failures += 1
-        rollout.first_failure_at = rollout.first_failure_at or now
-        if rollout.failures >= spec.failure_limit:
-            why = "; ".join(f"{r.metric}: {r.detail}" for r in results if r.verdict == "failure")
-            return begin_abort(rollout, f"failure: {why}")
-    rollout.save()
-    return None
 
 
 def changed_steps(member: Member) -> list[ChangedStep]:
@@ -571,7 +673,7 @@ def _no_room_beside(rollout: Rollout, moving: list[Member]) -> list[str]:
     not fit (on the pool's memory-aware nodes): on canary nodes already serving both too, since
     a node short of its desired state never converges."""
     change: Wanted = {
-        m.model.name: (m.canary, m.beside, f"{m.model.name} v{m.canary}, promoted")
+        m.model.name: Want(m.canary, m.beside, f"{m.model.name} v{m.canary}, promoted")
         for m in moving
         if m.beside
     }
@@ -592,6 +694,10 @@ def _aborting(rollout: Rollout) -> None:
         m.model.name: _serves(d) if (d := pooled.get(m.model.name)) else {m.baseline}
         for m in released
     }
+    first = rollout.pool.nodes.first()
+    if rollout.strategy == Rollout.Strategy.BLUE_GREEN and first:  # its standby steps let go
+        desired = fleet_desired(pool_ids=[rollout.pool.pk]).of(first)
+        targets |= {c.model: set(desired[c.model].versions) for c in changed_steps(released[0])}
     done_at = _all_serve(rollout, targets, timed=rollout.canary_nodes)
     if done_at is not None:
         rollout.rolled_back_at = done_at

@@ -6,6 +6,7 @@ from django.urls import reverse_lazy
 from apps.fleet.models import NodePool
 from apps.quality.selectors import released_versions, set_names
 from apps.registry.models import Model
+from apps.rollouts.models import Rollout
 from apps.rollouts.plans import Analysis
 from apps.rollouts.selectors import template_names
 
@@ -34,6 +35,15 @@ class RolloutForm(forms.Form):
         error_messages={
             "invalid_choice": "v%(value)s is not a version of the model with status released."
         },
+    )
+    strategy = forms.ChoiceField(
+        required=False,  # a canary, unless chosen
+        choices=Rollout.Strategy.choices,
+        initial=Rollout.Strategy.CANARY,
+        widget=forms.RadioSelect,
+        help_text="Blue-green releases a pipeline whose new step versions (a re-indexed "
+        "knowledge base) load beside the old on every node, are evaluated there, then take "
+        "every node at once; its plan is that one step.",
     )
     plan = forms.CharField(
         widget=forms.Textarea(attrs={"rows": 4}),
@@ -106,7 +116,7 @@ class RolloutForm(forms.Form):
         label="Tolerance below the baseline",
     )
 
-    TARGET = ["model", "pool", "canary_version", "lockstep", "template"]
+    TARGET = ["model", "pool", "canary_version", "strategy", "lockstep", "template"]
     QUALITY = ["quality_set", "quality_min_score", "quality_tolerance"]
     ANALYSIS = [
         "interval_s",
@@ -147,6 +157,9 @@ class RolloutForm(forms.Form):
         if value is not None and not 0 < value <= 1:
             raise forms.ValidationError("a share of the cases: above 0, at most 1")
         return value
+
+    def clean_strategy(self) -> str:
+        return self.cleaned_data["strategy"] or Rollout.Strategy.CANARY
 
     def clean_lockstep(self) -> list[tuple[str, int]]:
         found = []

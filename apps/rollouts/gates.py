@@ -15,7 +15,7 @@ from apps.quality.models import EvaluationRun, SyntheticLoad
 from apps.quality.selectors import latest_set, run_rows
 from apps.quality.services import evaluation_start, synthetic_load_start
 from apps.registry.models import Model
-from apps.rollouts.analysis import Result
+from apps.rollouts.analysis import ChangedStep, Result
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.plans import Analysis
 
@@ -70,6 +70,72 @@ def evaluate(
         purpose=f"rollout #{rollout.pk}, {when}",
         actor=ACTOR,
     )
+
+
+def evaluate_everywhere(
+    rollout: Rollout, spec: Analysis, changed: list[ChangedStep], nodes: list[Node]
+) -> list[EvaluationRun]:
+    """Before a blue-green switch: each changed step's evaluation set against its new version
+    and the one it replaces, both loaded on every node, node by node (each node loaded its own
+    copy: one that loaded it wrong is found). Raises QualityError."""
+    models = Model.objects.in_bulk([step.model for step in changed], field_name="name")
+    runs = []
+    for step in changed:
+        found = latest_set(model_id=models[step.model].pk, name=spec.quality_set)
+        if found is None:
+            raise QualityError(f"{step.model} has no evaluation set {spec.quality_set!r}")
+        runs += [
+            evaluation_start(
+                set_id=found.pk,
+                version=step.canary,
+                baseline_version=step.baseline,
+                node=node,
+                baseline_node=node,
+                concurrency=spec.quality_concurrency,
+                timeout_s=spec.quality_timeout_s,
+                purpose=f"rollout #{rollout.pk}, before the switch",
+                actor=ACTOR,
+            )
+            for node in nodes
+        ]
+    return runs
+
+
+SHOWN = 3  # nodes named in a finding; the rest are counted
+
+
+def everywhere_verdicts(runs: list[EvaluationRun], spec: Analysis) -> list[Result]:
+    """One result per step evaluated before a blue-green switch: its worst node decides (a
+    failure, else a run that could not run); the evidence names each node's run."""
+    by_step: dict[str, list[EvaluationRun]] = {}
+    for run in runs:
+        by_step.setdefault(run.evaluation_set.model.name, []).append(run)
+    found = []
+    for step, each in sorted(by_step.items()):
+        judged = [(run, *evaluation_verdict(run, spec)) for run in each]
+        verdict = next(
+            (v for v in (Verdict.FAILURE, Verdict.INCONCLUSIVE) if any(j[1] == v for j in judged)),
+            Verdict.SUCCESS,
+        )
+        bad = [f"{run.node}: {detail}" for run, v, detail in judged if v == verdict]
+        more = f"; and {len(bad) - SHOWN} more nodes" if len(bad) > SHOWN else ""
+        detail = "" if verdict == Verdict.SUCCESS else "; ".join(bad[:SHOWN]) + more
+        scores = [run.score for run in each if run.score is not None]
+        baselines = [run.baseline_score for run in each if run.baseline_score is not None]
+        found.append(
+            Result(
+                f"quality before the switch: {step}",
+                f"{len(each)} evaluation runs of {each[0].evaluation_set}, "
+                f"v{each[0].version} against v{each[0].baseline_version}",
+                min(scores, default=None),
+                min(baselines, default=None),
+                spec.quality_min_score,
+                verdict,
+                detail or f"every node passed: {judged[0][2]} on {judged[0][0].node}",
+                {"runs": {str(run.node): run.pk for run in each}},
+            )
+        )
+    return found
 
 
 def evaluated(

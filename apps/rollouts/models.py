@@ -58,8 +58,13 @@ class Rollout(models.Model):
     ACTIVE = [State.PENDING, State.PROGRESSING, State.PAUSED, State.PROMOTING, State.ABORTING]
     TERMINAL = [State.SUCCEEDED, State.ROLLED_BACK, State.FAILED]
 
+    class Strategy(models.TextChoices):
+        CANARY = "canary", "Canary: step by step, judged against the baseline"
+        BLUE_GREEN = "blue_green", "Blue-green: loaded beside, evaluated, switched at once"
+
     model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="rollouts")
     pool = models.ForeignKey(NodePool, on_delete=models.PROTECT, related_name="rollouts")
+    strategy = models.CharField(max_length=12, choices=Strategy.choices, default=Strategy.CANARY)
     baseline_version = models.PositiveIntegerField()
     canary_version = models.PositiveIntegerField()
     lockstep = models.JSONField(
@@ -89,6 +94,12 @@ class Rollout(models.Model):
         on_delete=models.SET_NULL,
         related_name="+",
         help_text="the quality gate's evaluation, before the canary gets any traffic",
+    )
+    gate_runs = models.ManyToManyField(
+        EvaluationRun,
+        blank=True,
+        related_name="+",
+        help_text="a blue-green release's evaluations: each changed step, on every node",
     )
     gate_passed_at = models.DateTimeField(null=True, blank=True)
     quality_run = models.ForeignKey(

@@ -10,7 +10,7 @@ from django.db import IntegrityError, OperationalError, connection, transaction
 
 from apps.accounts.permissions import authorize, moving_back, second_person
 from apps.audit.services import actor_name, audit_record, audited
-from apps.fleet.desired import fleet_desired
+from apps.fleet.desired import Want, fleet_desired
 from apps.fleet.memory import shortfalls
 from apps.fleet.models import Deployment, NodePool, Release
 from apps.fleet.services import FleetError, deployment_set
@@ -45,6 +45,7 @@ class Proposal:
     template: AnalysisTemplate | None = None
     lockstep: list[dict[str, Any]] = field(default_factory=list)  # as Rollout.lockstep
     memory: list[str] = field(default_factory=list)  # nodes where it would not fit, and why
+    strategy: str = Rollout.Strategy.CANARY
 
 
 @audited(
@@ -121,12 +122,19 @@ def rollout_propose(
     accept_shares: bool = False,
     template: str = "",
     lockstep: list[tuple[str, int]] | None = None,
+    strategy: str = Rollout.Strategy.CANARY,
 ) -> Proposal:
     """Check a rollout before it starts and say what each step will do to which nodes (the
     dry run). A share in percent is whole nodes here, each taking its part of the requests: a
     step that would get more than twice its share is refused unless `accept_shares`.
-    `lockstep`: other models (name, canary version) released with it as one. Raises
-    RolloutError or PlanError."""
+    `lockstep`: other models (name, canary version) released with it as one. A blue-green
+    release has one step, every node at once, and no plan of its own. Raises RolloutError or
+    PlanError."""
+    if strategy not in Rollout.Strategy.values:
+        raise RolloutError(f"no strategy {strategy!r}; one of {', '.join(Rollout.Strategy)}")
+    blue_green = strategy == Rollout.Strategy.BLUE_GREEN
+    if blue_green:
+        plan = "100%"
     if not Model.objects.filter(name=model_name).exists():
         raise RolloutError(f"no model {model_name!r} in the registry")
     pool = NodePool.objects.filter(name=pool_name).first()
@@ -163,16 +171,22 @@ def rollout_propose(
     judged = Analysis.from_dict((chosen.analysis if chosen else {}) | (analysis or {}))
     if pool.protected:
         _as_strict_as_the_pool(judged, pool)
-    if judged.quality_set and latest_set(model_id=model.pk, name=judged.quality_set) is None:
-        raise RolloutError(
-            f"{model_name} has no evaluation set {judged.quality_set!r} for the quality gate; "
-            "import one first"
-        )
-    # Each node as a canary node would be, the baseline beside the canary: the widest step.
-    change = {
-        m.model.name: (m.canary, m.beside, f"{m.model.name} v{m.canary}, a canary")
-        for m in releases
-    }
+    if blue_green:
+        _blue_green_checks(releases, judged)
+        # Each node with the new release's steps standing by beside what it serves.
+        label = f"{model_name} v{canary_version}, on standby"
+        change = {model_name: Want(baseline, None, label, standby=canary_version)}
+    else:
+        if judged.quality_set and latest_set(model_id=model.pk, name=judged.quality_set) is None:
+            raise RolloutError(
+                f"{model_name} has no evaluation set {judged.quality_set!r} for the quality "
+                "gate; import one first"
+            )
+        # Each node as a canary node would be, the baseline beside the canary: the widest step.
+        change = {
+            m.model.name: Want(m.canary, m.beside, f"{m.model.name} v{m.canary}, a canary")
+            for m in releases
+        }
     short = shortfalls(pool_nodes, fleet_desired(pool_ids=[pool.pk]), change)
     return Proposal(
         model=model,
@@ -188,7 +202,41 @@ def rollout_propose(
             for m in releases[1:]
         ],
         memory=short,
+        strategy=strategy,
     )
+
+
+def _blue_green_checks(releases: list[controller.Member], analysis: Analysis) -> None:
+    """A blue-green release switches a pipeline's pins: its changed steps load beside the ones
+    serving and are evaluated, each by its own evaluation set of the analysis's name, on every
+    node, before the switch."""
+    lead = releases[0]
+    name = lead.model.name
+    if len(releases) > 1:
+        raise RolloutError("a blue-green release switches one pipeline; release it alone")
+    if lead.model.kind != Model.Kind.ENSEMBLE:
+        raise RolloutError(
+            f"{name} is not a pipeline: blue-green switches a pipeline to the step versions it "
+            "pins; release the pipeline version that pins the new one"
+        )
+    changed = controller.changed_steps(lead)
+    if not changed:
+        raise RolloutError(
+            f"{name} v{lead.canary} pins the same step versions as v{lead.baseline}: nothing "
+            "to load beside them"
+        )
+    if not analysis.quality_set:
+        raise RolloutError(
+            "a blue-green release is evaluated before it switches: name an evaluation set "
+            "(quality_set)"
+        )
+    for step in changed:
+        found = Model.objects.filter(name=step.model).first()
+        if found is None or latest_set(model_id=found.pk, name=analysis.quality_set) is None:
+            raise RolloutError(
+                f"step {step.model} (v{step.baseline} -> v{step.canary}) has no evaluation set "
+                f"{analysis.quality_set!r} to validate it before the switch; import one first"
+            )
 
 
 def _as_strict_as_the_pool(analysis: Analysis, pool: NodePool) -> None:
@@ -271,6 +319,7 @@ def rollout_start(
     accept_shares: bool = False,
     template: str = "",
     lockstep: list[tuple[str, int]] | None = None,
+    strategy: str = Rollout.Strategy.CANARY,
 ) -> Rollout:
     proposal = rollout_propose(
         model_name=model_name,
@@ -281,6 +330,7 @@ def rollout_start(
         accept_shares=accept_shares,
         template=template,
         lockstep=lockstep,
+        strategy=strategy,
     )
     authorize(actor, "rollouts.add_rollout", proposal.pool)
     # The approver sees exactly what will run: the plan and the analysis as resolved now.
@@ -301,6 +351,7 @@ def rollout_start(
                 baseline_version=proposal.baseline,
                 canary_version=proposal.canary,
                 lockstep=proposal.lockstep,
+                strategy=proposal.strategy,
                 plan=proposal.plan,
                 analysis=proposal.analysis.as_dict(),
                 template=proposal.template,
@@ -316,6 +367,7 @@ def rollout_start(
             "baseline": proposal.baseline,
             "canary": canary_version,
             "plan": proposal.plan,
+            "strategy": proposal.strategy,
             "pool": pool_name,
             "template": str(proposal.template or ""),
             "lockstep": proposal.lockstep,
@@ -336,6 +388,7 @@ def _start_params(proposal: Proposal, template: str) -> dict[str, Any]:
         "template": template,
         "lockstep": proposal.lockstep,
         "accept_shares": any(row.overshoots for row in proposal.preview),
+        "strategy": proposal.strategy,
     }
 
 
@@ -436,6 +489,7 @@ def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
         "plan": rollout.plan,
         "analysis": rollout.analysis,
         "lockstep": rollout.lockstep,
+        "strategy": rollout.strategy,
     }
     second_person(actor, rollout.pool, "rollout.retry", what)
     with transaction.atomic():
@@ -447,6 +501,7 @@ def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
             analysis=rollout.analysis,
             actor=actor,
             lockstep=[(m["model"], m["canary"]) for m in rollout.lockstep],
+            strategy=rollout.strategy,
         )
         again.template = rollout.template
         again.save(update_fields=["template"])

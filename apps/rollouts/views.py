@@ -4,6 +4,7 @@ from typing import Any
 
 from django.contrib import messages
 from django.core.paginator import Paginator
+from django.db.models import Count, F, Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.template.loader import render_to_string
@@ -82,6 +83,7 @@ def rollout_new(request: HtmxHttpRequest) -> HttpResponse:
             "accept_shares": data["accept_shares"],
             "template": data["template"],
             "lockstep": data["lockstep"],
+            "strategy": data["strategy"],
         }
         try:
             if "start" in request.POST:
@@ -118,6 +120,7 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
         "notifications": rollout.notifications.all()[:20],
         "events": rollout_events(rollout),
         "gate": quality_gate(rollout),
+        "switch": switch_evaluations(rollout),
         "chart_query": chart_query(rollout, timezone.now()),
     }
     if request.htmx and request.htmx.target == "rollout-live":
@@ -153,6 +156,29 @@ def quality_gate(rollout: Rollout) -> dict[str, Any] | None:
         "spec": Analysis.from_dict(rollout.analysis),
         "measured": measured,
         "failing": shown_rows(failing, judged_only=True),
+    }
+
+
+SWITCH_RUNS = 20  # nodes' evaluation runs listed on a blue-green rollout's page, worst first
+
+
+def switch_evaluations(rollout: Rollout) -> dict[str, Any] | None:
+    """A blue-green release's evaluation runs before its switch, worst first, and how many
+    have finished and passed: a bounded read, however many nodes."""
+    if rollout.strategy != Rollout.Strategy.BLUE_GREEN:
+        return None
+    runs = rollout.gate_runs.select_related("evaluation_set__model", "node")
+    spec = Analysis.from_dict(rollout.analysis)
+    counts = runs.aggregate(
+        total=Count("id"),
+        done=Count("id", filter=Q(finished_at__isnull=False)),
+        passed=Count("id", filter=Q(score__gte=spec.quality_min_score)),
+    )
+    return {
+        "runs": runs.order_by(F("score").asc(nulls_first=True), "node__name")[:SWITCH_RUNS],
+        "spec": spec,
+        "measured": rollout.measurements.filter(metric__startswith="quality before the switch"),
+        **counts,
     }
 
 
