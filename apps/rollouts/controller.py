@@ -175,9 +175,13 @@ def pause(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
 def begin_abort(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
     """Canary nodes back to the pool's deployment, the baseline, which they still serve: only a
     narrowing. During a promotion the pool itself goes back to the baseline. On a pool whose
-    balancer weighs nodes, the canary nodes first get no traffic at all, until the rollback is
-    read back everywhere. A move back: never held for a second person on a protected pool."""
-    if rollout.pool.traffic:  # no request reaches the canary from now on
+    balancer weighs nodes, the canary nodes first get no traffic (where others can take it)
+    until the rollback is read back everywhere. A move back: never held for a second person on
+    a protected pool."""
+    # No request reaches the canary from now on, where other nodes can take them: a canary on
+    # every node (a blue-green release's too) narrows in traffic instead.
+    others = rollout.pool.nodes.exclude(name__in=rollout.canary_nodes).exists()
+    if rollout.pool.traffic and others:
         weights_set(rollout.pool, dict.fromkeys(rollout.canary_nodes, 0), actor_name(actor))
     released = members(rollout)
     pooled = _pooled(rollout, released)
@@ -422,7 +426,7 @@ def _blue_green(rollout: Rollout) -> None:
             return _stalled(rollout, waiting, [c.model for c in changed], what, spec, now)
         rollout.step_ready_at = now
         rollout.save()
-    runs = list(rollout.gate_runs.select_related("evaluation_set__model", "node"))
+    runs = list(rollout.gate_runs.select_related("evaluation_set__model", "node").order_by("pk"))
     if not runs:
         try:
             rollout.gate_runs.set(evaluate_everywhere(rollout, spec, changed, nodes))

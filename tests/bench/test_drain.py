@@ -12,61 +12,30 @@ Run with `make bench` (not part of CI), or alone:
 `DATABASE_URL=postgres://postgres@127.0.0.1:5432/test .venv/bin/pytest tests/bench/test_drain.py -s -p no:cacheprovider`
 """
 
-import random
 import statistics
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import pytest
 
 from apps.fleet.devfleet import HAPROXY_BACKENDS, Devfleet, FleetState, Proc
 from apps.fleet.models import NodePool, Operation
 from apps.fleet.services import deployment_set, pool_set_traffic
-from apps.fleet.traffic import sample_inputs, wait_for_model
-from apps.fleet.triton import TritonClient, TritonError
 from tests.support.bench import Report
-from tests.support.fleet import STEPS_V1, STEPS_V2, converged, equal, runtime, wait_for, weights
+from tests.support.fleet import (
+    STEPS_V1,
+    STEPS_V2,
+    converged,
+    equal,
+    recording,
+    runtime,
+    wait_for,
+    weights,
+)
 from tests.support.services import Celery
 
 ROUNDS = 2
 RPS = 20
 OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
-
-
-@dataclass
-class Recorder:
-    """Steady unversioned rag_pipeline requests through HAProxy: when each was sent, how long it
-    took, whether it failed."""
-
-    url: str
-    sent: list[tuple[float, float, bool]] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        client = TritonClient(self.url, node="haproxy")
-        spec = wait_for_model(client, "rag_pipeline", timeout=60)
-        rng = random.Random(0)
-
-        def one(at: float) -> None:
-            try:
-                client.infer("rag_pipeline", sample_inputs(spec, rng))
-                ok = True
-            except TritonError:
-                ok = False
-            self.sent.append((at, time.monotonic() - at, ok))
-
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            start = time.monotonic()
-            for number in range(10**9):
-                if self.stop.is_set():
-                    break
-                time.sleep(max(0.0, start + number / RPS - time.monotonic()))
-                pool.submit(one, time.monotonic())
-
-    def between(self, start: float, end: float) -> list[tuple[float, bool]]:
-        return [(took, ok) for at, took, ok in list(self.sent) if start <= at <= end]
 
 
 def release(pool: NodePool, version: int, haproxy: Proc, state: FleetState) -> tuple[float, float]:
@@ -112,12 +81,9 @@ def test_draining_before_loads_keeps_live_requests_fast_and_whole(
     _, state = trio
     strategy(pool, haproxy, drained=True)
     release(pool, 1, haproxy, state)
-    recorder = Recorder(f"http://127.0.0.1:{haproxy.ports['http']}")
-    thread = threading.Thread(target=recorder.run, daemon=True)
-    thread.start()
     found: dict[bool, list[tuple[float, bool]]] = {True: [], False: []}
     took: dict[bool, list[float]] = {True: [], False: []}
-    try:
+    with recording(f"http://127.0.0.1:{haproxy.ports['http']}", rps=RPS) as recorder:
         time.sleep(5)  # steady state first
         for _ in range(ROUNDS):
             for drained in (True, False):
@@ -127,9 +93,6 @@ def test_draining_before_loads_keeps_live_requests_fast_and_whole(
                 took[drained].append(end - start)
                 strategy(pool, haproxy, drained=True)
                 release(pool, 1, haproxy, state)  # back, unmeasured
-    finally:
-        recorder.stop.set()
-        thread.join(30)
     bench = f"release v1 -> v2 on the trio behind HAProxy, {RPS} req/s ({ROUNDS} rounds each)"
     for drained, label in ((True, "drained before each load"), (False, "loaded under traffic")):
         latencies = sorted(t for t, ok in found[drained] if ok)

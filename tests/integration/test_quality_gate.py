@@ -8,7 +8,6 @@ from apps.fleet.devfleet import Devfleet, FleetState, Proc
 from apps.fleet.models import NodePool
 from apps.quality.models import EvaluationRun, SyntheticLoad
 from apps.quality.services import evaluation_set_import
-from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.services import rollout_abort, rollout_start
 from tests.support.fleet import (
@@ -16,6 +15,7 @@ from tests.support.fleet import (
     HEALTHY,
     equal,
     served,
+    tick_until,
     traffic_to,
     wait_for,
     weights,
@@ -42,16 +42,6 @@ def start(
         analysis={**ANALYSIS, **HEALTHY, "quality_set": "faq", **analysis},
         actor="release-manager",
     )
-
-
-def tick_until(what: str, rollout: Rollout, done: object, timeout: float = 120) -> None:
-    """The controller ticked here, as the worker would, until `done()`."""
-
-    def ticked() -> bool:
-        rollout_advance(rollout_id=rollout.pk)
-        return bool(done())  # type: ignore[operator]
-
-    wait_for(what, ticked, timeout)
 
 
 def test_a_fast_but_wrong_release_is_rolled_back_before_any_request_reaches_it(

@@ -1,19 +1,23 @@
 """The fleet the integration tests drive: real nodes, what they serve, traffic to them."""
 
 import json
+import random
 import threading
 import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from apps.fleet.devfleet import HAPROXY_BACKENDS, Devfleet, FleetState, Proc
 from apps.fleet.haproxy import Runtime
 from apps.fleet.models import Node, NodePool
-from apps.fleet.traffic import send_traffic
+from apps.fleet.traffic import sample_inputs, send_traffic, wait_for_model
 from apps.fleet.triton import TritonClient, TritonError
+from apps.rollouts.controller import rollout_advance
+from apps.rollouts.models import Rollout
 
 
 @dataclass
@@ -71,6 +75,18 @@ def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 120.0) -
         time.sleep(0.5)
 
 
+def tick_until(
+    what: str, rollout: Rollout, done: Callable[[], object], timeout: float = 120
+) -> None:
+    """The controller ticked here, as the worker would, until `done()`."""
+
+    def ticked() -> bool:
+        rollout_advance(rollout_id=rollout.pk)
+        return bool(done())
+
+    wait_for(what, ticked, timeout)
+
+
 def converged(pool: NodePool, expected: set[tuple[str, int]]) -> Callable[[], bool]:
     def check() -> bool:
         return all(ready_on(node) == expected for node in pool.nodes.all())
@@ -126,3 +142,55 @@ def served(nodes: list[Proc], state: FleetState, model: str) -> Counter[int]:
             for entry in json.load(response)["model_stats"]:
                 counts[int(entry["version"])] += entry["inference_stats"]["success"]["count"]
     return counts
+
+
+@dataclass
+class Recorder:
+    """Steady unversioned rag_pipeline requests to `url` (a balancer), `rps` a second: when each
+    was sent, how long it took, whether it failed."""
+
+    url: str
+    rps: float
+    sent: list[tuple[float, float, bool]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        client = TritonClient(self.url, node="balancer")
+        spec = wait_for_model(client, "rag_pipeline", timeout=60)
+        rng = random.Random(0)
+
+        def one(at: float) -> None:
+            try:
+                client.infer("rag_pipeline", sample_inputs(spec, rng))
+                ok = True
+            except TritonError:
+                ok = False
+            self.sent.append((at, time.monotonic() - at, ok))
+
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            start = time.monotonic()
+            for number in range(10**9):
+                if self.stop.is_set():
+                    break
+                time.sleep(max(0.0, start + number / self.rps - time.monotonic()))
+                pool.submit(one, time.monotonic())
+
+    def between(self, start: float, end: float) -> list[tuple[float, bool]]:
+        return [(took, ok) for at, took, ok in list(self.sent) if start <= at <= end]
+
+    @property
+    def failed(self) -> int:
+        return sum(1 for _, _, ok in list(self.sent) if not ok)
+
+
+@contextmanager
+def recording(url: str, *, rps: float) -> Iterator[Recorder]:
+    """A Recorder sending while the block runs; every request it sent has ended after it."""
+    recorder = Recorder(url, rps)
+    thread = threading.Thread(target=recorder.run, daemon=True)
+    thread.start()
+    try:
+        yield recorder
+    finally:
+        recorder.stop.set()
+        thread.join(30)

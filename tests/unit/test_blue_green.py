@@ -3,7 +3,7 @@
 real Triton nodes behind HAProxy in tests/integration/test_blue_green.py."""
 
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -11,7 +11,6 @@ from django.test import Client
 from django.utils import timezone
 
 from apps.accounts.roles import Role
-
 from apps.fleet.desired import fleet_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.operations import _loads_nothing
@@ -237,7 +236,7 @@ def test_a_release_failing_on_one_node_lets_the_standby_go(nodes: Nodes) -> None
 
 
 def test_an_abort_on_standby_keeps_the_rollback_window_it_found(nodes: Nodes) -> None:
-    until = timezone.now() + timezone.timedelta(seconds=300)
+    until = timezone.now() + timedelta(seconds=300)
     Deployment.objects.filter(pool=nodes.pool).update(baseline_version=2, baseline_until=until)
     rollout = tick(start())
     assert pooled() == (1, 2, 8)
@@ -251,7 +250,7 @@ def test_an_unfinished_evaluation_pauses_and_a_resume_runs_it_again(nodes: Nodes
     rollout = tick(rollout)
     first = set(rollout.gate_runs.values_list("pk", flat=True))
     EvaluationRun.objects.filter(pk__in=first).update(
-        created_at=timezone.now() - timezone.timedelta(hours=1)
+        created_at=timezone.now() - timedelta(hours=1)
     )
     rollout = tick(rollout)
     assert rollout.state == State.PAUSED
