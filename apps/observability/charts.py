@@ -39,6 +39,7 @@ def _ms(at: datetime) -> int:
 
 
 COLOURS = {"change": "#b45309", "operation": "#667085", "down": "#b42318", "up": "#067647"}
+COLOURS["synthetic"] = "#6d28d9"  # requests a rollout made, not users
 LABEL_ROWS = 3
 LABEL_ROW_PX = 14
 # Labels are laid out here, not measured in the browser: as if the plot were as narrow as any

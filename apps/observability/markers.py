@@ -38,6 +38,9 @@ CHANGES = [
     "release.rollback",
     "release.fallback",
 ]
+# Requests a rollout made where users sent too few: drawn apart, so that a chart's latency and
+# throughput are not read as users' alone.
+SYNTHETIC = ["synthetic_load.start"]
 MAX_MARKERS = 60
 MAX_EVENTS = 5000  # per chart, newest first: a deployment to 500 nodes and its operations
 # Without a request id to link them (a rollout's tick runs from the beat), a change's events are
@@ -126,7 +129,7 @@ def _events(
 ) -> QuerySet[AuditEvent]:
     window = AuditEvent.objects.filter(
         Q(result="ok") | Q(action__in=HEALTH + OPERATIONS),  # what failed on a node is news too
-        action__in=CHANGES + OPERATIONS + HEALTH,
+        action__in=CHANGES + OPERATIONS + HEALTH + SYNTHETIC,
         created_at__range=(start, end),
     )
     of_model = Q(target__endswith=f":{model}") if model else Q()
@@ -278,6 +281,8 @@ def _rank(event: _Event) -> int:
 def _kind(event: _Event) -> str:
     if event.action in HEALTH:
         return "up" if event.action == "node.up" else "down"
+    if event.action in SYNTHETIC:
+        return "synthetic"
     return "operation" if event.action in OPERATIONS else "change"
 
 
@@ -287,6 +292,9 @@ def _model(target: str) -> str:
 
 def _label(event: _Event) -> str:
     """`deployment.set pool:demo:rag_pipeline {version: 2}` reads `deploy rag_pipeline v2`."""
+    if event.action in SYNTHETIC:
+        nodes = ", ".join(event.after.get("nodes", []))
+        return f"synthetic {event.after.get('rps', 0):g} req/s to {nodes}"
     verb = {"deployment.set": "deploy", "deployment.remove": "remove"}.get(event.action)
     verb = verb or event.action.split(".", 1)[-1]
     versions = event.after.get("versions") or [event.after.get("version")]

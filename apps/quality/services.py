@@ -153,7 +153,13 @@ def _serving(model: str, version: int) -> Node:
     raise QualityError(f"no reachable node has {model} v{version} READY")
 
 
-@audited("synthetic_load.start", _run_target, (QualityError,))
+def _load_target(*, set_id: int, nodes: list[Node], **_: object) -> str:
+    """The pool's and the model's, as a deployment's: charts of either show the load."""
+    pool = nodes[0].pool.name if nodes and nodes[0].pool_id else ""
+    return _run_target(set_id=set_id).replace("model:", f"pool:{pool}:" if pool else "model:", 1)
+
+
+@audited("synthetic_load.start", _load_target, (QualityError,))
 def synthetic_load_start(
     *,
     set_id: int,
@@ -183,7 +189,7 @@ def synthetic_load_start(
     audit_record(
         actor=actor,
         action="synthetic_load.start",
-        target=f"model:{found.model.name}",
+        target=_load_target(set_id=set_id, nodes=nodes),
         after={
             "load": load.pk,
             "set": f"{found.name} v{found.version}",

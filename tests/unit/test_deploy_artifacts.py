@@ -19,6 +19,7 @@ import yaml
 from django.core.management import call_command
 
 from apps.fleet.devfleet import HAPROXY_BACKENDS, FleetState, Proc, haproxy_config
+from apps.quality.models import EvaluationSet
 from apps.rollouts.models import AnalysisTemplate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -548,7 +549,7 @@ def test_haproxy_accepts_the_demo_fleets_config_with_every_node_in_both_backends
 
 # What `make demo` runs before the fleet starts: every such line must parse and succeed.
 DEMO_SETUP = ("setup_roles", "import_repository", "set_budgets", "set_fallback", "set_slo")
-DEMO_SETUP += ("import_evaluation_set", "analysis_template")
+DEMO_SETUP += ("import_evaluation_set", "import_evaluation_set", "analysis_template")
 
 
 @pytest.mark.django_db
@@ -562,5 +563,6 @@ def test_the_demos_setup_commands_run_as_the_script_writes_them() -> None:
             call_command(*words, stdout=io.StringIO())
             ran.append(words[0])
     assert ran == list(DEMO_SETUP)
+    assert EvaluationSet.objects.filter(name="faq").count() == 2  # the pipeline's, the retriever's
     template = AnalysisTemplate.objects.get(name="answers")
     assert template.analysis == {"quality_set": "faq", "quality_every": 3, "synthetic_rps": 2}

@@ -74,6 +74,33 @@ def test_operations_without_a_change_and_node_health_stay_markers_of_their_own()
     ]
 
 
+def test_synthetic_requests_a_rollout_made_are_a_marker_of_their_own_kind() -> None:
+    from apps.quality.services import synthetic_load_start
+    from tests.support.quality import demo_faq
+
+    found = demo_faq()
+    pool = NodePool.objects.create(name="trio")
+    node = Node.objects.create(name="trio-1", pool=pool, http_url="http://trio-1:8000")
+    synthetic_load_start(
+        set_id=found.pk,
+        nodes=[node],
+        rps=2,
+        seconds=60,
+        actor="system:rollouts",
+        purpose="rollout #3, step 1: too few requests to judge",
+    )
+    NodePool.objects.create(name="other")
+    (marker,) = change_markers(**window(), model="rag_pipeline", pool="trio")
+    assert (marker.kind, marker.label) == ("synthetic", "synthetic 2 req/s to trio-1")
+    assert marker.text == (
+        "synthetic 2 req/s to trio-1 on pool trio by system:rollouts: rollout #3, step 1: too"
+        " few requests to judge"
+    )
+    assert change_markers(**window(), model="rag_pipeline", pool="other") == []
+    drawn = chart([marker], **window())
+    assert drawn["layout"]["shapes"][0]["line"]["color"] == "#6d28d9"
+
+
 def test_a_rollout_tick_without_a_request_id_is_one_marker_with_its_canary_loads() -> None:
     event("deployment.set", "node:demo-1:rag_pipeline", after={"version": 3, "baseline": 2})
     event("rollout.step", "rollout:7:rag_pipeline", after={"step": 0, "version": 3})
