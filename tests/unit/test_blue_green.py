@@ -312,3 +312,21 @@ def test_the_page_lists_each_nodes_evaluation_worst_first(nodes: Nodes, client: 
     listed = [page.index(f"<tr><td>t-{n}</td>") for n in (2, 1, 3)]
     assert listed == sorted(listed)  # t-2, the failing node, first
     assert 'id="switch-verdict">failure' in page
+
+
+def test_the_preview_says_where_the_standby_would_not_fit_in_memory(nodes: Nodes) -> None:
+    from apps.fleet.services import node_set_memory
+
+    ModelVersion.objects.filter(model__name="retriever").update(memory_mb=300)
+    node_set_memory(node_name="t-2", limit_mb=500, actor="sre")  # retriever 1 fits, not 3 too
+    proposal = rollout_propose(
+        model_name="rag_pipeline",
+        pool_name="trio",
+        canary_version=8,
+        plan="",
+        analysis=QUALITY,
+        strategy=Rollout.Strategy.BLUE_GREEN,
+    )
+    assert len(proposal.memory) == 1
+    assert proposal.memory[0].startswith("t-2 needs ")
+    assert "for retriever v3" in proposal.memory[0]
