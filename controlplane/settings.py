@@ -82,6 +82,7 @@ INSTALLED_APPS = [
     "apps.incidents",
     "apps.api",
     "apps.retention",
+    "apps.devtools",  # the local fleet, simulator, load generator, seeding: no app imports it
     "ninja",  # the API docs' own static files (Swagger UI): no CDN
 ]
 

@@ -24,8 +24,7 @@ from django.utils import timezone
 from apps.audit.services import audit_record
 from apps.fleet.haproxy import HAProxyError, Runtime
 from apps.fleet.models import Node, NodePool
-from apps.fleet.traffic import sample_inputs
-from apps.fleet.triton import TritonClient, TritonError
+from apps.fleet.triton import TritonClient, TritonError, sample_inputs
 
 log = logging.getLogger(__name__)
 DEFAULT_WEIGHT = 100
@@ -278,6 +277,7 @@ def _wait_idle(node: Node, pool: NodePool, target: Balancer) -> None:
 # Where a model's warm-up requests come from, asked in order: apps above the fleet register
 # theirs (its evaluation sets' inputs: apps.quality.apps), each giving requests with their
 # batch dimension, or none; sample inputs from the model's metadata where none has any.
+WARMUP_TEXTS = ("warm-up request",)  # a string input's text, where a model has no set
 WARMUP_INPUTS: list[Callable[[str], list[dict[str, np.ndarray]]]] = []
 
 
@@ -308,7 +308,10 @@ def warm_up(node: Node, configs: dict[str, dict | None]) -> None:
             spec = [] if given else client.model_inputs(model)
             for index in range(count):
                 client.infer(
-                    model, given[index % len(given)] if given else sample_inputs(spec, rng)
+                    model,
+                    given[index % len(given)]
+                    if given
+                    else sample_inputs(spec, rng, texts=WARMUP_TEXTS),
                 )
         except TritonError as exc:  # it takes traffic all the same: it serves what it loaded
             audit_record(

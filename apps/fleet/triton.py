@@ -5,10 +5,11 @@ Every call has a timeout. Errors become `TritonUnreachable` (transient: the node
 """
 
 import http.client
+import random
 import re
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,23 @@ class ServerMetadata:
 def numpy_dtype(datatype: str) -> np.dtype:
     """The numpy dtype of a Triton tensor datatype (FP32, INT64, BYTES...)."""
     return np.dtype(triton_to_np_dtype(datatype))
+
+
+def sample_inputs(
+    spec: list[tuple[str, str, list[int]]], rng: random.Random, *, texts: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """One request's inputs (batch of 1) from the model's metadata (`model_inputs`): strings
+    get one of `texts`, numbers noise."""
+    inputs = {}
+    for name, datatype, shape in spec:
+        dims = [1 if d < 0 else d for d in shape]
+        dims[0] = 1  # batch dimension (or a variable first dimension)
+        if datatype == "BYTES":
+            inputs[name] = np.full(dims, rng.choice(texts).encode(), dtype=np.object_)
+        else:
+            noise = np.random.default_rng(rng.randrange(2**32)).random(dims)
+            inputs[name] = noise.astype(numpy_dtype(datatype))
+    return inputs
 
 
 def _connect_to(client: httpclient.InferenceServerClient, address: str) -> None:

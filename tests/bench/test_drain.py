@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from apps.fleet.devfleet import HAPROXY_BACKENDS, Devfleet, FleetState, Proc
+from apps.devtools.devfleet import HAPROXY_BACKENDS, Devfleet, FleetState, Proc
 from apps.fleet.models import NodePool, Operation
 from apps.fleet.services import deployment_set, pool_set_traffic
 from tests.support.bench import Report

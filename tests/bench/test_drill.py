@@ -13,7 +13,7 @@ Run with `make bench` (not part of CI), or alone:
 
 import pytest
 
-from apps.fleet.devfleet import Devfleet, FleetState
+from apps.devtools.devfleet import Devfleet, FleetState
 from apps.fleet.models import NodePool, Operation
 from apps.fleet.services import deployment_set
 from apps.rollouts.models import Rollout

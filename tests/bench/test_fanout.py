@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from apps.fleet.devfleet import Devfleet, FleetState
+from apps.devtools.devfleet import Devfleet, FleetState
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services import deployment_set, node_register
 from apps.fleet.triton import TritonClient

@@ -11,9 +11,9 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
+from apps.devtools.seed import Size, seed_fleet
 from apps.fleet.models import Node
 from apps.rollouts.models import Rollout
-from apps.rollouts.seed import Size, seed_fleet
 
 ROUNDS = 15
 WARMUP = 3

@@ -1,7 +1,7 @@
 """A release to 500 simulated Triton nodes, end to end, with 2 and with 4 Celery worker processes,
 against a floor measured side by side in the same run.
 
-Product: `deployment_set` on a pool of 500 nodes served by `apps.fleet.simulator` (a separate
+Product: `deployment_set` on a pool of 500 nodes served by `apps.devtools.simulator` (a separate
 process, 20 ms per load) until every node's 5 loads (4 steps and the ensemble) have succeeded, read
 back from the node by real `celery worker --concurrency=N` processes on the test database and a
 private Redis. Floor: the same 5 loads per node, with the configs the product sent, each followed
@@ -32,10 +32,10 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from apps.devtools.simulator import FLOOR_TIMEOUT_S, floor_load
 from apps.fleet.models import NodePool, Operation
 from apps.fleet.operations import node_reconcile, node_run
 from apps.fleet.services import deployment_set, node_register
-from apps.fleet.simulator import FLOOR_TIMEOUT_S, floor_load
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
 from controlplane.celery import app as celery_app
@@ -62,7 +62,13 @@ OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
 def simulated(nodes: int) -> Iterator[list[str]]:
     """A fresh simulator process (its own GIL, not the benchmark's), on free ports."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "apps.fleet.simulator", f"--nodes={nodes}", f"--load-ms={LOAD_MS}"],
+        [
+            sys.executable,
+            "-m",
+            "apps.devtools.simulator",
+            f"--nodes={nodes}",
+            f"--load-ms={LOAD_MS}",
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,

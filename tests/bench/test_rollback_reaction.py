@@ -20,7 +20,7 @@ from datetime import datetime
 import pytest
 from django.utils import timezone
 
-from apps.fleet.devfleet import Devfleet, FleetState
+from apps.devtools.devfleet import Devfleet, FleetState
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services import deployment_set
 from apps.registry.services import model_set_budget

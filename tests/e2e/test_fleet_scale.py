@@ -4,11 +4,11 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
+from apps.devtools.seed import Size, seed_fleet
 from apps.fleet.desired import fleet_desired
 from apps.fleet.memory import capacity
 from apps.fleet.models import Footprint, Node, NodePool
 from apps.registry.models import ModelVersion
-from apps.rollouts.seed import Size, seed_fleet
 from tests.support.browser import screenshot, sign_in
 from tests.support.users import make_user
 

@@ -13,7 +13,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.test import Client
 
-from apps.fleet.traffic import send_traffic
+from apps.devtools.traffic import send_traffic
 from apps.fleet.triton import TritonClient
 from apps.observability.catalog import TILE_WINDOW
 from apps.observability.prometheus import instant_query

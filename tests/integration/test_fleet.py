@@ -7,8 +7,8 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.utils import timezone
 
-from apps.fleet.devfleet import DevfleetError
-from apps.fleet.traffic import send_traffic
+from apps.devtools.devfleet import DevfleetError
+from apps.devtools.traffic import send_traffic
 from apps.fleet.triton import TritonClient, TritonRejected
 from apps.observability.prometheus import range_query
 from tests.support import REPOSITORY

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from apps.fleet.devfleet import Devfleet
+from apps.devtools.devfleet import Devfleet
 from apps.fleet.triton import TritonClient
 from tests.support import REPOSITORY
 

@@ -13,7 +13,7 @@ import pytest
 
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
-from apps.fleet.devfleet import Devfleet, FleetState
+from apps.devtools.devfleet import Devfleet, FleetState
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services import (
     FleetError,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from apps.fleet.devfleet import Devfleet
+from apps.devtools.devfleet import Devfleet
 from apps.fleet.triton import TritonClient, TritonRejected
 from tests.support import REPOSITORY
 

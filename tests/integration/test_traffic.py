@@ -10,10 +10,10 @@ import tritonclient.grpc as grpcclient
 from django.utils import timezone
 
 from apps.audit.models import AuditEvent
-from apps.fleet.devfleet import Devfleet, FleetState, Proc
+from apps.devtools.devfleet import Devfleet, FleetState, Proc
+from apps.devtools.traffic import send_traffic
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services import deployment_set
-from apps.fleet.traffic import send_traffic
 from apps.fleet.triton import TritonClient
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import release_rollback, rollout_abort, rollout_start

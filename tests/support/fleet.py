@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from apps.fleet.devfleet import HAPROXY_BACKENDS, Devfleet, FleetState, Proc
+from apps.devtools.devfleet import HAPROXY_BACKENDS, Devfleet, FleetState, Proc
+from apps.devtools.traffic import QUESTIONS, send_traffic, wait_for_model
 from apps.fleet.haproxy import Runtime
 from apps.fleet.models import Node, NodePool
-from apps.fleet.traffic import sample_inputs, send_traffic, wait_for_model
-from apps.fleet.triton import TritonClient, TritonError
+from apps.fleet.triton import TritonClient, TritonError, sample_inputs
 from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Rollout
 
@@ -161,7 +161,7 @@ class Recorder:
 
         def one(at: float) -> None:
             try:
-                client.infer("rag_pipeline", sample_inputs(spec, rng))
+                client.infer("rag_pipeline", sample_inputs(spec, rng, texts=QUESTIONS))
                 ok = True
             except TritonError:
                 ok = False

@@ -19,7 +19,7 @@ APPS = Path(__file__).parents[2] / "apps"
 METRIC_NAME = re.compile(r"\bnv_[a-z0-9_]*[a-z0-9]\b")
 # The simulator writes a node's own /metrics text (Triton's exposition format, not PromQL), and
 # names its series as Triton does.
-SIMULATOR = "fleet/simulator.py"
+SIMULATOR = "devtools/simulator.py"
 
 
 def test_label_values_cannot_break_out_of_their_quotes() -> None:

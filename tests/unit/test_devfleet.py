@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
-from apps.fleet.devfleet import Devfleet, DevfleetError, FleetState, Proc, _ports
+from apps.devtools.devfleet import Devfleet, DevfleetError, FleetState, Proc, _ports
 from tests.support import REPOSITORY
 
 
@@ -61,7 +61,7 @@ def test_missing_prometheus_says_how_to_install_it(
 def test_missing_stub_is_a_one_line_command_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("apps.fleet.devfleet.PYTHON_VERSION", "3.99")
+    monkeypatch.setattr("apps.devtools.devfleet.PYTHON_VERSION", "3.99")
     with pytest.raises(CommandError, match=r"no Python backend stub for Python 3\.99"):
         call_command("devfleet", "--home", str(tmp_path), "up", "--nodes", "1", "--base-port", "0")
 
@@ -69,6 +69,6 @@ def test_missing_stub_is_a_one_line_command_error(
 def test_load_of_an_unknown_version_names_what_exists(tmp_path: Path) -> None:
     fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
     with pytest.raises(
-        DevfleetError, match=r"rag_pipeline has no version 9 .* \(has \[1, 2, 3, 4, 5, 6, 7\]\)"
+        DevfleetError, match=r"rag_pipeline has no version 10 .* \(has \[1, 2, 3, 4, 5, 6, 7, 8, 9\]\)"
     ):
-        fleet.load_release(None, "rag_pipeline", 9)  # type: ignore[arg-type]
+        fleet.load_release(None, "rag_pipeline", 10)  # type: ignore[arg-type]

@@ -65,6 +65,16 @@ def test_the_audit_trail_and_the_shared_modules_import_no_other_app() -> None:
     assert not found, "\n".join(found)
 
 
+def test_no_product_app_imports_the_tooling() -> None:
+    """The local fleet, the simulator, the load generator and the seeding are for the demo,
+    the tests and the benchmarks: what runs in production never needs them."""
+    found = [
+        f"{where} imports {name}" for app, where, name in imports() if _app(name) == "devtools"
+    ]
+    assert not found, "\n".join(found)
+    assert any(app == "devtools" for app, _, _ in imports()), "the walk saw no tooling"
+
+
 def test_no_apps_import_each_other_around_a_loop() -> None:
     found = [(app, where, name) for app, where, name in imports() if name not in SHARED]
     graph: dict[str, set[str]] = {path.parent.name: set() for path in APPS.glob("*/apps.py")}

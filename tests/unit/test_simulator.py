@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from apps.fleet.simulator import Simulator, floor_load
+from apps.devtools.simulator import Simulator, floor_load
 from apps.fleet.triton import TritonClient, TritonRejected, read_metrics
 
 ROOT = Path(__file__).parents[2]
@@ -176,7 +176,7 @@ def test_a_taken_port_fails_start() -> None:
 
 def test_the_command_line_prints_each_node_and_stops_on_sigterm() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "apps.fleet.simulator", "--nodes", "3", "--load-ms", "0"],
+        [sys.executable, "-m", "apps.devtools.simulator", "--nodes", "3", "--load-ms", "0"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,

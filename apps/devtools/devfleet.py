@@ -1,6 +1,6 @@
 """A local fleet of real tritonserver processes (from the nvidia-pytriton wheel) and a Prometheus
 that scrapes them, for the demo and the integration tests; or, for load tests, one process of
-simulated nodes (`apps.fleet.simulator`).
+simulated nodes (`apps.devtools.simulator`).
 
 Every process is started in its own session and recorded in a state file with its pid and its
 start time; `down` stops only a process whose /proc entry still shows that pid *and* start time, so
@@ -272,7 +272,7 @@ class Devfleet:
         argv = [
             sys.executable,
             "-m",
-            "apps.fleet.simulator",
+            "apps.devtools.simulator",
             f"--ports={','.join(map(str, ports))}",
             f"--load-ms={load_ms}",
             f"--failure-rate={failure_rate}",
@@ -532,7 +532,7 @@ def _triton_env() -> dict[str, str]:
 
 
 def _simulator_env() -> dict[str, str]:
-    """`python -m apps.fleet.simulator` finds the project wherever the command was started."""
+    """`python -m apps.devtools.simulator` finds the project wherever the command was started."""
     return {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
 
 

@@ -11,7 +11,7 @@ UNAVAILABLE "unloaded", a failed load leaves already READY versions serving, and
 mean version 1), ensembles and their dependents, inference.
 
 asyncio rather than threads: 500 listening ports and hundreds of connections in one thread.
-Run it with `python -m apps.fleet.simulator --nodes 500 --base-port 8100 --load-ms 50`.
+Run it with `python -m apps.devtools.simulator --nodes 500 --base-port 8100 --load-ms 50`.
 """
 
 import argparse
@@ -424,7 +424,7 @@ def floor_load(urls: list[str], loads: list[tuple[str, str]], concurrency: int) 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m apps.fleet.simulator",
+        prog="python -m apps.devtools.simulator",
         description="Simulated Triton nodes for load tests; one line per node, stops on SIGTERM.",
     )
     parser.add_argument("--nodes", type=int, default=1)

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from apps.fleet.triton import TritonClient, TritonError, numpy_dtype
+from apps.fleet.triton import TritonClient, TritonError, sample_inputs
 
 QUESTIONS = [
     "How do I track my order?",
@@ -22,22 +22,6 @@ QUESTIONS = [
     "do gift cards expire",
     "How do I return shoes that do not fit?",
 ]
-
-
-def sample_inputs(
-    spec: list[tuple[str, str, list[int]]], rng: random.Random
-) -> dict[str, np.ndarray]:
-    """One request's inputs (batch of 1) from the model's metadata; strings get a question."""
-    inputs = {}
-    for name, datatype, shape in spec:
-        dims = [1 if d < 0 else d for d in shape]
-        dims[0] = 1  # batch dimension (or a variable first dimension)
-        if datatype == "BYTES":
-            inputs[name] = np.full(dims, rng.choice(QUESTIONS).encode(), dtype=np.object_)
-        else:
-            noise = np.random.default_rng(rng.randrange(2**32)).random(dims)
-            inputs[name] = noise.astype(numpy_dtype(datatype))
-    return inputs
 
 
 def wait_for_model(
@@ -83,5 +67,5 @@ def send_traffic(
             if due - start >= seconds:
                 break
             time.sleep(max(0.0, due - time.monotonic()))
-            pool.submit(one, next(nodes), sample_inputs(spec, rng))
+            pool.submit(one, next(nodes), sample_inputs(spec, rng, texts=QUESTIONS))
     return results

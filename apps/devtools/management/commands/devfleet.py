@@ -3,11 +3,11 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from apps.fleet.devfleet import HAPROXY_BACKENDS, Devfleet, DevfleetError, Proc
+from apps.devtools.devfleet import HAPROXY_BACKENDS, Devfleet, DevfleetError, Proc
+from apps.devtools.traffic import send_traffic
 from apps.fleet.models import Node, NodePool
 from apps.fleet.selectors import node_list
 from apps.fleet.services import FleetError, node_register, pool_set_traffic
-from apps.fleet.traffic import send_traffic
 from apps.fleet.triton import TritonClient, TritonError
 
 SIMULATED_MAX = 1000

@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand, CommandParser
 
-from apps.rollouts.seed import Size, seed_fleet
+from apps.devtools.seed import Size, seed_fleet
 
 
 class Command(BaseCommand):
