@@ -246,6 +246,8 @@ class Operation(models.Model):
         UNKNOWN = "unknown"
         CANCELLED = "cancelled"
 
+    OPEN = [Status.QUEUED, Status.RUNNING]  # not ended: waiting for a worker, or being run
+
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="operations")
     kind = models.CharField(max_length=10, choices=Kind.choices)
     model_name = models.CharField(max_length=120)

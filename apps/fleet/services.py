@@ -228,7 +228,7 @@ def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor)
     open_op = node.operations.filter(
         model_name=model_name,
         kind=kind,
-        status__in=[Operation.Status.QUEUED, Operation.Status.RUNNING],
+        status__in=Operation.OPEN,
     ).first()
     if open_op is not None:
         return open_op

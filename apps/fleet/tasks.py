@@ -10,15 +10,10 @@ from celery import Task, shared_task
 from django.utils import timezone
 
 from apps.fleet.models import Heartbeat, Node, NodePool
-from apps.fleet.operations import (
-    NodeBusy,
-    Wanted,
-    node_reconcile,
-    node_run,
-    rollback_windows_close,
-)
 from apps.fleet.polling import node_poll
+from apps.fleet.reconcile import node_reconcile, rollback_windows_close
 from apps.fleet.routing import PoolAtCapacity, pool_sync
+from apps.fleet.runner import DesiredDigest, NodeBusy, node_run
 from apps.fleet.triton import TritonUnreachable
 
 
@@ -81,7 +76,7 @@ def sync_traffic(pool_id: int) -> None:
     name="fleet.reconcile_node", acks_late=True, expires=60, soft_time_limit=300, time_limit=330
 )
 def reconcile_node(node_id: int) -> None:
-    wanted = Wanted()  # what the plan is made from, handed to its run
+    wanted = DesiredDigest()  # what the plan is made from, handed to its run
     if node_reconcile(node_id=node_id, wanted=wanted):
         try:
             node_run(node_id=node_id, wanted=wanted)

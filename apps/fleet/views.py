@@ -33,8 +33,6 @@ from apps.fleet.services import (
 from apps.registry.models import ModelVersion
 from controlplane.htmx import HtmxHttpRequest, back
 
-OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
-
 
 def overview(request: HttpRequest) -> HttpResponse:
     """The fleet summarised per pool, each with a drill-down to its nodes."""
@@ -111,7 +109,7 @@ def node_detail(request: HtmxHttpRequest, name: str) -> HttpResponse:
         "node": node,
         "rows": node_models(node),
         "operations": operations,
-        "busy": any(op.status in OPEN for op in operations),
+        "busy": any(op.status in Operation.OPEN for op in operations),
         "release_options": _release_options(),
     }
     if request.htmx and request.htmx.target == "node-live":

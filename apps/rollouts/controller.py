@@ -19,7 +19,7 @@ from apps.accounts.permissions import moving_back
 from apps.audit.services import actor_name, audit_record
 from apps.fleet.desired import Want, Wanted, fleet_desired
 from apps.fleet.memory import shortfalls
-from apps.fleet.models import Deployment, Node, NodePool
+from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.routing import share_weights, weights_reset, weights_set
 from apps.fleet.selectors import observed_many
 from apps.fleet.services import FleetError, deployment_remove, deployment_set
@@ -372,7 +372,7 @@ def _stalled(
     failed = (
         waiting[0]
         .operations.filter(model_name__in=models, finished_at__gte=rollout.step_started_at)
-        .exclude(status__in=["succeeded", "queued", "running", "cancelled"])
+        .exclude(status__in=["succeeded", "cancelled", *Operation.OPEN])
         .first()
     )
     if failed is not None:

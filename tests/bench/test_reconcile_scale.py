@@ -34,7 +34,8 @@ from django.utils import timezone
 
 from apps.devtools.simulator import FLOOR_TIMEOUT_S, floor_load
 from apps.fleet.models import NodePool, Operation
-from apps.fleet.operations import node_reconcile, node_run
+from apps.fleet.reconcile import node_reconcile
+from apps.fleet.runner import node_run
 from apps.fleet.services import deployment_set, node_register
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
@@ -257,5 +258,5 @@ def test_release_to_500_nodes_against_the_floor(
 
 
 def _json(config: object) -> str | None:
-    """What `operations._execute` sends as the config override."""
+    """What `runner._execute` sends as the config override."""
     return json.dumps(config) if config is not None else None

@@ -13,7 +13,7 @@ from django.utils import timezone
 from apps.accounts.roles import Role
 from apps.fleet.desired import fleet_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.operations import _loads_nothing
+from apps.fleet.runner import _loads_nothing
 from apps.fleet.services import deployment_set
 from apps.quality.models import EvaluationRun
 from apps.quality.services import evaluation_set_import

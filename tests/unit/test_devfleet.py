@@ -69,6 +69,7 @@ def test_missing_stub_is_a_one_line_command_error(
 def test_load_of_an_unknown_version_names_what_exists(tmp_path: Path) -> None:
     fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
     with pytest.raises(
-        DevfleetError, match=r"rag_pipeline has no version 10 .* \(has \[1, 2, 3, 4, 5, 6, 7, 8, 9\]\)"
+        DevfleetError,
+        match=r"rag_pipeline has no version 10 .* \(has \[1, 2, 3, 4, 5, 6, 7, 8, 9\]\)",
     ):
         fleet.load_release(None, "rag_pipeline", 10)  # type: ignore[arg-type]

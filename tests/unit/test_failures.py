@@ -9,7 +9,8 @@ from django.utils import timezone
 
 from apps.fleet import failures
 from apps.fleet.models import Node, Operation
-from apps.fleet.operations import node_run, observed_state
+from apps.fleet.reconcile import observed_state
+from apps.fleet.runner import node_run
 from apps.fleet.triton import TritonClient, TritonRejected
 from tests.unit.test_fleet import node  # noqa: F401  (a fixture)
 

@@ -15,7 +15,7 @@ from apps.audit.models import AuditEvent
 from apps.fleet import tasks
 from apps.fleet.desired import node_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.operations import node_reconcile
+from apps.fleet.reconcile import node_reconcile
 from apps.fleet.services import FleetError, deployment_set, node_register, operation_request
 from apps.fleet.tasks import enqueue_run
 from apps.fleet.triton import IndexEntry, TritonClient, parse_gpu_memory
@@ -217,7 +217,7 @@ def test_a_release_manager_deploys_to_a_pool_from_the_page_and_an_operator_may_n
 
 
 def test_one_worker_at_a_time_holds_a_node_and_a_lapsed_lease_frees_it(node: Node) -> None:
-    from apps.fleet.operations import Lease
+    from apps.fleet.runner import Lease
 
     with Lease(node.pk).hold() as first:
         assert first.held
@@ -234,7 +234,7 @@ def test_one_worker_at_a_time_holds_a_node_and_a_lapsed_lease_frees_it(node: Nod
 
 
 def test_a_stale_plan_is_cancelled_not_executed(node: Node) -> None:
-    from apps.fleet.operations import node_run
+    from apps.fleet.runner import node_run
 
     deployment_set(model_name="embedder", version=1, node=node, actor="system:test")
     stale = Operation.objects.create(
@@ -251,7 +251,7 @@ def test_a_stale_plan_is_cancelled_not_executed(node: Node) -> None:
 
 
 def test_an_operation_left_running_by_a_dead_worker_becomes_unknown(node: Node) -> None:
-    from apps.fleet.operations import node_run
+    from apps.fleet.runner import node_run
 
     orphan = Operation.objects.create(
         node=node,
@@ -286,7 +286,7 @@ def test_a_refused_step_cancels_the_rest_of_its_plan_but_not_a_persons_operation
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from apps.fleet.desired import plan_digest
-    from apps.fleet.operations import node_run
+    from apps.fleet.runner import node_run
     from apps.fleet.triton import TritonClient, TritonRejected
 
     def refuse(self: TritonClient, model: str, *, config_json: str | None = None) -> None:
@@ -433,7 +433,7 @@ def test_a_reconcile_hands_its_desired_state_to_the_run_and_a_change_still_stops
     node: Node, computed: list[dict], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The run used to compute the desired state again, its dearest step at 500 nodes."""
-    from apps.fleet import operations
+    from apps.fleet import runner
 
     loaded: list[tuple[str, int]] = []
     monkeypatch.setattr(  # what was loaded reads back READY
@@ -454,7 +454,7 @@ def test_a_reconcile_hands_its_desired_state_to_the_run_and_a_change_still_stops
     deployment_set(model_name="rag_pipeline", version=1, node=node, actor="ops")
     tasks.reconcile_node(node.pk)
     assert len(computed) == 1  # once, for the plan; the run started from it
-    monkeypatch.setattr(operations.Wanted, "RECHECK_S", 0.0)  # every step looks again
+    monkeypatch.setattr(runner.DesiredDigest, "RECHECK_S", 0.0)  # every step looks again
     Operation.objects.all().delete()
     computed.clear()
     changed.clear()

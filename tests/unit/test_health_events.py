@@ -8,8 +8,8 @@ from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
-from apps.fleet.operations import _record_drift
 from apps.fleet.polling import node_poll
+from apps.fleet.reconcile import _record_drift
 from apps.fleet.triton import ServerMetadata, TritonClient, TritonUnreachable
 
 pytestmark = pytest.mark.django_db

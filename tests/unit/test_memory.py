@@ -280,7 +280,7 @@ def test_a_refused_load_is_sent_anyway_when_an_operator_gives_a_reason(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from apps.fleet.models import Operation
-    from apps.fleet.operations import node_run
+    from apps.fleet.runner import node_run
     from apps.fleet.services import operation_override
     from apps.fleet.triton import IndexEntry, TritonClient
 
@@ -313,13 +313,13 @@ def test_a_limit_set_after_a_run_read_its_node_still_holds_for_its_loads(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from apps.fleet.models import Operation
-    from apps.fleet.operations import Wanted, node_run
+    from apps.fleet.runner import DesiredDigest, node_run
     from apps.fleet.triton import TritonClient
 
     sent: list[str] = []
     monkeypatch.setattr(TritonClient, "load", lambda self, model, config_json: sent.append(model))
     monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])
-    wanted = Wanted()
+    wanted = DesiredDigest()
     wanted.node = Node.objects.select_related("pool").get(pk=node.pk)  # as a plan read it
     node_set_memory(node_name="cpu-1", limit_mb=100, actor="sre")  # then: step v2 takes 400
     Operation.objects.create(
@@ -333,7 +333,7 @@ def test_a_load_is_measured_only_when_nothing_else_changes_meanwhile(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from apps.fleet.models import Operation
-    from apps.fleet.operations import _memory_check
+    from apps.fleet.runner import _memory_check
     from apps.fleet.triton import IndexEntry
 
     class Client:  # Triton's index, at the client's boundary

@@ -260,7 +260,7 @@ def test_the_release_before_is_not_kept_where_memory_does_not_allow(fleet: Fleet
 
 
 def test_the_rollback_window_closes_and_a_rollback_inside_it_only_narrows(fleet: Fleet) -> None:
-    from apps.fleet.operations import rollback_windows_close
+    from apps.fleet.reconcile import rollback_windows_close
 
     rollout = tick(start())
     for _ in range(6):  # converge, measure and hold each step, promote

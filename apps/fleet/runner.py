@@ -1,5 +1,6 @@
-"""Converging nodes: plan operations from desired vs observed state, then run them one at a time per
-node, each confirmed by reading the node's repository index back."""
+"""Converging a node, the second half: run its queued operations one at a time, under a lease
+on the node, each confirmed by reading the node's repository index back; loads out of traffic
+where the pool has a balancer. The reconcile (apps/fleet/reconcile.py) plans them."""
 
 import json
 import logging
@@ -9,28 +10,16 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import NamedTuple
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Case, Exists, F, OuterRef, Q, QuerySet, TextField, Value, When, Window
-from django.db.models.functions import Cast, RowNumber
+from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
-from apps.audit.context import REQUEST_ID
-from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 from apps.fleet import failures, memory
-from apps.fleet.desired import (
-    Desired,
-    DesiredStateError,
-    node_desired,
-    plan_digest,
-    targeting,
-)
-from apps.fleet.models import Deployment, Node, Operation
-from apps.fleet.planner import Observed, plan
-from apps.fleet.polling import node_read_index
+from apps.fleet.desired import DesiredStateError, node_desired, plan_digest
+from apps.fleet.models import Node, Operation
 from apps.fleet.routing import drained, warm_up
 from apps.fleet.triton import (
     TritonClient,
@@ -40,236 +29,9 @@ from apps.fleet.triton import (
     TritonUnreachable,
 )
 from apps.registry.codec import ensemble_steps, from_dict
-from apps.registry.models import Model
 
 log = logging.getLogger(__name__)
-OPEN = (Operation.Status.QUEUED, Operation.Status.RUNNING)
-RECONCILER = "system:reconciler"
-
-
-def observed_state(node: Node) -> dict[str, Observed]:
-    """The node's last index read, plus what our own operations last did to each model."""
-    ready: dict[str, set[int]] = {}
-    busy: set[str] = set()
-    for entry in node.index:
-        ready.setdefault(entry["model"], set())
-        if entry.get("state") == "READY" and entry.get("version") is not None:
-            ready[entry["model"]].add(int(entry["version"]))
-        elif entry.get("state") in ("LOADING", "UNLOADING"):
-            busy.add(entry["model"])
-    now = timezone.now()
-    rows = _history(node, now)
-    # Positions in each model's history: an operation counts if it came after the model's last
-    # success (which clears earlier failures), and the later of two wins.
-    since = {row.model: row.position for row in rows if row.status == Operation.Status.SUCCEEDED}
-    last_ok: dict[str, tuple[int, str]] = {}
-    failed: dict[str, set[str]] = {}
-    for row in rows:
-        after = row.position > since.get(row.model, 0)
-        if row.status == Operation.Status.FAILED:
-            if after and row.held:  # remembered until its retry_at, if it has one
-                failed.setdefault(row.model, set())
-                if row.latest:  # the last try of this config decides
-                    failed[row.model].add(row.digest)
-            continue
-        # Its worker died after sending it: if the node shows what it asked for, it took.
-        took = (
-            row.status == Operation.Status.SUCCEEDED or ready.get(row.model, set()) == row.versions
-        )
-        if took and row.position > last_ok.get(row.model, (0, ""))[0]:
-            last_ok[row.model] = (row.position, row.digest)
-    return {
-        name: Observed(
-            ready=frozenset(versions),
-            busy=name in busy,
-            digest=last_ok.get(name, (0, ""))[1],
-            failed=frozenset(failed.get(name, ())),
-        )
-        for name, versions in ready.items()
-    } | {
-        name: Observed(frozenset(), digest="", failed=frozenset(digests))
-        for name, digests in failed.items()
-        if name not in ready
-    }
-
-
-class _Done(NamedTuple):
-    model: str
-    status: str
-    versions: set[int]
-    digest: str
-    position: int  # in the model's history on the node, from 1, by finished_at then id
-    latest: bool  # the last of its kind: see _history
-    held: bool  # a failure not to be tried again yet
-
-
-def _history(node: Node, now: datetime) -> list[_Done]:
-    """What `observed_state` needs of the node's finished operations, in one query whose rows
-    do not grow with its history: per model, its last success, its last unknown for each set
-    of versions asked, its last failure of each config, and its last failure still held back
-    at `now`."""
-    done = [Operation.Status.SUCCEEDED, Operation.Status.FAILED, Operation.Status.UNKNOWN]
-    failed = Q(status=Operation.Status.FAILED)
-    held = failed & (Q(retry_at__isnull=True) | Q(retry_at__gt=now))
-    # Descending is the ascending order reversed on every database, NULLs included.
-    newest = [F("finished_at").desc(), F("id").desc()]
-    kind = Case(
-        When(status=Operation.Status.UNKNOWN, then=Cast("versions", TextField())),
-        When(failed, then=F("config_digest")),
-        default=Value(""),
-        output_field=TextField(),
-    )
-    rows = (
-        node.operations.filter(status__in=done)
-        .annotate(held=Case(When(held, then=Value(True)), default=Value(False)))
-        .annotate(
-            position=Window(
-                RowNumber(),
-                partition_by=[F("model_name")],
-                order_by=[F("finished_at").asc(), F("id").asc()],
-            ),
-            nth=Window(
-                RowNumber(), partition_by=[F("model_name"), F("status"), kind], order_by=newest
-            ),
-            nth_held=Window(
-                RowNumber(), partition_by=[F("model_name"), F("held")], order_by=newest
-            ),
-        )
-        .filter(Q(nth=1) | Q(nth_held=1, held=True))
-        .values_list("model_name", "status", "versions", "config_digest", "position", "nth", "held")
-    )
-    return [
-        _Done(model, status, set(versions), digest, position, nth == 1, bool(held))
-        for model, status, versions, digest, position, nth, held in rows
-    ]
-
-
-def node_reconcile(*, node_id: int, wanted: "Wanted | None" = None) -> list[Operation]:
-    """Read the node and plan what is missing. Returns what the caller runs now (node_run,
-    handed `wanted`: what the plan was made from, not computed twice): the operations just
-    planned, or open ones whose run was lost. Harmless to repeat: a node with queued or running
-    operations is left to them, and a converged node gets no operation at all."""
-    node = node_read_index(node_id=node_id)
-    if node.health == Node.Health.UNREACHABLE or node.last_error:
-        return []
-    try:
-        desired = node_desired(node)
-    except DesiredStateError as exc:
-        log.warning("node %s: %s", node.name, exc)
-        return []
-    with transaction.atomic():
-        locked = Node.objects.select_for_update().get(pk=node_id)
-        if locked.operations.filter(status__in=OPEN).exists():
-            # Work is pending. If no worker has held the node for longer than a lease since it was
-            # queued, its run was lost (a killed worker's unacknowledged task comes back only
-            # after the visibility timeout): hand it to the caller. Younger work is about to be
-            # taken; running it too would only find the node busy.
-            now = timezone.now()
-            stale = now - timedelta(seconds=settings.FLEET_LEASE_S)
-            free = locked.lease_until is None or locked.lease_until < now
-            lost = locked.operations.filter(status__in=OPEN, created_at__lt=stale)
-            return list(lost) if free else []
-        observed = observed_state(node)
-        owned = _drained(locked, desired, observed)
-        # Only what this product owns may be unloaded: a model someone else loaded (even one we
-        # loaded long ago and have since let go) stays until a person adopts it.
-        managed = {name: model.ensemble for name, model in desired.items()}
-        if drained := owned - set(desired):
-            ensembles = Model.objects.filter(name__in=drained, kind=Model.Kind.ENSEMBLE)
-            kinds = set(ensembles.values_list("name", flat=True))
-            managed |= {name: name in kinds for name in drained}
-        room = None
-        if memory.aware(node):
-            ready = {name: set(seen.ready) for name, seen in observed.items()}
-            coming = {(m.name, v) for m in desired.values() for v in m.versions}
-            room = memory.room(node, ready, coming)
-        actions = plan(desired, observed, managed, room)
-        digest = plan_digest(desired)
-        if wanted is not None:
-            wanted.seed(node, digest)
-        if actions and not REQUEST_ID.get():
-            _follow_the_change(locked, digest)
-        ops = Operation.objects.bulk_create(
-            Operation(
-                node=locked,
-                kind=action.kind,
-                model_name=action.model,
-                versions=list(action.versions),
-                config=action.config,
-                config_digest=action.digest,
-                plan_digest=digest,
-                seq=seq,
-                requested_by=RECONCILER,
-            )
-            for seq, action in enumerate(actions)
-        )
-        if ops:
-            _record_drift(node, [str(op) for op in ops])
-    return ops
-
-
-def _follow_the_change(node: Node, digest: str) -> None:
-    """A periodic reconcile that carries out a new desired state records it under the request
-    that changed it (the newest deployment targeting the node), as that request's own reconcile
-    would have; a repair of the same desired state as the last plan is nobody's request."""
-    last = node.operations.exclude(plan_digest="").order_by("-id")
-    if last.values_list("plan_digest", flat=True).first() == digest:
-        return
-    newest = targeting(node).order_by("-updated_at").values_list("request_id", flat=True).first()
-    if newest:
-        REQUEST_ID.set(newest)  # for the rest of this task: the plan's events and its run
-
-
-def _drained(node: Node, desired: Desired, observed: dict[str, Observed]) -> set[str]:
-    """The node's owned models, less those no deployment names and that are gone from it: they
-    are drained, and if someone loads one of them again it is theirs. Call under the row lock."""
-    owned = {
-        name for name in node.owned if name in desired or observed.get(name, _GONE).ready
-    } | set(desired)
-    _save_owned(node, owned)
-    return owned
-
-
-_GONE = Observed(frozenset())
-
-
-def _record_drift(node: Node, operations: list[str]) -> None:
-    """One `node.drift` event per drift: the same repair planned again within FLEET_FLAP_WINDOW_S
-    (something outside keeps undoing it) is not recorded again; its operations still are."""
-    target = f"node:{node.name}"
-    since = timezone.now() - timedelta(seconds=settings.FLEET_FLAP_WINDOW_S)
-    last = (
-        AuditEvent.objects.filter(action="node.drift", target=target, created_at__gte=since)
-        .values_list("after", flat=True)
-        .first()
-    )
-    if last is None or last.get("operations") != operations:
-        audit_record(
-            actor=RECONCILER, action="node.drift", target=target, after={"operations": operations}
-        )
-
-
-def rollback_windows_close() -> int:
-    """Let go of every baseline whose rollback window has passed; the reconcile that follows
-    narrows its nodes to the release itself. Returns how many closed."""
-    with transaction.atomic():
-        closing = list(
-            Deployment.objects.filter(baseline_until__lt=timezone.now())
-            .select_related("model", "pool", "node")
-            .select_for_update(of=("self",))
-        )
-        for deployment in closing:
-            kept = deployment.baseline_version
-            deployment.baseline_version, deployment.baseline_until = None, None
-            deployment.save(update_fields=["baseline_version", "baseline_until", "updated_at"])
-            audit_record(
-                actor=RECONCILER,
-                action="deployment.window_closed",
-                target=f"{deployment.target}:{deployment.model.name}",
-                before={"version": deployment.version, "baseline": kept},
-                after={"version": deployment.version},
-            )
-    return len(closing)
+RECONCILER = "system:reconciler"  # the actor of what the reconcile plans
 
 
 class Lease:
@@ -339,7 +101,7 @@ class NodeBusy(Exception):
     """Another worker holds the node, or may still be at it; try again shortly."""
 
 
-def node_run(*, node_id: int, wanted: "Wanted | None" = None) -> None:
+def node_run(*, node_id: int, wanted: "DesiredDigest | None" = None) -> None:
     """Run the node's queued operations in order, holding its lease; a plan's steps stop when
     the desired state they were planned for is no longer the node's (`wanted`, if the caller
     just planned them, knows what that was)."""
@@ -353,7 +115,7 @@ def node_run(*, node_id: int, wanted: "Wanted | None" = None) -> None:
             error="the worker was lost mid-operation; the reconciler reads the node's state",
         )
         if wanted is None or wanted.node is None:
-            wanted = Wanted()
+            wanted = DesiredDigest()
             wanted.node = Node.objects.select_related("pool").get(pk=node_id)
         node = wanted.node
         queued = node.operations.filter(status=Operation.Status.QUEUED).select_related("node")
@@ -388,7 +150,7 @@ def _loads_nothing(node: Node, queued: "QuerySet[Operation]") -> bool:
 
 
 def _run_queued(
-    node: Node, queued: "QuerySet[Operation]", wanted: "Wanted", lease: Lease
+    node: Node, queued: "QuerySet[Operation]", wanted: "DesiredDigest", lease: Lease
 ) -> dict[str, dict | None]:
     """Returns the models loaded, with the config each was loaded with."""
     loaded: dict[str, dict | None] = {}
@@ -424,7 +186,7 @@ def _cancel_plan(op: Operation, why: str) -> None:
     ).update(status=Operation.Status.CANCELLED, finished_at=timezone.now(), error=why)
 
 
-class Wanted:
+class DesiredDigest:
     """The digest of the node's desired state, looked at again once a second at most: a load
     takes longer than that on a real node, and a plan's quick steps need not each pay for a
     look (`node_desired` recomputes only when what it is computed from changed)."""
@@ -611,10 +373,10 @@ def _tries(op: Operation) -> int:
 def _own(node_id: int, model_name: str, owned: bool) -> None:
     """What we loaded is ours to unload; what we unloaded is no longer ours."""
     node = Node.objects.select_for_update().get(pk=node_id)
-    _save_owned(node, set(node.owned) | {model_name} if owned else set(node.owned) - {model_name})
+    save_owned(node, set(node.owned) | {model_name} if owned else set(node.owned) - {model_name})
 
 
-def _save_owned(node: Node, names: set[str]) -> None:
+def save_owned(node: Node, names: set[str]) -> None:
     """Write the (locked) node's owned models, when they changed."""
     if names != set(node.owned):
         node.owned = sorted(names)
