@@ -9,49 +9,49 @@ may be killed at any point and the next tick carries on without repeating a step
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import datetime
 
-from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
-from apps.accounts.permissions import moving_back
-from apps.audit.services import actor_name, audit_record
-from apps.fleet.desired import Want, Wanted, fleet_desired
-from apps.fleet.memory import shortfalls
-from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.routing import share_weights, weights_reset, weights_set
-from apps.fleet.selectors import observed_many
-from apps.fleet.services import FleetError, deployment_remove, deployment_set
+from apps.fleet import selectors
+from apps.fleet.models import Node
+from apps.fleet.routing import share_weights, weights_set
+from apps.fleet.services import deployment_set
 from apps.observability.prometheus import PrometheusUnavailable
 from apps.quality.errors import QualityError
-from apps.registry.codec import from_dict
-from apps.registry.ensembles import UnresolvedStep, pinned_steps
-from apps.registry.models import Model
-from apps.registry.selectors import registry_resolver
-from apps.rollouts.analysis import ChangedStep, Result, measure, overall
+from apps.rollouts.analysis import Result, measure, overall
+from apps.rollouts.bluegreen import blue_green
 from apps.rollouts.gates import (
     ACTOR,
     drive_evidence,
     evaluate,
-    evaluate_everywhere,
     evaluated,
     evaluation_verdict,
-    everywhere_verdicts,
     filling,
     gate_deadline,
     labelled,
 )
 from apps.rollouts.models import Measurement, Rollout
-from apps.rollouts.notify import notify
 from apps.rollouts.plans import Analysis, canary_nodes, parse_plan
+from apps.rollouts.promotion import aborting, promote
 from apps.rollouts.slo import Objectives
+from apps.rollouts.transitions import (
+    State,
+    Verdict,
+    begin_abort,
+    changed_steps,
+    members,
+    pause,
+    pool_nodes,
+    record,
+    stalled,
+    transition,
+)
 
 log = logging.getLogger(__name__)
+
 TICK_ERROR_LIMIT = 3
-Actor = str | User
-State = Rollout.State
-Verdict = Measurement.Verdict
 
 
 def rollout_advance(*, rollout_id: int) -> None:
@@ -95,118 +95,10 @@ def _tick_failed(rollout_id: int, exc: Exception) -> None:
         log.exception("rollout #%s: could not record the failed tick", rollout_id)
 
 
-def _nodes(rollout: Rollout) -> list[Node]:
-    return list(rollout.pool.nodes.order_by("name"))
-
-
 def _canary(rollout: Rollout, nodes: list[Node]) -> list[Node]:
     step = parse_plan(rollout.plan)[rollout.step]
     names = set(canary_nodes(step, [n.name for n in nodes]))
     return [n for n in nodes if n.name in names]
-
-
-@dataclass(frozen=True)
-class Member:
-    """One model a rollout releases: its own, or one released in lockstep with it."""
-
-    model: Model
-    baseline: int
-    canary: int
-
-    @property
-    def beside(self) -> int | None:
-        """The baseline kept READY beside the canary, so that rolling back only narrows the
-        version policy; none when the canary's number is lower, since an unversioned request
-        goes to the highest READY version."""
-        return self.baseline if self.canary > self.baseline else None
-
-    @property
-    def versions(self) -> set[int]:
-        """What a canary node serves."""
-        return {self.canary} | ({self.beside} if self.beside else set())
-
-
-def members(rollout: Rollout) -> list[Member]:
-    """The models a rollout releases, in dependency order: plain models before the pipelines
-    that may pin them. They go to the same nodes, are judged together and promote or roll back
-    as one."""
-    lead = Member(rollout.model, rollout.baseline_version, rollout.canary_version)
-    if not rollout.lockstep:
-        return [lead]
-    models = Model.objects.in_bulk([m["model"] for m in rollout.lockstep], field_name="name")
-    found = [
-        lead,
-        *(Member(models[m["model"]], m["baseline"], m["canary"]) for m in rollout.lockstep),
-    ]
-    return sorted(found, key=lambda m: m.model.kind == Model.Kind.ENSEMBLE)
-
-
-def transition(
-    rollout: Rollout, state: str, reason: str = "", event: str = "", actor: Actor = ACTOR
-) -> None:
-    """Save the new state, with one audit event and a webhook message."""
-    before = rollout.state
-    rollout.state = state
-    rollout.reason = reason or rollout.reason
-    if state in Rollout.TERMINAL:
-        rollout.finished_at = timezone.now()
-    rollout.save()
-    audit_record(
-        actor=actor,
-        action=f"rollout.{event or state}",
-        target=f"rollout:{rollout.pk}:{rollout.model.name}",
-        before={"state": before, "step": rollout.step},
-        after={
-            "state": state,
-            "step": rollout.step,
-            "version": rollout.canary_version,
-            "pool": rollout.pool.name,  # its target names the rollout and the model, not the pool
-        },
-        result="failed" if state == State.FAILED else "ok",
-        message=reason,
-    )
-    notify(rollout, event or state)
-
-
-def pause(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
-    transition(rollout, State.PAUSED, reason, actor=actor)
-
-
-def begin_abort(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
-    """Canary nodes back to the pool's deployment, the baseline, which they still serve: only a
-    narrowing. During a promotion the pool itself goes back to the baseline. On a pool whose
-    balancer weighs nodes, the canary nodes first get no traffic (where others can take it)
-    until the rollback is read back everywhere. A move back: never held for a second person on
-    a protected pool."""
-    # No request reaches the canary from now on, where other nodes can take them: a canary on
-    # every node (a blue-green release's too) narrows in traffic instead.
-    others = rollout.pool.nodes.exclude(name__in=rollout.canary_nodes).exists()
-    if rollout.pool.traffic and others:
-        weights_set(rollout.pool, dict.fromkeys(rollout.canary_nodes, 0), actor_name(actor))
-    released = members(rollout)
-    pooled = _pooled(rollout, released)
-    with moving_back():
-        for member in reversed(released):  # pipelines first, then what they pin
-            pool = pooled.get(member.model.name)
-            if pool is not None and (pool.version == member.canary or pool.standby_version):
-                # A blue-green release not switched yet: its standby goes, the rest stays.
-                kept = pool.version != member.canary
-                deployment_set(
-                    model_name=member.model.name,
-                    version=member.baseline,
-                    pool=rollout.pool,
-                    actor=actor,
-                    baseline=pool.baseline_version if kept else None,
-                    baseline_until=pool.baseline_until if kept else None,
-                )
-            drop_node_deployments(member.model, rollout.pool, actor)
-    transition(rollout, State.ABORTING, reason, actor=actor)
-
-
-def drop_node_deployments(model: Model, pool: NodePool, actor: Actor) -> None:
-    """Every node of the pool back to the pool's own deployment of `model`."""
-    for deployment in Deployment.objects.filter(model=model, node__pool=pool):
-        deployment_remove(deployment_id=deployment.pk, actor=actor)
 
 
 @dataclass(frozen=True)
@@ -254,7 +146,7 @@ def _measure_ahead(rollout_id: int) -> Reading | None:
     spec = Analysis.from_dict(found.analysis)
     if not _due(found, spec, timezone.now()):
         return None
-    nodes = _nodes(found)
+    nodes = pool_nodes(found)
     compare = len(_canary(found, nodes)) < len(nodes)
     of = _as_measured(found, compare)
     try:
@@ -265,10 +157,10 @@ def _measure_ahead(rollout_id: int) -> Reading | None:
 
 def _progress(rollout: Rollout, reading: Reading | None = None) -> None:
     if rollout.strategy == Rollout.Strategy.BLUE_GREEN:
-        return _blue_green(rollout)
+        return blue_green(rollout)
     steps = parse_plan(rollout.plan)
     spec = Analysis.from_dict(rollout.analysis)
-    nodes = _nodes(rollout)
+    nodes = pool_nodes(rollout)
     if not nodes:
         return pause(rollout, f"pool {rollout.pool.name} has no nodes")
     canary = _canary(rollout, nodes)
@@ -345,7 +237,7 @@ def _apply_share(rollout: Rollout, canary: list[Node], nodes: list[Node]) -> Non
 def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: datetime) -> None:
     released = members(rollout)
     wanted = {m.model.name: m.versions for m in released}
-    readings = observed_many(canary, list(wanted))
+    readings = selectors.observed_many(canary, list(wanted))
     waiting = [
         n for n in canary if any(readings[(n.pk, name)][0] != v for name, v in wanted.items())
     ]
@@ -356,107 +248,7 @@ def _await_canary(rollout: Rollout, canary: list[Node], spec: Analysis, now: dat
         rollout.save()
         return None
     what = ", ".join(f"{m.model.name} v{m.canary}" for m in released)
-    return _stalled(rollout, waiting, list(wanted), what, spec, now)
-
-
-def _stalled(
-    rollout: Rollout,
-    waiting: list[Node],
-    models: list[str],
-    what: str,
-    spec: Analysis,
-    now: datetime,
-) -> None:
-    """Pause a rollout whose nodes do not get to READY: a load of `models` failed, or they
-    took longer than the analysis allows."""
-    failed = (
-        waiting[0]
-        .operations.filter(model_name__in=models, finished_at__gte=rollout.step_started_at)
-        .exclude(status__in=["succeeded", "cancelled", *Operation.OPEN])
-        .first()
-    )
-    if failed is not None:
-        return pause(rollout, f"{waiting[0].name}: {failed.kind} failed: {failed.error}")
-    assert rollout.step_started_at is not None
-    if (now - rollout.step_started_at).total_seconds() > spec.converge_timeout_s:
-        names = ", ".join(n.name for n in waiting)
-        return pause(rollout, f"{what} not READY on {names} after {spec.converge_timeout_s} s")
-    return None
-
-
-def _blue_green(rollout: Rollout) -> None:
-    """A blue-green release: the new pipeline release's changed steps load beside the ones
-    serving on every node (the pool's deployment keeps serving the release before, the new one
-    on standby); each is evaluated on every node against the version it replaces; then every
-    node switches at once, only reloading the pipeline. A failed evaluation lets the standby
-    go: the release before never stopped serving."""
-    spec = Analysis.from_dict(rollout.analysis)
-    nodes = _nodes(rollout)
-    if not nodes:
-        return pause(rollout, f"pool {rollout.pool.name} has no nodes")
-    lead = members(rollout)[0]
-    now = timezone.now()
-    if rollout.step_started_at is None:
-        serving = _pooled(rollout, [lead])[lead.model.name]
-        deployment_set(
-            model_name=lead.model.name,
-            version=serving.version,
-            pool=rollout.pool,
-            actor=ACTOR,
-            baseline=serving.baseline_version,  # a rollback window still open stays open
-            baseline_until=serving.baseline_until,
-            standby=lead.canary,
-        )
-        rollout.canary_nodes = [n.name for n in nodes]
-        rollout.step_started_at, rollout.step_ready_at = now, None
-        return transition(rollout, State.PROGRESSING, event="standby")
-    down = [n.name for n in nodes if n.health == Node.Health.UNREACHABLE]
-    if down:
-        return pause(rollout, f"node {', '.join(down)} is unreachable; resume when it is back")
-    changed = changed_steps(lead)
-    if rollout.step_ready_at is None:
-        readings = observed_many(nodes, [c.model for c in changed])
-        waiting = [
-            n
-            for n in nodes
-            if any(not {c.baseline, c.canary} <= readings[(n.pk, c.model)][0] for c in changed)
-        ]
-        if waiting:
-            what = ", ".join(f"{c.model} v{c.canary} beside v{c.baseline}" for c in changed)
-            return _stalled(rollout, waiting, [c.model for c in changed], what, spec, now)
-        rollout.step_ready_at = now
-        rollout.save()
-    runs = list(rollout.gate_runs.select_related("evaluation_set__model", "node").order_by("pk"))
-    if not runs:
-        try:
-            rollout.gate_runs.set(evaluate_everywhere(rollout, spec, changed, nodes))
-        except QualityError as exc:
-            return pause(rollout, f"evaluation before the switch: {exc}")
-        return None
-    if not all(run.finished for run in runs):
-        if now > max(gate_deadline(run, spec) for run in runs):
-            rollout.gate_runs.clear()  # a resume runs them again
-            return pause(
-                rollout,
-                "evaluation before the switch did not finish in time (a worker may have been "
-                "lost); resume to run it again",
-            )
-        return None
-    results = everywhere_verdicts(runs, spec)
-    _record(rollout, results)
-    verdict = overall(results)
-    findings = "; ".join(f"{r.metric}: {r.detail}" for r in results if r.verdict == verdict)
-    if verdict == Verdict.INCONCLUSIVE:
-        rollout.gate_runs.clear()
-        return pause(rollout, f"{findings}; resume to run it again")
-    if verdict != Verdict.SUCCESS:
-        rollout.first_failure_at = now
-        return begin_abort(
-            rollout, f"failed before the switch, still serving the release before: {findings}"
-        )
-    rollout.gate_passed_at = now
-    transition(rollout, State.PROMOTING, event="switch")
-    return _promote(rollout)  # the switch goes out in this same tick
+    return stalled(rollout, waiting, list(wanted), what, spec, now)
 
 
 def gate_pending(rollout: Rollout) -> bool:
@@ -501,14 +293,14 @@ def _gate(rollout: Rollout, canary: list[Node], spec: Analysis, now: datetime) -
         rollout.first_failure_at = rollout.first_failure_at or now
         return begin_abort(rollout, f"quality gate failed before any traffic: {detail}")
     rollout.gate_passed_at = now
-    _apply_share(rollout, canary, _nodes(rollout))  # now with the step's share of requests
+    _apply_share(rollout, canary, pool_nodes(rollout))  # now with the step's share of requests
     rollout.step_ready_at = now
     rollout.save()
     return None
 
 
 def _gate_start(rollout: Rollout, canary: list[Node], spec: Analysis) -> None:
-    lead, nodes = members(rollout)[0], _nodes(rollout)
+    lead, nodes = members(rollout)[0], pool_nodes(rollout)
     try:
         rollout.gate_run = evaluate(
             rollout, spec, lead=lead, canary=canary, nodes=nodes, when="before traffic"
@@ -520,7 +312,7 @@ def _gate_start(rollout: Rollout, canary: list[Node], spec: Analysis) -> None:
 
 
 def _measure(rollout: Rollout, spec: Analysis, compare: bool) -> list[Result]:
-    others = [n.name for n in _nodes(rollout) if n.name not in rollout.canary_nodes]
+    others = [n.name for n in pool_nodes(rollout) if n.name not in rollout.canary_nodes]
     return [
         # A lockstep member's metrics carry its name; any member failing fails the step.
         found
@@ -565,11 +357,11 @@ def _analyse(rollout: Rollout, spec: Analysis, reading: Reading) -> None:
             )
         rollout.save()
         return None
-    nodes = _nodes(rollout)
+    nodes = pool_nodes(rollout)
     lead, canary = members(rollout)[0], _canary(rollout, nodes)
     judged = evaluated(rollout, spec, lead=lead, canary=canary, nodes=nodes)
     results = labelled(rollout, [*results, *judged])
-    _record(rollout, results)
+    record(rollout, results)
     rollout.errors = 0
     rollout.last_verdict = overall(results, spec.pass_score)
     if rollout.last_verdict == Verdict.FAILURE and not spec.dry_run:
@@ -582,165 +374,10 @@ def _analyse(rollout: Rollout, spec: Analysis, reading: Reading) -> None:
     return None
 
 
-def _record(rollout: Rollout, results: list[Result]) -> None:
-    Measurement.objects.bulk_create(
-        Measurement(
-            rollout=rollout,
-            step=rollout.step,
-            metric=r.metric,
-            query=r.query,
-            canary_value=r.canary,
-            baseline_value=r.baseline,
-            threshold=r.threshold,
-            verdict=r.verdict,
-            detail=r.detail,
-            evidence=r.evidence,
-        )
-        for r in results
-    )
-
-
-def changed_steps(member: Member) -> list[ChangedStep]:
-    """The steps an ensemble release pins at another version than its baseline does."""
-    configs = dict(
-        member.model.versions.filter(version__in=[member.baseline, member.canary]).values_list(
-            "version", "config"
-        )
-    )
-    resolve = registry_resolver()
-
-    def pins(version: int) -> dict[str, int]:
-        if version not in configs:
-            return {}
-        try:
-            steps = pinned_steps(from_dict(configs[version]), resolve)
-        except UnresolvedStep:  # no longer loadable: nothing to compare
-            return {}
-        return {name: number for name, number in steps}
-
-    canary, baseline = pins(member.canary), pins(member.baseline)
-    budgets = dict(Model.objects.filter(name__in=canary).values_list("name", "latency_budget_ms"))
-    return [
-        ChangedStep(name, version, before, budgets.get(name))
-        for name, version in sorted(canary.items())
-        if (before := baseline.get(name)) is not None and before != version
-    ]
-
-
-def _promote(rollout: Rollout) -> None:
-    """The pool moves to the canary, canary nodes drop their own deployments; done when every
-    node is read back serving the canary (of every model released together) and, for the pool's
-    rollback window, the baseline beside it, loaded but not served: an unversioned request goes
-    to the highest version, and a rollback inside the window only narrows."""
-    released = members(rollout)
-    pooled = _pooled(rollout, released)
-    moving = [
-        m for m in released if (d := pooled.get(m.model.name)) is None or d.version != m.canary
-    ]
-    if moving:
-        window = rollout.pool.rollback_window_s
-        if window and (short := _no_room_beside(rollout, moving)):
-            window = 0
-            audit_record(
-                actor=ACTOR,
-                action="rollout.window_skipped",
-                target=f"rollout:{rollout.pk}:{rollout.model.name}",
-                message="the release before is not kept loaded for the rollback window, for "
-                f"want of memory beside the new one: {'; '.join(short)}",
-            )
-        until = timezone.now() + timedelta(seconds=window)
-        try:
-            for member in moving:  # in dependency order
-                keep = member.beside if window else None
-                deployment_set(
-                    model_name=member.model.name,
-                    version=member.canary,
-                    pool=rollout.pool,
-                    actor=ACTOR,
-                    baseline=keep,
-                    baseline_until=until if keep else None,
-                )
-        except FleetError as exc:
-            return transition(rollout, State.FAILED, f"promotion failed: {exc}")
-        for member in moving:
-            drop_node_deployments(member.model, rollout.pool, ACTOR)
-        return None
-    serving = {name: _serves(d) for name, d in pooled.items()}
-    if _all_serve(rollout, serving) is not None:
-        weights_reset(rollout.pool, ACTOR)
-        return transition(rollout, State.SUCCEEDED)
-    return None
-
-
-def _no_room_beside(rollout: Rollout, moving: list[Member]) -> list[str]:
-    """Where the releases before, kept loaded beside the new ones for the rollback window, would
-    not fit (on the pool's memory-aware nodes): on canary nodes already serving both too, since
-    a node short of its desired state never converges."""
-    change: Wanted = {
-        m.model.name: Want(m.canary, m.beside, f"{m.model.name} v{m.canary}, promoted")
-        for m in moving
-        if m.beside
-    }
-    if not change:
-        return []
-    nodes = list(rollout.pool.nodes.all())
-    return shortfalls(nodes, fleet_desired(pool_ids=[rollout.pool.pk]), change, new_only=False)
-
-
-def _aborting(rollout: Rollout) -> None:
-    released = members(rollout)
-    for member in released:  # a step may have raced the abort
-        drop_node_deployments(member.model, rollout.pool, ACTOR)
-    pooled = _pooled(rollout, released)
-    # What the pool's own deployment serves, the release before it too while its rollback window
-    # lasts: a rollout started inside that window is rolled back to both, not to the first alone.
-    targets = {
-        m.model.name: _serves(d) if (d := pooled.get(m.model.name)) else {m.baseline}
-        for m in released
-    }
-    first = rollout.pool.nodes.first()
-    if rollout.strategy == Rollout.Strategy.BLUE_GREEN and first:  # its standby steps let go
-        desired = fleet_desired(pool_ids=[rollout.pool.pk]).of(first)
-        targets |= {c.model: set(desired[c.model].versions) for c in changed_steps(released[0])}
-    done_at = _all_serve(rollout, targets, timed=rollout.canary_nodes)
-    if done_at is not None:
-        rollout.rolled_back_at = done_at
-        weights_reset(rollout.pool, ACTOR)
-        transition(rollout, State.ROLLED_BACK)
-
-
-def _serves(deployment: Deployment) -> set[int]:
-    """The versions a deployment keeps READY: its own, and the one kept beside it."""
-    return {v for v in (deployment.version, deployment.baseline_version) if v}
-
-
-def _pooled(rollout: Rollout, released: list[Member]) -> dict[str, Deployment]:
-    """The pool's own deployments of the models the rollout releases, by model name."""
-    found = Deployment.objects.filter(model__in=[m.model for m in released], pool=rollout.pool)
-    return {d.model.name: d for d in found.select_related("model")}
-
-
-def _all_serve(
-    rollout: Rollout, versions: dict[str, set[int]], timed: list[str] | None = None
-) -> datetime | None:
-    """None while a node of the pool is not read back serving exactly each model's `versions`;
-    then since when all of them (or all `timed` nodes) do."""
-    nodes = _nodes(rollout)
-    found = observed_many(nodes, list(versions))
-    if not nodes or any(
-        found[(n.pk, name)][0] != wanted for n in nodes for name, wanted in versions.items()
-    ):
-        return None
-    since = [
-        found[(n.pk, name)][1] for n in nodes if not timed or n.name in timed for name in versions
-    ]
-    return max((at for at in since if at is not None), default=timezone.now())
-
-
 # Each handler gets what was measured before the lock; only a rollout going forward measures.
 HANDLERS: dict[str, Callable[[Rollout, Reading | None], None]] = {
     State.PENDING: _progress,
     State.PROGRESSING: _progress,
-    State.PROMOTING: lambda rollout, _: _promote(rollout),
-    State.ABORTING: lambda rollout, _: _aborting(rollout),
+    State.PROMOTING: lambda rollout, _: promote(rollout),
+    State.ABORTING: lambda rollout, _: aborting(rollout),
 }

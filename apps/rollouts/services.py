@@ -19,7 +19,7 @@ from apps.registry.codec import from_dict
 from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.models import Model, ModelVersion
 from apps.registry.selectors import registry_resolver
-from apps.rollouts import controller
+from apps.rollouts import transitions
 from apps.rollouts.models import AnalysisTemplate, Rollout
 from apps.rollouts.notify import notify
 from apps.rollouts.plans import Analysis, PlanError, PreviewStep, parse_plan, preview
@@ -145,11 +145,11 @@ def rollout_propose(
     if not nodes:
         raise RolloutError(f"pool {pool_name} has no nodes")
     model, baseline = _releasable(model_name, canary_version, pool)
-    releases = [controller.Member(model, baseline, canary_version)]
+    releases = [transitions.Member(model, baseline, canary_version)]
     for name, version in lockstep or []:
         if any(m.model.name == name for m in releases):
             raise RolloutError(f"{name} is released twice in one rollout")
-        releases.append(controller.Member(*_releasable(name, version, pool), version))
+        releases.append(transitions.Member(*_releasable(name, version, pool), version))
     steps = parse_plan(plan)
     counts = [s.canary_count(len(nodes)) for s in steps]
     shrinking = next((i for i in range(1, len(counts)) if counts[i] < counts[i - 1]), None)
@@ -206,7 +206,7 @@ def rollout_propose(
     )
 
 
-def _blue_green_checks(releases: list[controller.Member], analysis: Analysis) -> None:
+def _blue_green_checks(releases: list[transitions.Member], analysis: Analysis) -> None:
     """A blue-green release switches a pipeline's pins: its changed steps load beside the ones
     serving and are evaluated, each by its own evaluation set of the analysis's name, on every
     node, before the switch."""
@@ -219,7 +219,7 @@ def _blue_green_checks(releases: list[controller.Member], analysis: Analysis) ->
             f"{name} is not a pipeline: blue-green switches a pipeline to the step versions it "
             "pins; release the pipeline version that pins the new one"
         )
-    changed = controller.changed_steps(lead)
+    changed = transitions.changed_steps(lead)
     if not changed:
         raise RolloutError(
             f"{name} v{lead.canary} pins the same step versions as v{lead.baseline}: nothing "
@@ -419,7 +419,7 @@ def _locked(rollout_id: int, action: str, allowed: list[State], actor: Actor | N
 @audited("rollout.pause", _rollout_target, (RolloutError, PlanError))
 def rollout_pause(*, rollout_id: int, actor: Actor) -> Rollout:
     rollout = _locked(rollout_id, "pause", [State.PENDING, State.PROGRESSING], actor)
-    controller.pause(rollout, f"paused by {actor_name(actor)}", actor=actor)
+    transitions.pause(rollout, f"paused by {actor_name(actor)}", actor=actor)
     return rollout
 
 
@@ -428,7 +428,7 @@ def rollout_resume(*, rollout_id: int, actor: Actor) -> Rollout:
     rollout = _locked(rollout_id, "resume", [State.PAUSED], actor)
     # Judged afresh: what made it pause (too little data, a node down) may have passed.
     rollout.errors, rollout.last_verdict, rollout.last_measured_at = 0, "", None
-    controller.transition(rollout, State.PROGRESSING, "", event="resumed", actor=actor)
+    transitions.transition(rollout, State.PROGRESSING, "", event="resumed", actor=actor)
     return rollout
 
 
@@ -442,7 +442,7 @@ def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
     )
     params = {"rollout_id": rollout_id, "reason": reason}
     second_person(actor, rollout.pool, "rollout.promote", params)
-    controller.transition(
+    transitions.transition(
         rollout, State.PROMOTING, f"promoted by {actor_name(actor)}: {reason}", actor=actor
     )
     return rollout
@@ -455,7 +455,7 @@ def rollout_abort(*, rollout_id: int, actor: Actor, reason: str = "") -> Rollout
     rollout = _locked(rollout_id, "abort", Rollout.ACTIVE, actor)
     if rollout.state != State.ABORTING:
         why = f"aborted by {actor_name(actor)}" + (f": {reason}" if reason.strip() else "")
-        controller.begin_abort(rollout, why, actor=actor)
+        transitions.begin_abort(rollout, why, actor=actor)
     return rollout
 
 
@@ -470,7 +470,7 @@ def rollout_roll_back(*, rollout_id: int, actor: Actor, reason: str) -> Rollout:
     authorize(actor, "rollouts.rollback_release", found.pool)
     rollout = _locked(rollout_id, "roll back", Rollout.ACTIVE, None)  # authorized above
     if rollout.state != State.ABORTING:
-        controller.begin_abort(
+        transitions.begin_abort(
             rollout, f"rolled back by {actor_name(actor)}: {reason}", actor=actor
         )
     return rollout
@@ -601,8 +601,8 @@ def _switch(
         if running is not None and running.state != State.ABORTING:
             why = f"pool switched to v{version} ({action}) by {actor_name(actor)}"
             rollout = _locked(running.pk, "abort", Rollout.ACTIVE, None)  # authorized above
-            controller.begin_abort(rollout, why, actor=actor)
-        controller.drop_node_deployments(model, pool, actor)
+            transitions.begin_abort(rollout, why, actor=actor)
+        transitions.drop_node_deployments(model, pool, actor)
     audit_record(
         actor=actor,
         action=f"release.{action}",

@@ -11,6 +11,7 @@ from django.test import Client
 from django.utils import timezone
 
 from apps.accounts.roles import Role
+from apps.fleet import selectors
 from apps.fleet.desired import fleet_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.runner import _loads_nothing
@@ -72,7 +73,7 @@ def nodes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Nodes]:
     deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="ops")
     stub = Nodes(pool)
     stub.converge()
-    monkeypatch.setattr(controller, "observed_many", stub.observed)
+    monkeypatch.setattr(selectors, "observed_many", stub.observed)
     yield stub
 
 

@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 from apps.accounts.roles import Role
 from apps.accounts.services import token_create
 from apps.audit.models import AuditEvent
-from apps.fleet import routing
+from apps.fleet import routing, selectors
 from apps.fleet.models import Deployment, Node, NodePool, Release
 from apps.fleet.routing import Reading
 from apps.fleet.services import deployment_set
 from apps.observability.prometheus import PrometheusUnavailable
 from apps.registry.models import Model, ModelVersion
-from apps.rollouts import analysis, controller
+from apps.rollouts import analysis, controller, transitions
 from apps.rollouts.analysis import Result
 from apps.rollouts.models import AnalysisTemplate, Measurement, Rollout
 from apps.rollouts.plans import Analysis, PlanError, Step, parse_plan, preview
@@ -171,7 +171,7 @@ def fleet(db: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
     deployment_set(model_name="rag", version=1, pool=pool, actor="ops")
     simulated = Fleet(pool)
     simulated.converge()
-    monkeypatch.setattr(controller, "observed_many", simulated.observed)
+    monkeypatch.setattr(selectors, "observed_many", simulated.observed)
     monkeypatch.setattr(controller, "measure", simulated.measure)
     monkeypatch.setattr(analysis, "instant_query", simulated.instant_query)
     yield simulated
@@ -734,7 +734,7 @@ def test_any_sequence_keeps_the_invariants(
                     tick(active)
                 elif active and action == "crash":  # the worker dies in the middle of a tick
                     with monkeypatch.context() as patched:
-                        patched.setattr(controller, "notify", _crash)
+                        patched.setattr(transitions, "notify", _crash)
                         tick(active)
                 elif active and action in HUMAN:
                     HUMAN[action](rollout_id=active.pk, actor="x")
