@@ -23,15 +23,14 @@ from apps.rollouts.approvals import APPROVER_PERMISSION, ApprovalError, approval
 from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Approval, Measurement, Rollout
 from apps.rollouts.plans import Analysis, PlanError, parse_plan, preview
+from apps.rollouts.proposals import RolloutError, rollout_propose
+from apps.rollouts.selectors import last_good_versions
 from apps.rollouts.services import (
-    RolloutError,
-    last_good_versions,
     release_fallback,
     release_rollback,
     rollout_abort,
     rollout_pause,
     rollout_promote,
-    rollout_propose,
     rollout_resume,
     rollout_retry,
     rollout_start,

@@ -1,9 +1,18 @@
 """Fixtures the unit tests share."""
 
 import pytest
+from django.urls import get_resolver
 
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _every_view_imported() -> None:
+    """Every module the URLs reach imported before any test stubs a function (say
+    `apps.fleet.selectors.observed_many`): one first imported during that test would keep the
+    stub it imported by name, for every test after it."""
+    assert get_resolver().url_patterns
 
 
 @pytest.fixture(autouse=True)

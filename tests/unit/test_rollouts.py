@@ -31,15 +31,15 @@ from apps.rollouts import analysis, controller, transitions
 from apps.rollouts.analysis import Result
 from apps.rollouts.models import AnalysisTemplate, Measurement, Rollout
 from apps.rollouts.plans import Analysis, PlanError, Step, parse_plan, preview
+from apps.rollouts.proposals import rollout_propose
+from apps.rollouts.selectors import last_good_version
 from apps.rollouts.services import (
     RolloutError,
-    last_good_version,
     release_fallback,
     release_rollback,
     rollout_abort,
     rollout_pause,
     rollout_promote,
-    rollout_propose,
     rollout_resume,
     rollout_retry,
     rollout_roll_back,

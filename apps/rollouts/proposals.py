@@ -1,0 +1,215 @@
+"""A rollout before it starts: checked, and what each step will do to which nodes (the dry
+run that the form previews and the start carries out)."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from apps.fleet.desired import Want, fleet_desired
+from apps.fleet.memory import shortfalls
+from apps.fleet.models import Deployment, NodePool
+from apps.quality.selectors import latest_set
+from apps.registry.codec import from_dict
+from apps.registry.ensembles import UnresolvedStep, pinned_steps
+from apps.registry.models import Model, ModelVersion
+from apps.registry.selectors import registry_resolver
+from apps.rollouts import transitions
+from apps.rollouts.models import AnalysisTemplate, Rollout
+from apps.rollouts.plans import Analysis, PlanError, PreviewStep, parse_plan, preview
+
+
+class RolloutError(Exception):
+    """Why a rollout action was refused, in words fit for the page."""
+
+
+@dataclass(frozen=True)
+class Proposal:
+    model: Model
+    pool: NodePool
+    baseline: int
+    canary: int
+    plan: list[dict[str, int]]
+    analysis: Analysis
+    preview: list[PreviewStep]
+    template: AnalysisTemplate | None = None
+    lockstep: list[dict[str, Any]] = field(default_factory=list)  # as Rollout.lockstep
+    memory: list[str] = field(default_factory=list)  # nodes where it would not fit, and why
+    strategy: str = Rollout.Strategy.CANARY
+
+
+def _template(name: str, model: Model, pool: NodePool) -> AnalysisTemplate:
+    """The latest version of template `name`, if it may judge `model` on `pool`."""
+    found = AnalysisTemplate.objects.filter(name=name).select_related("model", "pool").first()
+    if found is None:
+        raise RolloutError(f"no analysis template {name!r}")
+    for scope, given in ((found.model, model), (found.pool, pool)):
+        if scope is not None and scope != given:
+            raise RolloutError(f"analysis template {found} is for {scope}, not {given}")
+    return found
+
+
+def rollout_propose(
+    *,
+    model_name: str,
+    pool_name: str,
+    canary_version: int,
+    plan: str | list[dict[str, Any]],
+    analysis: dict[str, Any] | None = None,
+    accept_shares: bool = False,
+    template: str = "",
+    lockstep: list[tuple[str, int]] | None = None,
+    strategy: str = Rollout.Strategy.CANARY,
+) -> Proposal:
+    """Check a rollout before it starts and say what each step will do to which nodes (the
+    dry run). A share in percent is whole nodes here, each taking its part of the requests: a
+    step that would get more than twice its share is refused unless `accept_shares`.
+    `lockstep`: other models (name, canary version) released with it as one. A blue-green
+    release has one step, every node at once, and no plan of its own. Raises RolloutError or
+    PlanError."""
+    if strategy not in Rollout.Strategy.values:
+        raise RolloutError(f"no strategy {strategy!r}; one of {', '.join(Rollout.Strategy)}")
+    blue_green = strategy == Rollout.Strategy.BLUE_GREEN
+    if blue_green:
+        plan = "100%"
+    if not Model.objects.filter(name=model_name).exists():
+        raise RolloutError(f"no model {model_name!r} in the registry")
+    pool = NodePool.objects.filter(name=pool_name).first()
+    if pool is None:
+        raise RolloutError(f"no pool {pool_name!r}")
+    pool_nodes = list(pool.nodes.all())
+    nodes = [node.name for node in pool_nodes]
+    if not nodes:
+        raise RolloutError(f"pool {pool_name} has no nodes")
+    model, baseline = _releasable(model_name, canary_version, pool)
+    releases = [transitions.Member(model, baseline, canary_version)]
+    for name, version in lockstep or []:
+        if any(m.model.name == name for m in releases):
+            raise RolloutError(f"{name} is released twice in one rollout")
+        releases.append(transitions.Member(*_releasable(name, version, pool), version))
+    steps = parse_plan(plan)
+    counts = [s.canary_count(len(nodes)) for s in steps]
+    shrinking = next((i for i in range(1, len(counts)) if counts[i] < counts[i - 1]), None)
+    if shrinking is not None:
+        raise PlanError(
+            f"step {shrinking + 1}: {counts[shrinking]} canary nodes after {counts[shrinking - 1]}"
+            "; a step may only widen the canary"
+        )
+    rows = preview(steps, nodes, weighted=bool(pool.traffic))
+    far = next((row for row in rows if row.overshoots), None)
+    if far is not None and not accept_shares:
+        raise PlanError(
+            f"step {far.index + 1}: {far.step.percent}% of pool {pool_name} is "
+            f"{far.real_share}, more than twice the share asked; accept the real shares to go "
+            "on, or give the step in nodes"
+        )
+    chosen = _template(template, model, pool) if template else None
+    # What is given here overrides the template, which overrides the defaults.
+    judged = Analysis.from_dict((chosen.analysis if chosen else {}) | (analysis or {}))
+    if pool.protected:
+        _as_strict_as_the_pool(judged, pool)
+    if blue_green:
+        _blue_green_checks(releases, judged)
+        # Each node with the new release's steps standing by beside what it serves.
+        label = f"{model_name} v{canary_version}, on standby"
+        change = {model_name: Want(baseline, None, label, standby=canary_version)}
+    else:
+        if judged.quality_set and latest_set(model_id=model.pk, name=judged.quality_set) is None:
+            raise RolloutError(
+                f"{model_name} has no evaluation set {judged.quality_set!r} for the quality "
+                "gate; import one first"
+            )
+        # Each node as a canary node would be, the baseline beside the canary: the widest step.
+        change = {
+            m.model.name: Want(m.canary, m.beside, f"{m.model.name} v{m.canary}, a canary")
+            for m in releases
+        }
+    short = shortfalls(pool_nodes, fleet_desired(pool_ids=[pool.pk]), change)
+    return Proposal(
+        model=model,
+        pool=pool,
+        baseline=baseline,
+        canary=canary_version,
+        plan=[s.as_dict() for s in steps],
+        analysis=judged,
+        preview=rows,
+        template=chosen,
+        lockstep=[
+            {"model": m.model.name, "baseline": m.baseline, "canary": m.canary}
+            for m in releases[1:]
+        ],
+        memory=short,
+        strategy=strategy,
+    )
+
+
+def _blue_green_checks(releases: list[transitions.Member], analysis: Analysis) -> None:
+    """A blue-green release switches a pipeline's pins: its changed steps load beside the ones
+    serving and are evaluated, each by its own evaluation set of the analysis's name, on every
+    node, before the switch."""
+    lead = releases[0]
+    name = lead.model.name
+    if len(releases) > 1:
+        raise RolloutError("a blue-green release switches one pipeline; release it alone")
+    if lead.model.kind != Model.Kind.ENSEMBLE:
+        raise RolloutError(
+            f"{name} is not a pipeline: blue-green switches a pipeline to the step versions it "
+            "pins; release the pipeline version that pins the new one"
+        )
+    changed = transitions.changed_steps(lead)
+    if not changed:
+        raise RolloutError(
+            f"{name} v{lead.canary} pins the same step versions as v{lead.baseline}: nothing "
+            "to load beside them"
+        )
+    if not analysis.quality_set:
+        raise RolloutError(
+            "a blue-green release is evaluated before it switches: name an evaluation set "
+            "(quality_set)"
+        )
+    for step in changed:
+        found = Model.objects.filter(name=step.model).first()
+        if found is None or latest_set(model_id=found.pk, name=analysis.quality_set) is None:
+            raise RolloutError(
+                f"step {step.model} (v{step.baseline} -> v{step.canary}) has no evaluation set "
+                f"{analysis.quality_set!r} to validate it before the switch; import one first"
+            )
+
+
+def _as_strict_as_the_pool(analysis: Analysis, pool: NodePool) -> None:
+    """On a protected pool, a release is judged and acted on: a dry run (which goes on whatever
+    the verdict) is refused, and so is an analysis looser than the pool's own template (its
+    newest), since the controller promotes alone on what the analysis passes."""
+    if analysis.dry_run:
+        raise RolloutError(
+            f"pool {pool.name} is protected: a dry run goes on whatever the verdict, so it may "
+            "not release there"
+        )
+    template = AnalysisTemplate.objects.filter(pool=pool).order_by("-created_at", "-id").first()
+    looser = analysis.looser_than(Analysis.from_dict(template.analysis)) if template else []
+    if looser:
+        raise RolloutError(
+            f"pool {pool.name} is protected: the analysis is looser than its template "
+            f"{template}: {'; '.join(looser)}"
+        )
+
+
+def _releasable(model_name: str, canary_version: int, pool: NodePool) -> tuple[Model, int]:
+    """The model and the version the pool runs of it (the baseline), if `canary_version` may
+    roll out over it."""
+    model = Model.objects.filter(name=model_name).first()
+    if model is None:
+        raise RolloutError(f"no model {model_name!r} in the registry")
+    deployed = Deployment.objects.filter(model=model, pool=pool).first()
+    if deployed is None:
+        raise RolloutError(f"pool {pool.name} does not run {model_name}: deploy a baseline first")
+    canary = model.versions.filter(version=canary_version).first()
+    if canary is None:
+        raise RolloutError(f"{model_name} v{canary_version} is not in the registry")
+    if canary.status != ModelVersion.Status.RELEASED:
+        raise RolloutError(f"{model_name} v{canary_version} is {canary.status}, not released")
+    if canary_version == deployed.version:
+        raise RolloutError(f"pool {pool.name} already runs {model_name} v{canary_version}")
+    try:
+        pinned_steps(from_dict(canary.config), registry_resolver())
+    except UnresolvedStep as exc:
+        raise RolloutError(f"{model_name} v{canary_version}: {exc}") from None
+    return model, deployed.version
