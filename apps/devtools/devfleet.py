@@ -12,89 +12,37 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import pytriton
 
+from apps.devtools.processes import (
+    DevfleetError,
+    FleetState,
+    Proc,
+    haproxy_config,
+    ports_free,
+    proc_stat,
+    require_binary,
+    simulator_env,
+    triton_env,
+    wait_gone,
+    wait_http,
+    wait_simulator,
+)
 from apps.fleet.triton import TritonClient, TritonError
 from apps.registry.codec import pin_versions, to_json
 from apps.registry.ensembles import Resolved, pinned_steps
 from apps.registry.repository import read_model
 
-START_TIMEOUT_S = 60.0
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # The stub must match the Python it embeds; pytriton ships one per version.
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 SINGLE_PROCESSES = ("prometheus", "simulator", "alertmanager", "haproxy")
-HAPROXY_BACKENDS = ("triton_http", "triton_grpc")
-
-
-class DevfleetError(Exception):
-    """Something the user must fix; the message says what and how, in one line."""
-
-
-@dataclass
-class Proc:
-    name: str
-    pid: int
-    argv: list[str]
-    log: str
-    started: int  # start time in clock ticks since boot: with the pid, identifies the process
-    ports: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def running(self) -> bool:
-        """True only while `pid` is still the process we started, and not a zombie."""
-        stat = _proc_stat(self.pid)
-        return stat is not None and stat[0] != "Z" and int(stat[19]) == self.started
-
-
-@dataclass
-class FleetState:
-    nodes: list[Proc] = field(default_factory=list)
-    prometheus: Proc | None = None
-    simulator: Proc | None = None  # its ports: one per simulated node, by node name
-    alertmanager: Proc | None = None
-    haproxy: Proc | None = None  # in front of the nodes: ports http, grpc and runtime (its API)
-
-    def node_urls(self, node: Proc) -> dict[str, str]:
-        return {
-            "http_url": f"http://127.0.0.1:{node.ports['http']}",
-            "grpc_url": f"127.0.0.1:{node.ports['grpc']}",
-            "metrics_url": f"http://127.0.0.1:{node.ports['metrics']}/metrics",
-        }
-
-    def simulated_urls(self) -> dict[str, dict[str, str]]:
-        """Each simulated node's addresses, by name; it serves /metrics on its HTTP port."""
-        assert self.simulator is not None
-        return {
-            name: {
-                "http_url": f"http://127.0.0.1:{port}",
-                "grpc_url": "",
-                "metrics_url": f"http://127.0.0.1:{port}/metrics",
-            }
-            for name, port in self.simulator.ports.items()
-        }
-
-    @property
-    def processes(self) -> list[Proc]:
-        """Everything this fleet started: the nodes, the simulator, Prometheus, Alertmanager."""
-        started = (self.simulator, self.prometheus, self.alertmanager, self.haproxy)
-        extra = [proc for proc in started if proc is not None]
-        return [*self.nodes, *extra]
-
-    @property
-    def prometheus_url(self) -> str:
-        assert self.prometheus is not None
-        return f"http://127.0.0.1:{self.prometheus.ports['web']}"
 
 
 class Devfleet:
@@ -139,8 +87,8 @@ class Devfleet:
         self._require_stopped()
         tritonserver, backends = self._triton_install()
         self._precompile()
-        prometheus = _require_binary("prometheus", "apt-get install -y prometheus")
-        ports = _ports(nodes * 3, base_port)
+        prometheus = require_binary("prometheus", "apt-get install -y prometheus")
+        ports = ports_free(nodes * 3, base_port)
         state = FleetState()
         try:
             for i in range(nodes):
@@ -167,16 +115,16 @@ class Devfleet:
                 if repository_key:
                     argv.append(f"--http-restricted-api=model-repository:{repository_key}")
                 proc = self._spawn(
-                    name, argv, {"http": http, "grpc": grpc, "metrics": metrics}, _triton_env()
+                    name, argv, {"http": http, "grpc": grpc, "metrics": metrics}, triton_env()
                 )
                 state.nodes.append(proc)
                 self._save(state)
             for proc in state.nodes:
-                _wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
-            web = _ports(1, prometheus_port)[0]
+                wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
+            web = ports_free(1, prometheus_port)[0]
             state.prometheus = self._start_prometheus(prometheus, state, pool, web)
             self._save(state)
-            _wait_http(f"{state.prometheus_url}/-/ready", state.prometheus)
+            wait_http(f"{state.prometheus_url}/-/ready", state.prometheus)
         except BaseException:
             self.down()
             raise
@@ -189,11 +137,11 @@ class Devfleet:
         state = self.state()
         if state.prometheus is None or not state.prometheus.running:
             raise DevfleetError("start the fleet first: its Prometheus evaluates the rules")
-        binary = _require_binary(
+        binary = require_binary(
             "prometheus-alertmanager", "apt-get install -y prometheus-alertmanager"
         )
         self.alerting_stop()
-        port = _ports(1, None)[0]
+        port = ports_free(1, None)[0]
         route = {"receiver": "controlplane", "group_by": ["alertname", "pool", "model"]}
         route |= {"group_wait": "1s", "group_interval": "5s", "repeat_interval": "1h"}
         webhook = {"url": receiver, "send_resolved": True}
@@ -208,7 +156,7 @@ class Devfleet:
         argv += [f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="]
         state.alertmanager = self._spawn("alertmanager", argv, {"web": port})
         self._save(state)
-        _wait_http(f"http://127.0.0.1:{port}/-/ready", state.alertmanager)
+        wait_http(f"http://127.0.0.1:{port}/-/ready", state.alertmanager)
         alerting = {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}]}
         self._reload_prometheus(state, {"rule_files": [str(rules.resolve())], "alerting": alerting})
         return state.alertmanager
@@ -219,7 +167,7 @@ class Devfleet:
         if state.alertmanager is not None:
             if state.alertmanager.running:
                 os.killpg(state.alertmanager.pid, signal.SIGTERM)
-                _wait_gone(state.alertmanager, 15.0)
+                wait_gone(state.alertmanager, 15.0)
             state.alertmanager = None
             self._save(state)
         if state.prometheus is not None and state.prometheus.running:
@@ -233,10 +181,10 @@ class Devfleet:
         state = self.state()
         if not state.nodes:
             raise DevfleetError("start the fleet first: HAProxy balances its nodes")
-        binary = _require_binary("haproxy", "apt-get install -y haproxy")
+        binary = require_binary("haproxy", "apt-get install -y haproxy")
         if state.haproxy is not None and state.haproxy.running:
             raise DevfleetError(f"HAProxy is already running (pid {state.haproxy.pid})")
-        http, grpc, runtime = _ports(3, base_port)
+        http, grpc, runtime = ports_free(3, base_port)
         config = self.home / "haproxy.cfg"
         config.write_text(haproxy_config(state, http=http, grpc=grpc, runtime=runtime))
         argv = [binary, "-db", "-f", str(config)]
@@ -247,7 +195,7 @@ class Devfleet:
             "haproxy", argv, {"http": http, "grpc": grpc, "runtime": runtime}
         )
         self._save(state)
-        _wait_http(f"http://127.0.0.1:{http}/v2/health/live", state.haproxy)
+        wait_http(f"http://127.0.0.1:{http}/v2/health/live", state.haproxy)
         return state.haproxy
 
     def _reload_prometheus(self, state: FleetState, changes: dict[str, object]) -> None:
@@ -268,7 +216,7 @@ class Devfleet:
     ) -> FleetState:
         """One simulator process serving `nodes` simulated nodes, for load tests; no Prometheus."""
         self._require_stopped()
-        ports = _ports(nodes, base_port)
+        ports = ports_free(nodes, base_port)
         argv = [
             sys.executable,
             "-m",
@@ -278,13 +226,11 @@ class Devfleet:
             f"--failure-rate={failure_rate}",
         ]
         names = [f"{pool}-{i + 1:03d}" for i in range(nodes)]
-        proc = self._spawn(
-            "simulator", argv, dict(zip(names, ports, strict=True)), _simulator_env()
-        )
+        proc = self._spawn("simulator", argv, dict(zip(names, ports, strict=True)), simulator_env())
         state = FleetState(simulator=proc)
         self._save(state)
         try:
-            _wait_simulator(proc)
+            wait_simulator(proc)
         except BaseException:
             self.down()
             raise
@@ -305,9 +251,9 @@ class Devfleet:
                 lines.append(f"{proc.name}: not running (pid {proc.pid})")
                 continue
             os.killpg(proc.pid, signal.SIGTERM)
-            if not _wait_gone(proc, 15.0):
+            if not wait_gone(proc, 15.0):
                 os.killpg(proc.pid, signal.SIGKILL)
-                _wait_gone(proc, 5.0)
+                wait_gone(proc, 5.0)
             lines.append(f"{proc.name}: stopped (pid {proc.pid})")
         self.state_file.unlink(missing_ok=True)
         return lines
@@ -317,7 +263,7 @@ class Devfleet:
         proc = self._proc(name)
         if proc.running:
             os.killpg(proc.pid, signal.SIGKILL)
-            _wait_gone(proc, 10.0)
+            wait_gone(proc, 10.0)
         return proc
 
     def restart(self, name: str) -> Proc:
@@ -330,22 +276,22 @@ class Devfleet:
         if state.prometheus is not None and name == state.prometheus.name:
             state.prometheus = proc = self._spawn(name, old.argv, old.ports)
             self._save(state)
-            _wait_http(f"{state.prometheus_url}/-/ready", proc)
+            wait_http(f"{state.prometheus_url}/-/ready", proc)
             return proc
         if state.haproxy is not None and name == state.haproxy.name:
             state.haproxy = proc = self._spawn(name, old.argv, old.ports)
             self._save(state)
-            _wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
+            wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
             return proc
         if state.simulator is not None and name == state.simulator.name:
-            state.simulator = proc = self._spawn(name, old.argv, old.ports, _simulator_env())
+            state.simulator = proc = self._spawn(name, old.argv, old.ports, simulator_env())
             self._save(state)
-            _wait_simulator(proc)
+            wait_simulator(proc)
             return proc
-        proc = self._spawn(name, old.argv, old.ports, _triton_env())
+        proc = self._spawn(name, old.argv, old.ports, triton_env())
         state.nodes = [proc if n.name == name else n for n in state.nodes]
         self._save(state)
-        _wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
+        wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
         return proc
 
     def _proc(self, name: str) -> Proc:
@@ -368,7 +314,7 @@ class Devfleet:
                 env=env,
                 start_new_session=True,
             )
-        stat = _proc_stat(popen.pid)
+        stat = proc_stat(popen.pid)
         started = int(stat[19]) if stat else -1
         return Proc(name=name, pid=popen.pid, argv=argv, log=str(log), started=started, ports=ports)
 
@@ -476,137 +422,3 @@ class Devfleet:
                 raise TritonError(
                     client.node, f"{name} v{each_version} is not READY after load: {reason}"
                 )
-
-
-def haproxy_config(state: FleetState, *, http: int, grpc: int, runtime: int) -> str:
-    """What `deploy/haproxy/triton-pool.cfg` shows, for the fleet's nodes on this machine."""
-    # A gRPC server's health is checked over HTTP/1.1 on its node's HTTP port.
-    grpc_check = "proto h2 check check-proto h1 port"
-    servers = {
-        "triton_http": [f"{n.name} 127.0.0.1:{n.ports['http']} check" for n in state.nodes],
-        "triton_grpc": [
-            f"{n.name} 127.0.0.1:{n.ports['grpc']} {grpc_check} {n.ports['http']}"
-            for n in state.nodes
-        ],
-    }
-    lines = [
-        "global",
-        f"    stats socket ipv4@127.0.0.1:{runtime} level admin",
-        "defaults",
-        "    mode http",
-        "    timeout connect 2s",
-        "    timeout client 60s",
-        "    timeout server 60s",
-        "frontend triton_http",
-        f"    bind 127.0.0.1:{http}",
-        "    default_backend triton_http",
-        "frontend triton_grpc",
-        f"    bind 127.0.0.1:{grpc} proto h2",
-        "    default_backend triton_grpc",
-    ]
-    for backend in HAPROXY_BACKENDS:
-        lines += [
-            f"backend {backend}",
-            "    balance roundrobin",
-            "    option httpchk GET /v2/health/ready",
-            "    default-server weight 100 inter 1s fall 2 rise 1",
-            *(f"    server {server}" for server in servers[backend]),
-        ]
-    return "\n".join(lines) + "\n"
-
-
-# What would make the Python backend's stub, which embeds the system's libpython3.11, look for
-# its standard library and packages somewhere else than the system Python's.
-_FOREIGN_PYTHON = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "CONDA_PREFIX")
-
-
-def _triton_env() -> dict[str, str]:
-    """tritonserver finds its bundled libraries (libtritonserver, libcudart...) next to pytriton.
-    The Python backend's stub embeds the system's libpython3.11, which takes its prefix from the
-    first python3 on PATH: /usr/bin goes first, so the stub finds the system's numpy whatever
-    the caller's shell put there (pyenv, conda, a virtualenv)."""
-    libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
-    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_PYTHON}
-    path = "/usr/bin:" + env.get("PATH", "")
-    return {**env, "LD_LIBRARY_PATH": str(libs), "PATH": path}
-
-
-def _simulator_env() -> dict[str, str]:
-    """`python -m apps.devtools.simulator` finds the project wherever the command was started."""
-    return {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command name (state first), or None if gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw.rsplit(")", 1)[1].split()
-
-
-def _require_binary(name: str, install: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        raise DevfleetError(f"`{name}` is not installed: {install}")
-    return path
-
-
-def _ports(count: int, base: int | None) -> list[int]:
-    """`count` ports: consecutive from `base` (each checked free), or free ones the OS picks."""
-    if base is None:
-        sockets = [socket.socket() for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        ports = [sock.getsockname()[1] for sock in sockets]
-        for sock in sockets:
-            sock.close()
-        return ports
-    ports = list(range(base, base + count))
-    for port in ports:
-        with socket.socket() as sock:
-            # Like the servers themselves, ignore TIME_WAIT left by a fleet that just stopped.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                raise DevfleetError(
-                    f"port {port} is already taken; pick other ports with --base-port"
-                ) from None
-    return ports
-
-
-def _wait_http(url: str, proc: Proc) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if not proc.running:
-            tail = Path(proc.log).read_text(errors="replace").strip().splitlines()[-3:]
-            raise DevfleetError(
-                f"{proc.name} exited during start-up; {proc.log} ends with: {' | '.join(tail)}"
-            )
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - our own localhost URL
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise DevfleetError(
-        f"{proc.name} did not answer {url} within {START_TIMEOUT_S:.0f} s; see {proc.log}"
-    )
-
-
-def _wait_simulator(proc: Proc) -> None:
-    """The simulator binds its ports in order and serves each at once: the last one answering
-    means every node does."""
-    last = list(proc.ports.values())[-1]
-    _wait_http(f"http://127.0.0.1:{last}/v2/health/live", proc)
-
-
-def _wait_gone(proc: Proc, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.running:
-            return True
-        time.sleep(0.1)
-    return False

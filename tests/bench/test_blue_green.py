@@ -18,7 +18,8 @@ from datetime import datetime
 import pytest
 from django.utils import timezone
 
-from apps.devtools.devfleet import Devfleet, FleetState, Proc
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState, Proc
 from apps.fleet.models import NodePool
 from apps.fleet.triton import TritonClient, TritonError
 from apps.quality.services import evaluation_set_import

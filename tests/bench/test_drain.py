@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from apps.devtools.devfleet import HAPROXY_BACKENDS, Devfleet, FleetState, Proc
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc
 from apps.fleet.models import NodePool, Operation
 from apps.fleet.services import deployment_set, pool_set_traffic
 from tests.support.bench import Report

@@ -13,7 +13,8 @@ Run with `make bench` (not part of CI), or alone:
 
 import pytest
 
-from apps.devtools.devfleet import Devfleet, FleetState
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState
 from apps.fleet.models import NodePool, Operation
 from apps.fleet.services import deployment_set
 from apps.rollouts.models import Rollout

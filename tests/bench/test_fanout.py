@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from apps.devtools.devfleet import Devfleet, FleetState
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services import deployment_set, node_register
 from apps.fleet.triton import TritonClient

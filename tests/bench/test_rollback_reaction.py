@@ -20,7 +20,8 @@ from datetime import datetime
 import pytest
 from django.utils import timezone
 
-from apps.devtools.devfleet import Devfleet, FleetState
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services import deployment_set
 from apps.registry.services import model_set_budget

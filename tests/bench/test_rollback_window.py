@@ -20,7 +20,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from apps.devtools.devfleet import Devfleet, FleetState, Proc
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState, Proc
 from apps.fleet.models import NodePool, Operation
 from apps.fleet.services import deployment_set
 from apps.registry.models import Model

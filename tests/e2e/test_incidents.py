@@ -17,7 +17,8 @@ from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.accounts.services import token_create
-from apps.devtools.devfleet import Devfleet, FleetState
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState
 from apps.fleet.models import NodePool
 from apps.incidents.models import Incident
 from apps.incidents.suspects import suspects

@@ -8,7 +8,7 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
-from apps.devtools.devfleet import FleetState, Proc
+from apps.devtools.processes import FleetState, Proc
 from apps.fleet.models import NodePool
 from apps.rollouts.services import rollout_start
 from tests.support.browser import screenshot, sign_in

@@ -14,7 +14,8 @@ import requests
 from apps.accounts.roles import Role
 from apps.accounts.services import token_create
 from apps.audit.models import AuditEvent
-from apps.devtools.devfleet import Devfleet, FleetState
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState
 from apps.fleet.models import NodePool
 from apps.fleet.services import node_register
 from tests.support.fleet import ANALYSIS, STEPS_V1, STEPS_V2, converged, traffic_to, wait_for

@@ -5,7 +5,8 @@ index built from the wrong documents is evaluated, let go, and never answers a u
 
 import pytest
 
-from apps.devtools.devfleet import Devfleet, FleetState, Proc
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState, Proc
 from apps.fleet.models import NodePool
 from apps.quality.models import EvaluationRun
 from apps.quality.services import evaluation_set_import

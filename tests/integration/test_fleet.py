@@ -7,7 +7,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.utils import timezone
 
-from apps.devtools.devfleet import DevfleetError
+from apps.devtools.processes import DevfleetError
 from apps.devtools.traffic import send_traffic
 from apps.fleet.triton import TritonClient, TritonRejected
 from apps.observability.prometheus import range_query

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from apps.devtools.devfleet import Devfleet, FleetState
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState
 from apps.fleet.models import Footprint, Node, NodePool, Operation
 from apps.fleet.services import deployment_set, node_register, node_set_memory
 from apps.registry.imports import repository_import

@@ -4,7 +4,8 @@ wrong never gets a user request; a healthy one passes and takes its share."""
 import pytest
 
 from apps.audit.models import AuditEvent
-from apps.devtools.devfleet import Devfleet, FleetState, Proc
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState, Proc
 from apps.fleet.models import NodePool
 from apps.quality.models import EvaluationRun, SyntheticLoad
 from apps.quality.services import evaluation_set_import

@@ -13,7 +13,8 @@ import pytest
 
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
-from apps.devtools.devfleet import Devfleet, FleetState
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services import (
     FleetError,

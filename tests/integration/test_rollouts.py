@@ -12,7 +12,8 @@ from django.utils import timezone
 
 from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
-from apps.devtools.devfleet import Devfleet, FleetState
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services import deployment_set
 from apps.registry.services import model_set_budget, model_set_fallback, model_set_slo

@@ -10,7 +10,8 @@ import tritonclient.grpc as grpcclient
 from django.utils import timezone
 
 from apps.audit.models import AuditEvent
-from apps.devtools.devfleet import Devfleet, FleetState, Proc
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import FleetState, Proc
 from apps.devtools.traffic import send_traffic
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services import deployment_set

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from apps.devtools.devfleet import HAPROXY_BACKENDS, Devfleet, FleetState, Proc
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc
 from apps.devtools.traffic import QUESTIONS, send_traffic, wait_for_model
 from apps.fleet.haproxy import Runtime
 from apps.fleet.models import Node, NodePool

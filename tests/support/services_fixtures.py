@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from apps.devtools.devfleet import HAPROXY_BACKENDS, Devfleet, FleetState, Proc
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc
 from apps.fleet.models import NodePool, Operation
 from apps.fleet.services import deployment_set, node_register, pool_set_traffic
 from apps.fleet.triton import TritonClient

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from django.core.management import call_command
 
-from apps.devtools.devfleet import HAPROXY_BACKENDS, FleetState, Proc, haproxy_config
+from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc, haproxy_config
 from apps.quality.models import EvaluationSet
 from apps.rollouts.models import AnalysisTemplate
 

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
-from apps.devtools.devfleet import Devfleet, DevfleetError, FleetState, Proc, _ports
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import DevfleetError, FleetState, Proc, ports_free
 from tests.support import REPOSITORY
 
 
@@ -15,7 +16,7 @@ def test_a_taken_port_is_a_one_line_error() -> None:
         sock.listen()
         taken = sock.getsockname()[1]
         with pytest.raises(DevfleetError, match=f"port {taken} is already taken; pick other ports"):
-            _ports(1, taken)
+            ports_free(1, taken)
 
 
 def test_down_never_kills_a_process_it_did_not_start(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from apps.devtools.devfleet import HAPROXY_BACKENDS, Devfleet, DevfleetError, Proc
+from apps.devtools.devfleet import Devfleet
+from apps.devtools.processes import HAPROXY_BACKENDS, DevfleetError, Proc
 from apps.devtools.traffic import send_traffic
 from apps.fleet.models import Node, NodePool
 from apps.fleet.selectors import node_list

@@ -1,0 +1,211 @@
+"""The local fleet's processes as recorded (`Proc`, `FleetState`), and what starting and
+stopping them needs: free ports, each kind's environment, waiting until one answers or is gone,
+and HAProxy's configuration in front of the nodes."""
+
+import os
+import shutil
+import socket
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytriton
+
+START_TIMEOUT_S = 60.0
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+HAPROXY_BACKENDS = ("triton_http", "triton_grpc")
+
+
+class DevfleetError(Exception):
+    """Something the user must fix; the message says what and how, in one line."""
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+    argv: list[str]
+    log: str
+    started: int  # start time in clock ticks since boot: with the pid, identifies the process
+    ports: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def running(self) -> bool:
+        """True only while `pid` is still the process we started, and not a zombie."""
+        stat = proc_stat(self.pid)
+        return stat is not None and stat[0] != "Z" and int(stat[19]) == self.started
+
+
+@dataclass
+class FleetState:
+    nodes: list[Proc] = field(default_factory=list)
+    prometheus: Proc | None = None
+    simulator: Proc | None = None  # its ports: one per simulated node, by node name
+    alertmanager: Proc | None = None
+    haproxy: Proc | None = None  # in front of the nodes: ports http, grpc and runtime (its API)
+
+    def node_urls(self, node: Proc) -> dict[str, str]:
+        return {
+            "http_url": f"http://127.0.0.1:{node.ports['http']}",
+            "grpc_url": f"127.0.0.1:{node.ports['grpc']}",
+            "metrics_url": f"http://127.0.0.1:{node.ports['metrics']}/metrics",
+        }
+
+    def simulated_urls(self) -> dict[str, dict[str, str]]:
+        """Each simulated node's addresses, by name; it serves /metrics on its HTTP port."""
+        assert self.simulator is not None
+        return {
+            name: {
+                "http_url": f"http://127.0.0.1:{port}",
+                "grpc_url": "",
+                "metrics_url": f"http://127.0.0.1:{port}/metrics",
+            }
+            for name, port in self.simulator.ports.items()
+        }
+
+    @property
+    def processes(self) -> list[Proc]:
+        """Everything this fleet started: the nodes, the simulator, Prometheus, Alertmanager."""
+        started = (self.simulator, self.prometheus, self.alertmanager, self.haproxy)
+        extra = [proc for proc in started if proc is not None]
+        return [*self.nodes, *extra]
+
+    @property
+    def prometheus_url(self) -> str:
+        assert self.prometheus is not None
+        return f"http://127.0.0.1:{self.prometheus.ports['web']}"
+
+
+def haproxy_config(state: FleetState, *, http: int, grpc: int, runtime: int) -> str:
+    """What `deploy/haproxy/triton-pool.cfg` shows, for the fleet's nodes on this machine."""
+    # A gRPC server's health is checked over HTTP/1.1 on its node's HTTP port.
+    grpc_check = "proto h2 check check-proto h1 port"
+    servers = {
+        "triton_http": [f"{n.name} 127.0.0.1:{n.ports['http']} check" for n in state.nodes],
+        "triton_grpc": [
+            f"{n.name} 127.0.0.1:{n.ports['grpc']} {grpc_check} {n.ports['http']}"
+            for n in state.nodes
+        ],
+    }
+    lines = [
+        "global",
+        f"    stats socket ipv4@127.0.0.1:{runtime} level admin",
+        "defaults",
+        "    mode http",
+        "    timeout connect 2s",
+        "    timeout client 60s",
+        "    timeout server 60s",
+        "frontend triton_http",
+        f"    bind 127.0.0.1:{http}",
+        "    default_backend triton_http",
+        "frontend triton_grpc",
+        f"    bind 127.0.0.1:{grpc} proto h2",
+        "    default_backend triton_grpc",
+    ]
+    for backend in HAPROXY_BACKENDS:
+        lines += [
+            f"backend {backend}",
+            "    balance roundrobin",
+            "    option httpchk GET /v2/health/ready",
+            "    default-server weight 100 inter 1s fall 2 rise 1",
+            *(f"    server {server}" for server in servers[backend]),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+# What would make the Python backend's stub, which embeds the system's libpython3.11, look for
+# its standard library and packages somewhere else than the system Python's.
+_FOREIGN_PYTHON = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "CONDA_PREFIX")
+
+
+def triton_env() -> dict[str, str]:
+    """tritonserver finds its bundled libraries (libtritonserver, libcudart...) next to pytriton.
+    The Python backend's stub embeds the system's libpython3.11, which takes its prefix from the
+    first python3 on PATH: /usr/bin goes first, so the stub finds the system's numpy whatever
+    the caller's shell put there (pyenv, conda, a virtualenv)."""
+    libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
+    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_PYTHON}
+    path = "/usr/bin:" + env.get("PATH", "")
+    return {**env, "LD_LIBRARY_PATH": str(libs), "PATH": path}
+
+
+def simulator_env() -> dict[str, str]:
+    """`python -m apps.devtools.simulator` finds the project wherever the command was started."""
+    return {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (state first), or None if gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw.rsplit(")", 1)[1].split()
+
+
+def require_binary(name: str, install: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise DevfleetError(f"`{name}` is not installed: {install}")
+    return path
+
+
+def ports_free(count: int, base: int | None) -> list[int]:
+    """`count` ports: consecutive from `base` (each checked free), or free ones the OS picks."""
+    if base is None:
+        sockets = [socket.socket() for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        ports = [sock.getsockname()[1] for sock in sockets]
+        for sock in sockets:
+            sock.close()
+        return ports
+    ports = list(range(base, base + count))
+    for port in ports:
+        with socket.socket() as sock:
+            # Like the servers themselves, ignore TIME_WAIT left by a fleet that just stopped.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                raise DevfleetError(
+                    f"port {port} is already taken; pick other ports with --base-port"
+                ) from None
+    return ports
+
+
+def wait_http(url: str, proc: Proc) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not proc.running:
+            tail = Path(proc.log).read_text(errors="replace").strip().splitlines()[-3:]
+            raise DevfleetError(
+                f"{proc.name} exited during start-up; {proc.log} ends with: {' | '.join(tail)}"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - our own localhost URL
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise DevfleetError(
+        f"{proc.name} did not answer {url} within {START_TIMEOUT_S:.0f} s; see {proc.log}"
+    )
+
+
+def wait_simulator(proc: Proc) -> None:
+    """The simulator binds its ports in order and serves each at once: the last one answering
+    means every node does."""
+    last = list(proc.ports.values())[-1]
+    wait_http(f"http://127.0.0.1:{last}/v2/health/live", proc)
+
+
+def wait_gone(proc: Proc, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.running:
+            return True
+        time.sleep(0.1)
+    return False
