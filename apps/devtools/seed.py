@@ -12,9 +12,9 @@ from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
-from apps.observability.catalog import canary_queries
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Measurement, Rollout
+from controlplane.catalog import canary_queries
 
 TENSOR = {"data_type": "TYPE_FP32", "dims": ["4"]}
 STEPS_PER_PIPELINE = 3

@@ -11,9 +11,9 @@ from datetime import datetime, timedelta
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node
 from apps.incidents.models import Incident
-from apps.observability.catalog import step_for, suspect_queries
-from apps.observability.prometheus import PrometheusUnavailable, Series, range_query
 from apps.rollouts.models import Rollout
+from controlplane.catalog import step_for, suspect_queries
+from controlplane.prometheus import PrometheusUnavailable, Series, range_query
 
 LOOKBACK = timedelta(hours=1)
 AROUND = timedelta(minutes=1)  # the P99 before a change is compared with the P99 after it

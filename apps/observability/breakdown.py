@@ -3,8 +3,8 @@
 import math
 from dataclasses import dataclass
 
-from apps.observability.catalog import worst_p99_query
-from apps.observability.prometheus import instant_query
+from controlplane.catalog import worst_p99_query
+from controlplane.prometheus import instant_query
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from typing import Any
 import orjson
 from django.utils.http import urlencode
 
-from apps.observability.catalog import METRICS, build_query, step_for
 from apps.observability.markers import Marker, change_markers
-from apps.observability.prometheus import PrometheusUnavailable, Series, range_query
+from controlplane.catalog import METRICS, build_query, step_for
+from controlplane.prometheus import PrometheusUnavailable, Series, range_query
 
 
 @dataclass(frozen=True)

@@ -17,23 +17,23 @@ from datetime import timedelta
 
 from django.utils import timezone
 
-from apps.observability.catalog import (
+from apps.rollouts.judge import compare, score
+from apps.rollouts.models import Measurement
+from apps.rollouts.plans import Analysis, QualityMetric
+from apps.rollouts.slo import Objectives, burn_rate, gate, over_budget
+from controlplane.catalog import (
     canary_queries,
     custom_query,
     quantiles_query,
     sample_queries,
     step_mean_latency_query,
 )
-from apps.observability.prometheus import (
+from controlplane.prometheus import (
     PrometheusUnavailable,
     escape_label,
     instant_query,
     range_query,
 )
-from apps.rollouts.judge import compare, score
-from apps.rollouts.models import Measurement
-from apps.rollouts.plans import Analysis, QualityMetric
-from apps.rollouts.slo import Objectives, burn_rate, gate, over_budget
 
 Verdict = Measurement.Verdict
 

@@ -18,7 +18,6 @@ from apps.fleet import selectors
 from apps.fleet.models import Node
 from apps.fleet.routing import share_weights, weights_set
 from apps.fleet.services import deployment_set
-from apps.observability.prometheus import PrometheusUnavailable
 from apps.quality.errors import QualityError
 from apps.rollouts.analysis import Result, measure, overall
 from apps.rollouts.bluegreen import blue_green
@@ -48,6 +47,7 @@ from apps.rollouts.transitions import (
     stalled,
     transition,
 )
+from controlplane.prometheus import PrometheusUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.utils import timezone
 
-from apps.observability.catalog import METRICS, build_query, step_for
+from controlplane.catalog import METRICS, build_query, step_for
 from tests.support.backfill import backfilled_prometheus
 
 MODELS = ["rag_pipeline", "embedder", "retriever", "reranker", "generator"]

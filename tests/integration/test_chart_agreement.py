@@ -15,10 +15,10 @@ from django.test import Client
 
 from apps.devtools.traffic import send_traffic
 from apps.fleet.triton import TritonClient
-from apps.observability.catalog import TILE_WINDOW
-from apps.observability.prometheus import instant_query
 from apps.observability.tiles import fleet_tiles
 from apps.registry.imports import repository_import
+from controlplane.catalog import TILE_WINDOW
+from controlplane.prometheus import instant_query
 from tests.support import REPOSITORY
 from tests.support.fleet import Fleet
 

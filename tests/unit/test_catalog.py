@@ -8,18 +8,18 @@ import pytest
 from django.contrib.auth.models import User
 from django.test import Client
 
-from apps.observability import prometheus
-from apps.observability.catalog import METRICS, build_query, step_for
 from apps.observability.charts import metric_chart
-from apps.observability.prometheus import escape_label
 from apps.registry.models import Model
+from controlplane import prometheus
+from controlplane.catalog import METRICS, build_query, step_for
+from controlplane.prometheus import escape_label
 
 APPS = Path(__file__).parents[2] / "apps"
 # A metric name, not a pattern such as `nv_gpu_*` in prose.
 METRIC_NAME = re.compile(r"\bnv_[a-z0-9_]*[a-z0-9]\b")
 # The simulator writes a node's own /metrics text (Triton's exposition format, not PromQL), and
 # names its series as Triton does.
-SIMULATOR = "devtools/simulator.py"
+SIMULATOR = "apps/devtools/simulator.py"
 
 
 def test_label_values_cannot_break_out_of_their_quotes() -> None:
@@ -90,9 +90,10 @@ def test_an_ensembles_version_overlay_says_how_triton_labels_it(
 
 def test_every_query_over_tritons_series_lives_in_the_catalog() -> None:
     found = []
-    for path in sorted(APPS.glob("**/*.py")):
-        where = path.relative_to(APPS).as_posix()
-        if where in {"observability/catalog.py", SIMULATOR} or "/migrations/" in where:
+    base = APPS.parent / "controlplane"
+    for path in sorted([*APPS.glob("**/*.py"), *base.glob("*.py")]):
+        where = path.relative_to(APPS.parent).as_posix()
+        if where in {"controlplane/catalog.py", SIMULATOR} or "/migrations/" in where:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):

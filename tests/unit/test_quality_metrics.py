@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from apps.observability.catalog import custom_query
-from apps.observability.prometheus import PrometheusUnavailable
 from apps.rollouts import analysis
 from apps.rollouts.plans import Analysis, PlanError, QualityMetric
+from controlplane.catalog import custom_query
+from controlplane.prometheus import PrometheusUnavailable
 
 HELPFUL = (
     'sum(rate(rag_helpful_total{pool="$pool",node=~"$nodes"}[$window]))'

@@ -23,8 +23,8 @@ from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
 from apps.fleet.polling import node_poll
 from apps.fleet.triton import TritonClient, TritonUnreachable, read_metrics
-from apps.observability.prometheus import PrometheusUnavailable, instant_query
 from controlplane.guard import client_ip
+from controlplane.prometheus import PrometheusUnavailable, instant_query
 from tests.support.users import PASSWORD
 
 pytestmark = pytest.mark.django_db
