@@ -42,7 +42,7 @@ class PoolAtCapacity(Exception):
 
 
 @dataclass(frozen=True)
-class Reading:
+class Synced:
     """What the balancer shows once a sync is done, read back."""
 
     served: dict[str, int]  # by node: its weight now (one that differs, if backends disagree)
@@ -54,7 +54,7 @@ class Balancer(Protocol):
     """A traffic strategy: sets the weights of a pool's nodes where they differ from `wanted`
     and reads them back; says how many requests a node still answers."""
 
-    def sync(self, wanted: dict[str, int]) -> Reading: ...
+    def sync(self, wanted: dict[str, int]) -> Synced: ...
 
     def in_flight(self, node: str) -> int: ...
 
@@ -66,8 +66,8 @@ class HAProxy:
         self.runtime = Runtime(pool.traffic_runtime)
         self.backends = pool.backends
 
-    def sync(self, wanted: dict[str, int]) -> Reading:
-        reading = Reading({}, {}, {})
+    def sync(self, wanted: dict[str, int]) -> Synced:
+        reading = Synced({}, {}, {})
         try:
             for backend in self.backends:
                 current = self.runtime.weights(backend)
@@ -81,7 +81,7 @@ class HAProxy:
         return reading
 
     @staticmethod
-    def _read(backend: str, wanted: dict[str, int], after: dict[str, int], into: Reading) -> None:
+    def _read(backend: str, wanted: dict[str, int], after: dict[str, int], into: Synced) -> None:
         for node, weight in wanted.items():
             if node not in after:
                 into.problems[node] = f"not a server of HAProxy backend {backend}"

@@ -78,7 +78,7 @@ class FleetSummary:
     models_ready: int
 
     @property
-    def converged(self) -> int:
+    def converged_nodes(self) -> int:
         """Nodes that drift on no model."""
         return self.nodes - self.drifted
 

@@ -102,7 +102,7 @@ def _canary(rollout: Rollout, nodes: list[Node]) -> list[Node]:
 
 
 @dataclass(frozen=True)
-class Reading:
+class Round:
     """An analysis round measured before the rollout's lock was taken, of the rollout as it was
     then (`of`, as `_as_measured` says)."""
 
@@ -136,7 +136,7 @@ def _due(rollout: Rollout, spec: Analysis, now: datetime) -> bool:
     )
 
 
-def _measure_ahead(rollout_id: int) -> Reading | None:
+def _measure_ahead(rollout_id: int) -> Round | None:
     """The round a tick is about to judge, if one is due, read without any lock."""
     found = Rollout.objects.select_related("model", "pool").filter(pk=rollout_id).first()
     if found is None or found.state != State.PROGRESSING or found.step_started_at is None:
@@ -150,12 +150,12 @@ def _measure_ahead(rollout_id: int) -> Reading | None:
     compare = len(_canary(found, nodes)) < len(nodes)
     of = _as_measured(found, compare)
     try:
-        return Reading(of, results=_measure(found, spec, compare))
+        return Round(of, results=_measure(found, spec, compare))
     except PrometheusUnavailable as exc:
-        return Reading(of, error=exc)
+        return Round(of, error=exc)
 
 
-def _progress(rollout: Rollout, reading: Reading | None = None) -> None:
+def _progress(rollout: Rollout, reading: Round | None = None) -> None:
     if rollout.strategy == Rollout.Strategy.BLUE_GREEN:
         return blue_green(rollout)
     steps = parse_plan(rollout.plan)
@@ -336,7 +336,7 @@ def _measure(rollout: Rollout, spec: Analysis, compare: bool) -> list[Result]:
     ]
 
 
-def _analyse(rollout: Rollout, spec: Analysis, reading: Reading) -> None:
+def _analyse(rollout: Rollout, spec: Analysis, reading: Round) -> None:
     now = timezone.now()
     rollout.last_measured_at = now
     results, exc = reading.results, reading.error
@@ -375,7 +375,7 @@ def _analyse(rollout: Rollout, spec: Analysis, reading: Reading) -> None:
 
 
 # Each handler gets what was measured before the lock; only a rollout going forward measures.
-HANDLERS: dict[str, Callable[[Rollout, Reading | None], None]] = {
+HANDLERS: dict[str, Callable[[Rollout, Round | None], None]] = {
     State.PENDING: _progress,
     State.PROGRESSING: _progress,
     State.PROMOTING: lambda rollout, _: promote(rollout),

@@ -23,7 +23,7 @@ from apps.accounts.services import token_create
 from apps.audit.models import AuditEvent
 from apps.fleet import routing, selectors
 from apps.fleet.models import Deployment, Node, NodePool, Release
-from apps.fleet.routing import Reading
+from apps.fleet.routing import Synced
 from apps.fleet.services import deployment_set
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts import analysis, controller, transitions
@@ -660,7 +660,7 @@ def test_a_tick_that_keeps_failing_is_shown_and_pauses_the_rollout(
 ) -> None:
     rollout = start()
 
-    def bug(rollout: Rollout, reading: controller.Reading | None) -> None:
+    def bug(rollout: Rollout, reading: controller.Round | None) -> None:
         raise KeyError("plan")
 
     with monkeypatch.context() as patched:
@@ -1035,10 +1035,10 @@ class Weights:
 
     weights: dict[str, int]
 
-    def sync(self, wanted: dict[str, int]) -> Reading:
+    def sync(self, wanted: dict[str, int]) -> Synced:
         changed = {n: self.weights[n] for n, w in wanted.items() if self.weights[n] != w}
         self.weights |= wanted
-        return Reading(dict(self.weights), changed, {})
+        return Synced(dict(self.weights), changed, {})
 
     def in_flight(self, node: str) -> int:
         return 0

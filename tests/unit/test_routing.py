@@ -19,7 +19,7 @@ from apps.fleet.models import Node, NodePool
 from apps.fleet.routing import (
     BalancerError,
     PoolAtCapacity,
-    Reading,
+    Synced,
     drained,
     pool_sync,
     share_weights,
@@ -63,14 +63,14 @@ class Balancer:
     busy: list[int] = field(default_factory=list)
     down: bool = False
 
-    def sync(self, wanted: dict[str, int]) -> Reading:
+    def sync(self, wanted: dict[str, int]) -> Synced:
         if self.down:
             raise BalancerError("HAProxy runtime API at 10.0.0.9:9999: connection refused")
         changed = {n: self.weights[n] for n, w in wanted.items() if self.weights.get(n, w) != w}
         self.weights |= {n: wanted[n] for n in changed}
         lacking = {n: "not a server of HAProxy backend triton_http" for n in wanted}
         problems = {n: why for n, why in lacking.items() if n not in self.weights}
-        return Reading(dict(self.weights), changed, problems)
+        return Synced(dict(self.weights), changed, problems)
 
     def in_flight(self, node: str) -> int:
         return self.busy.pop(0) if self.busy else 0
@@ -269,7 +269,7 @@ def test_the_balancer_is_never_asked_while_a_row_lock_is_held(
     asked: list[bool] = []
     sync = balancer.sync
 
-    def watched(wanted: dict[str, int]) -> Reading:
+    def watched(wanted: dict[str, int]) -> Synced:
         asked.append(_free(*rows))
         return sync(wanted)
 
