@@ -32,8 +32,11 @@ integration: $(STAMP) os-deps
 e2e: $(STAMP) os-deps
 	$(BIN)/pytest tests/e2e
 
+# One run per layer, each saying its time and its slowest tests.
 test: $(STAMP) os-deps lint
-	$(BIN)/pytest tests/unit tests/integration tests/e2e
+	$(BIN)/pytest --durations=10 tests/unit
+	$(BIN)/pytest --durations=10 tests/integration
+	$(BIN)/pytest --durations=10 tests/e2e
 
 # Figures that count are taken on PostgreSQL, as production runs; BENCH_DATABASE_URL overrides.
 BENCH_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test

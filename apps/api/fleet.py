@@ -16,7 +16,10 @@ from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, WAITS, ApiError
 from apps.api.paging import Limit, Offset
 from apps.fleet.desired import DesiredStateError, FleetDesired, fleet_desired
-from apps.fleet.gateway import (
+from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.selectors import Reading, converged, drift_of, node_models, observed_many
+from apps.fleet.services import FleetError, deployment_remove, deployment_set, operation_request
+from apps.fleet.traffic.gateway import (
     DNS_LABEL,
     DNS_SUBDOMAIN,
     LABEL,
@@ -24,9 +27,6 @@ from apps.fleet.gateway import (
     GatewayError,
     httproute,
 )
-from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.selectors import Reading, converged, drift_of, node_models, observed_many
-from apps.fleet.services import FleetError, deployment_remove, deployment_set, operation_request
 
 router = Router(tags=["fleet"], auth=Token())
 

@@ -20,7 +20,8 @@ from apps.audit.services import audit_record
 from apps.fleet import failures, memory
 from apps.fleet.desired import DesiredStateError, node_desired, plan_digest
 from apps.fleet.models import Node, Operation
-from apps.fleet.routing import drained, warm_up
+from apps.fleet.traffic.balancer import drained
+from apps.fleet.traffic.warmup import warm_up
 from apps.fleet.triton import (
     TritonClient,
     TritonError,

@@ -14,10 +14,10 @@ from apps.audit.context import REQUEST_ID
 from apps.audit.services import actor_name, audit_record, audited
 from apps.fleet import addresses, failures
 from apps.fleet.desired import node_desired
-from apps.fleet.haproxy import HAProxyError, Runtime, name_refusal
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
-from apps.fleet.routing import traffic_sync
 from apps.fleet.tasks import enqueue_run, reconcile_node, send_per_node
+from apps.fleet.traffic.balancer import traffic_sync
+from apps.fleet.traffic.haproxy import HAProxyError, Runtime, name_refusal
 from apps.registry.models import Model, ModelVersion
 from apps.registry.services import Actor
 

@@ -12,8 +12,8 @@ from django.utils import timezone
 from apps.fleet.models import Heartbeat, Node, NodePool
 from apps.fleet.polling import node_poll
 from apps.fleet.reconcile import node_reconcile, rollback_windows_close
-from apps.fleet.routing import PoolAtCapacity, pool_sync
 from apps.fleet.runner import DesiredDigest, NodeBusy, node_run
+from apps.fleet.traffic.balancer import PoolAtCapacity, pool_sync
 from apps.fleet.triton import TritonUnreachable
 
 

@@ -6,7 +6,7 @@ class QualityConfig(AppConfig):
     label = "quality"
 
     def ready(self) -> None:
-        from apps.fleet.routing import WARMUP_INPUTS
+        from apps.fleet.traffic.warmup import WARMUP_INPUTS
         from apps.quality.selectors import warmup_requests
 
         WARMUP_INPUTS.append(warmup_requests)

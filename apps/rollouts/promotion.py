@@ -8,8 +8,8 @@ from django.utils import timezone
 from apps.audit.services import audit_record
 from apps.fleet.desired import Want, Wanted, fleet_desired
 from apps.fleet.memory import shortfalls
-from apps.fleet.routing import weights_reset
 from apps.fleet.services import FleetError, deployment_set
+from apps.fleet.traffic.balancer import weights_reset
 from apps.rollouts.gates import (
     ACTOR,
 )

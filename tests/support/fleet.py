@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc
 from apps.devtools.traffic import QUESTIONS, send_traffic, wait_for_model
-from apps.fleet.haproxy import Runtime
 from apps.fleet.models import Node, NodePool
+from apps.fleet.traffic.haproxy import Runtime
 from apps.fleet.triton import TritonClient, TritonError, sample_inputs
 from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Rollout

@@ -10,8 +10,8 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from apps.fleet.gateway import GatewayError, httproute
 from apps.fleet.models import Node, NodePool
+from apps.fleet.traffic.gateway import GatewayError, httproute
 from tests.support.users import bearer
 
 YAML = "application/yaml; charset=utf-8"

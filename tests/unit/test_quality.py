@@ -5,8 +5,8 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from apps.audit.models import AuditEvent
-from apps.fleet import routing
 from apps.fleet.models import Node, NodePool
+from apps.fleet.traffic import warmup
 from apps.quality.errors import QualityError
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.quality.services import evaluation_set_import
@@ -115,16 +115,16 @@ def test_a_node_is_warmed_with_its_models_own_cases_and_not_while_it_gets_no_tra
         def infer(self, model: str, inputs: dict[str, np.ndarray]) -> None:
             sent.append((model, [q.decode() for q in inputs["QUESTION"].flat]))
 
-    monkeypatch.setattr(routing, "TritonClient", Client)
+    monkeypatch.setattr(warmup, "TritonClient", Client)
     pool = NodePool.objects.create(name="demo", warmup_requests=2)
     node = Node.objects.create(name="demo-1", pool=pool, http_url="http://demo-1:8000")
-    routing.warm_up(node, {"rag_pipeline": None})
+    warmup.warm_up(node, {"rag_pipeline": None})
     assert sent == [
         ("rag_pipeline", ["How do I track my order?"]),
         ("rag_pipeline", ["track my parcel please"]),
     ]
     Node.objects.filter(pk=node.pk).update(weight=0)  # a canary waiting for its quality gate
-    routing.warm_up(node, {"rag_pipeline": None})
+    warmup.warm_up(node, {"rag_pipeline": None})
     assert len(sent) == 2
 
 

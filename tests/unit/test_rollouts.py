@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 from apps.accounts.roles import Role
 from apps.accounts.services import token_create
 from apps.audit.models import AuditEvent
-from apps.fleet import routing, selectors
+from apps.fleet import selectors
 from apps.fleet.models import Deployment, Node, NodePool, Release
-from apps.fleet.routing import Synced
 from apps.fleet.services import deployment_set
+from apps.fleet.traffic import balancer as balancing
+from apps.fleet.traffic.balancer import Synced
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts import analysis, controller, transitions
 from apps.rollouts.analysis import Result
@@ -1047,15 +1048,15 @@ class Weights:
 def synced(rollout: Rollout) -> dict[str, int]:
     """The balancer's weights once the sync that follows a commit has run (these tests run in
     a transaction that never commits): the pool's weights go to it only then."""
-    routing.traffic_sync(rollout.pool_id)
-    return routing.balancer(rollout.pool).weights  # type: ignore[union-attr]
+    balancing.traffic_sync(rollout.pool_id)
+    return balancing.balancer(rollout.pool).weights  # type: ignore[union-attr]
 
 
 @pytest.fixture
 def weighted(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> Weights:
     NodePool.objects.filter(name="gpu").update(traffic=NodePool.Traffic.HAPROXY)
     balancer = Weights(dict.fromkeys(["gpu-1", "gpu-2", "gpu-3"], 100))
-    monkeypatch.setattr(routing, "balancer", lambda pool: balancer if pool.traffic else None)
+    monkeypatch.setattr(balancing, "balancer", lambda pool: balancer if pool.traffic else None)
     return balancer
 
 

@@ -14,9 +14,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from apps.audit.models import AuditEvent
-from apps.fleet import routing
 from apps.fleet.models import Node, NodePool
-from apps.fleet.routing import (
+from apps.fleet.services import FleetError, pool_set_traffic
+from apps.fleet.traffic import balancer as balancing
+from apps.fleet.traffic import warmup
+from apps.fleet.traffic.balancer import (
     BalancerError,
     PoolAtCapacity,
     Synced,
@@ -24,9 +26,8 @@ from apps.fleet.routing import (
     pool_sync,
     share_weights,
     traffic_sync,
-    warm_up,
 )
-from apps.fleet.services import FleetError, pool_set_traffic
+from apps.fleet.traffic.warmup import warm_up
 from apps.fleet.triton import TritonError
 from apps.registry.models import Model as RegistryModel
 from apps.rollouts.models import Rollout
@@ -87,7 +88,7 @@ def balancer(db: None, monkeypatch: pytest.MonkeyPatch) -> Balancer:
             name=name, pool=pool, http_url="http://x:8000", health="ready", lease_until=held
         )
     stub = Balancer(dict.fromkeys(["gpu-1", "gpu-2", "gpu-3"], 100))
-    monkeypatch.setattr(routing, "balancer", lambda pool: stub if pool.traffic else None)
+    monkeypatch.setattr(balancing, "balancer", lambda pool: stub if pool.traffic else None)
     return stub
 
 
@@ -207,7 +208,7 @@ def test_what_a_node_just_loaded_is_warmed_on_the_node_itself_once_per_pipeline(
         def infer(self, model: str, inputs: dict[str, object]) -> None:
             sent.append((self.node, model))
 
-    monkeypatch.setattr(routing, "TritonClient", Client)
+    monkeypatch.setattr(warmup, "TritonClient", Client)
     NodePool.objects.update(warmup_requests=2)
     pipeline = {"ensemble_scheduling": {"step": [{"model_name": "embedder"}]}}
     warm_up(
@@ -291,8 +292,8 @@ def test_a_sync_between_a_change_and_its_own_sync_takes_it_for_no_drift(
     pool = node("gpu-1").pool
     traffic_sync(pool.pk)  # read back once: what the balancer serves is known
     with monkeypatch.context() as later:
-        later.setattr(routing, "traffic_sync", lambda pool_id: {})  # its own sync, not yet
-        routing.weights_set(pool, {"gpu-1": 22}, "release")
+        later.setattr(balancing, "traffic_sync", lambda pool_id: {})  # its own sync, not yet
+        balancing.weights_set(pool, {"gpu-1": 22}, "release")
     pool_sync(pool.pk)  # the periodic sync comes first
     assert balancer.weights["gpu-1"] == 22
     assert not AuditEvent.objects.filter(action="pool.traffic_drift").exists()
