@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -242,19 +243,27 @@ class Devfleet:
                 f"a fleet is already running (see {self.state_file}); run `devfleet down` first"
             )
 
-    def down(self) -> list[str]:
-        """Stop what `up` started; returns one line per process saying what happened."""
+    def down(self, grace_s: float = 5.0) -> list[str]:
+        """Stop what `up` started, every process at once: SIGTERM to each, then SIGKILL to
+        what has not exited within `grace_s`. Returns one line per process saying what
+        happened."""
         state = self.state()
-        lines = []
-        for proc in state.processes:
-            if not proc.running:
-                lines.append(f"{proc.name}: not running (pid {proc.pid})")
-                continue
+        running = [proc for proc in state.processes if proc.running]
+        lines = [
+            f"{proc.name}: not running (pid {proc.pid})"
+            for proc in state.processes
+            if proc not in running
+        ]
+        for proc in running:
             os.killpg(proc.pid, signal.SIGTERM)
-            if not wait_gone(proc, 15.0):
-                os.killpg(proc.pid, signal.SIGKILL)
-                wait_gone(proc, 5.0)
-            lines.append(f"{proc.name}: stopped (pid {proc.pid})")
+        deadline = time.monotonic() + grace_s
+        for proc in running:
+            if wait_gone(proc, deadline - time.monotonic()):
+                lines.append(f"{proc.name}: stopped (pid {proc.pid})")
+                continue
+            os.killpg(proc.pid, signal.SIGKILL)
+            wait_gone(proc, 5.0)
+            lines.append(f"{proc.name}: killed after {grace_s:g} s (pid {proc.pid})")
         self.state_file.unlink(missing_ok=True)
         return lines
 

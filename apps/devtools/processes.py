@@ -203,9 +203,10 @@ def wait_simulator(proc: Proc) -> None:
 
 
 def wait_gone(proc: Proc, timeout: float) -> bool:
+    """Whether `proc` is gone, looked at until `timeout` (once at least, however short)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.running:
-            return True
+    while proc.running:
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.1)
-    return False
+    return True

@@ -214,7 +214,7 @@ def test_the_rollout_form_offers_the_models_released_versions_with_their_scores(
     canary = page.get_by_label("Canary version")
     expect(canary.locator("option")).to_have_text(["pick what to release first"])
     page.get_by_label("Model").select_option("rag_pipeline")
-    expect(canary.locator("option").nth(1)).to_have_text("v7: quality 3% (faq)")
+    expect(canary.locator("option[value='7']")).to_have_text("v7: quality 3% (faq)")
     expect(canary.locator("option[value='3']")).to_have_count(0)
     canary.select_option("7")
     page.get_by_label("Evaluation set").select_option("faq")

@@ -63,7 +63,13 @@ class Command(BaseCommand):
             default=settings.BASE_DIR / "deploy" / "prometheus" / "alerts.yml",
             help="the alerting rules Prometheus evaluates",
         )
-        sub.add_parser("down", help="stop exactly the processes `up` started")
+        down = sub.add_parser("down", help="stop exactly the processes `up` started")
+        down.add_argument(
+            "--grace",
+            type=float,
+            default=5.0,
+            help="seconds every process has to exit on SIGTERM before SIGKILL",
+        )
         sub.add_parser("status", help="list the fleet's processes and registered nodes")
         for action, text in (
             ("kill", "SIGKILL one node, or prometheus (a crash drill)"),
@@ -177,8 +183,8 @@ class Command(BaseCommand):
             f"{_port_span(proc)} (pid {proc.pid}, log {proc.log})"
         )
 
-    def _down(self, fleet: Devfleet, **options: object) -> None:
-        for line in fleet.down() or ["nothing to stop"]:
+    def _down(self, fleet: Devfleet, *, grace: float, **options: object) -> None:
+        for line in fleet.down(grace_s=grace) or ["nothing to stop"]:
             self.stdout.write(line)
 
     def _kill(self, fleet: Devfleet, *, node: str, **options: object) -> None:

@@ -1,5 +1,8 @@
+"""The local fleet's processes: ports, and a stop that takes only what it started, all at once."""
+
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,9 @@ from django.core.management import CommandError, call_command
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import DevfleetError, FleetState, Proc, ports_free
 from tests.support import REPOSITORY
+from tests.support.fleet import wait_for
+
+pytestmark = pytest.mark.integration
 
 
 def test_a_taken_port_is_a_one_line_error() -> None:
@@ -46,6 +52,29 @@ def test_down_stops_what_it_started(tmp_path: Path) -> None:
     assert proc.running
     assert fleet.down() == [f"sleeper: stopped (pid {proc.pid})"]
     assert not proc.running
+
+
+STUBBORN = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('ignoring SIGTERM', flush=True); time.sleep(60)"
+)
+
+
+def test_down_stops_every_process_at_once_and_kills_what_lingers(tmp_path: Path) -> None:
+    """Ctrl-C on `make demo`: what ignores SIGTERM is killed after the grace, and the grace is
+    counted once for the whole fleet, not once per process."""
+    fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
+    procs = [fleet._spawn(f"node-{n}", ["python3", "-c", STUBBORN], {}) for n in (1, 2, 3)]
+    fleet._save(FleetState(nodes=procs))
+    logs = [Path(proc.log) for proc in procs]
+    # Each has its handler: a SIGTERM before it would simply end it.
+    wait_for("each ignores SIGTERM", lambda: all("ignoring" in log.read_text() for log in logs), 10)
+    started = time.monotonic()
+    lines = fleet.down(grace_s=1.0)
+    took = time.monotonic() - started
+    assert lines == [f"{p.name}: killed after 1 s (pid {p.pid})" for p in procs]
+    assert not any(p.running for p in procs)
+    assert took < 3.0, took  # 1 s of grace for all three, not 3 s: stopped together
 
 
 def test_missing_prometheus_says_how_to_install_it(
