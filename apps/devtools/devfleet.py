@@ -14,8 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from dataclasses import asdict
 from pathlib import Path
 
 import pytriton
@@ -29,6 +27,7 @@ from apps.devtools.processes import (
     proc_stat,
     require_binary,
     simulator_env,
+    stop,
     triton_env,
     wait_gone,
     wait_http,
@@ -43,9 +42,6 @@ from apps.registry.repository import read_model
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-SINGLE_PROCESSES = ("prometheus", "simulator", "alertmanager", "haproxy")
-
-
 class Devfleet:
     def __init__(self, *, home: Path, repository: Path) -> None:
         self.home = home
@@ -55,22 +51,11 @@ class Devfleet:
     # -- state -----------------------------------------------------------------------------------
 
     def state(self) -> FleetState:
-        if not self.state_file.exists():
-            return FleetState()
-        raw = json.loads(self.state_file.read_text())
-        one = {name: raw.get(name) for name in SINGLE_PROCESSES}
-        return FleetState(
-            nodes=[Proc(**node) for node in raw["nodes"]],
-            **{name: Proc(**proc) if proc else None for name, proc in one.items()},  # type: ignore[arg-type]
-        )
+        return FleetState.read(self.state_file)
 
     def _save(self, state: FleetState) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
-        data: dict[str, object] = {"nodes": [asdict(n) for n in state.nodes]}
-        for name in SINGLE_PROCESSES:
-            proc = getattr(state, name)
-            data[name] = asdict(proc) if proc else None
-        self.state_file.write_text(json.dumps(data, indent=2))
+        state.write(self.state_file)
 
     # -- up / down -------------------------------------------------------------------------------
 
@@ -244,26 +229,8 @@ class Devfleet:
             )
 
     def down(self, grace_s: float = 5.0) -> list[str]:
-        """Stop what `up` started, every process at once: SIGTERM to each, then SIGKILL to
-        what has not exited within `grace_s`. Returns one line per process saying what
-        happened."""
-        state = self.state()
-        running = [proc for proc in state.processes if proc.running]
-        lines = [
-            f"{proc.name}: not running (pid {proc.pid})"
-            for proc in state.processes
-            if proc not in running
-        ]
-        for proc in running:
-            os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in running:
-            if wait_gone(proc, deadline - time.monotonic()):
-                lines.append(f"{proc.name}: stopped (pid {proc.pid})")
-                continue
-            os.killpg(proc.pid, signal.SIGKILL)
-            wait_gone(proc, 5.0)
-            lines.append(f"{proc.name}: killed after {grace_s:g} s (pid {proc.pid})")
+        """Stop what `up` started (`processes.stop`); returns one line per process."""
+        lines = stop(self.state().processes, grace_s)
         self.state_file.unlink(missing_ok=True)
         return lines
 

@@ -1,20 +1,23 @@
 """The local fleet's processes as recorded (`Proc`, `FleetState`), and what starting and
 stopping them needs: free ports, each kind's environment, waiting until one answers or is gone,
-and HAProxy's configuration in front of the nodes."""
+and HAProxy's configuration in front of the nodes. It imports no Django: `python -m
+apps.devtools.processes down HOME` stops a fleet at once, without starting the project."""
 
+import argparse
+import json
 import os
 import shutil
+import signal
 import socket
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import pytriton
 
 START_TIMEOUT_S = 60.0
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 HAPROXY_BACKENDS = ("triton_http", "triton_grpc")
+SINGLE_PROCESSES = ("prometheus", "simulator", "alertmanager", "haproxy")
 
 
 class DevfleetError(Exception):
@@ -63,6 +66,24 @@ class FleetState:
             }
             for name, port in self.simulator.ports.items()
         }
+
+    @classmethod
+    def read(cls, path: Path) -> "FleetState":
+        if not path.exists():
+            return cls()
+        raw = json.loads(path.read_text())
+        one = {name: raw.get(name) for name in SINGLE_PROCESSES}
+        return cls(
+            nodes=[Proc(**node) for node in raw["nodes"]],
+            **{name: Proc(**proc) if proc else None for name, proc in one.items()},  # type: ignore[arg-type]
+        )
+
+    def write(self, path: Path) -> None:
+        data: dict[str, object] = {"nodes": [asdict(n) for n in self.nodes]}
+        for name in SINGLE_PROCESSES:
+            proc = getattr(self, name)
+            data[name] = asdict(proc) if proc else None
+        path.write_text(json.dumps(data, indent=2))
 
     @property
     def processes(self) -> list[Proc]:
@@ -124,6 +145,8 @@ def triton_env() -> dict[str, str]:
     The Python backend's stub embeds the system's libpython3.11, which takes its prefix from the
     first python3 on PATH: /usr/bin goes first, so the stub finds the system's numpy whatever
     the caller's shell put there (pyenv, conda, a virtualenv)."""
+    import pytriton  # here: stopping a fleet needs none of it, and it takes a while to import
+
     libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
     env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_PYTHON}
     path = "/usr/bin:" + env.get("PATH", "")
@@ -210,3 +233,38 @@ def wait_gone(proc: Proc, timeout: float) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def stop(processes: list[Proc], grace_s: float) -> list[str]:
+    """Stop `processes`, every one at once: SIGTERM to each still running as recorded (never
+    a process that reused a recorded pid), then SIGKILL to what has not exited within
+    `grace_s`. Returns one line per process saying what happened."""
+    running = [proc for proc in processes if proc.running]
+    lines = [f"{p.name}: not running (pid {p.pid})" for p in processes if p not in running]
+    for proc in running:
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in running:
+        if wait_gone(proc, deadline - time.monotonic()):
+            lines.append(f"{proc.name}: stopped (pid {proc.pid})")
+            continue
+        os.killpg(proc.pid, signal.SIGKILL)
+        wait_gone(proc, 5.0)
+        lines.append(f"{proc.name}: killed after {grace_s:g} s (pid {proc.pid})")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Stop a local fleet at once (`devfleet down`).")
+    parser.add_argument("action", choices=["down"])
+    parser.add_argument("home", type=Path, help="the fleet's home, where state.json is")
+    parser.add_argument("--grace", type=float, default=5.0, help="seconds before SIGKILL")
+    args = parser.parse_args()
+    state_file = args.home / "state.json"
+    for line in stop(FleetState.read(state_file).processes, args.grace) or ["nothing to stop"]:
+        print(line)
+    state_file.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    main()
