@@ -45,7 +45,8 @@ class Api:
 
 def archive_without_later_pipelines(repository: Path) -> bytes:
     """The repository without rag_pipeline's later versions: v2 is what the pipeline registers."""
-    later = [repository / "rag_pipeline" / number for number in ("2", "3", "4", "5", "6", "7")]
+    versions = (repository / "rag_pipeline").iterdir()
+    later = [path for path in versions if path.is_dir() and path.name != "1"]
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
         for path in sorted(repository.rglob("*")):
