@@ -5,6 +5,10 @@ from django.urls import get_resolver
 
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
+from apps.fleet.models import Node
+from apps.fleet.services import node_register
+from apps.registry.imports import repository_import
+from tests.support import REPOSITORY
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -42,3 +46,13 @@ def trail(db: None) -> list[AuditEvent]:
             actor="viewer", action="rollout.start", target="/rollouts/new/", result="denied"
         ),
     ]
+
+
+@pytest.fixture
+def node(db: None) -> Node:
+    """Node n1 of pool p (nothing answers at its address), the demo repository imported."""
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
+    urls = {"grpc_url": "127.0.0.1:8101", "metrics_url": "http://127.0.0.1:8102/metrics"}
+    return node_register(
+        name="n1", pool="p", http_url="http://127.0.0.1:1", actor="system:test", **urls
+    )

@@ -12,7 +12,6 @@ from apps.fleet.models import Node, Operation
 from apps.fleet.reconcile import observed_state
 from apps.fleet.runner import node_run
 from apps.fleet.triton import TritonClient, TritonRejected
-from tests.unit.test_fleet import node  # noqa: F401  (a fixture)
 
 
 @pytest.mark.parametrize(
@@ -50,7 +49,7 @@ def test_only_transient_failures_are_tried_again_later_and_later() -> None:
 
 
 def test_a_transient_failure_is_planned_again_once_due_and_a_permanent_one_is_not(
-    node: Node,  # noqa: F811
+    node: Node,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     said = {"embedder": "Internal: CUDA out of memory", "retriever": "Invalid argument: bad dims"}

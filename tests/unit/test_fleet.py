@@ -19,10 +19,8 @@ from apps.fleet.reconcile import node_reconcile
 from apps.fleet.services import FleetError, deployment_set, node_register, operation_request
 from apps.fleet.tasks import enqueue_run
 from apps.fleet.triton import IndexEntry, TritonClient, parse_gpu_memory
-from apps.registry.imports import repository_import
 from apps.registry.models import ModelVersion
 from apps.registry.services import version_set_status
-from tests.support import REPOSITORY
 from tests.support.users import make_user
 
 pytestmark = pytest.mark.django_db
@@ -58,14 +56,6 @@ def test_gpu_memory_is_read_per_gpu_from_tritons_metrics() -> None:
         {"uuid": "GPU-b2", "total": 85899345920.0, "used": 0.0},
     ]
     assert parse_gpu_memory("nv_cpu_memory_used_bytes 1\n") == []
-
-
-@pytest.fixture
-def node(db: None) -> Node:
-    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
-    return node_register(
-        name="n1", pool="p", http_url="http://127.0.0.1:1", actor="system:test", **URLS
-    )
 
 
 def test_an_ensemble_deployment_desires_its_pinned_steps(

@@ -140,3 +140,25 @@ def test_no_modules_import_each_other_around_a_loop() -> None:
         if module in reach[module]
     }
     assert not loops, "modules that import each other:\n" + "\n".join(sorted(loops))
+
+
+def test_no_test_imports_another_test_module() -> None:
+    """What tests share lives in tests/support (helpers) and conftest.py (fixtures)."""
+    tests = Path(__file__).parents[1]
+    found = []
+    for path in sorted(tests.glob("**/*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            layers = ("tests.unit", "tests.integration", "tests.e2e", "tests.bench")
+            found += [
+                f"{path.relative_to(tests)}:{node.lineno} {n}"
+                for n in names
+                if n.startswith(layers)
+            ]
+    assert not found, "\n".join(found)

@@ -16,7 +16,7 @@ from apps.fleet.planner import plan
 from apps.fleet.services import FleetError, deployment_set, node_set_memory
 from apps.fleet.triton import ServerMetadata, TritonClient
 from apps.registry.models import Model, ModelVersion
-from tests.unit.test_planner import MANAGED, desired, kinds, ready
+from tests.support.planning import MANAGED, desired, kinds, ready
 
 pytestmark = pytest.mark.django_db
 GIB = 2**30
