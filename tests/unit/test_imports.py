@@ -63,22 +63,25 @@ def test_the_audit_trail_imports_no_other_app() -> None:
     assert not found, "\n".join(found)
 
 
+def _absolute(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of each absolute import in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.append((node.lineno, node.module or ""))
+    return found
+
+
 def test_the_base_imports_no_app() -> None:
     found = []
     for path in sorted(BASE.glob("*.py")):
         if path.stem in TOP:
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else []
-            )
-            found += [
-                f"controlplane/{path.name}:{node.lineno} imports {n}" for n in names if _app(n)
-            ]
+        found += [
+            f"controlplane/{path.name}:{line} imports {n}" for line, n in _absolute(path) if _app(n)
+        ]
     assert not found, "\n".join(found)
     assert (BASE / "prometheus.py").exists() and (BASE / "catalog.py").exists()
 
@@ -147,18 +150,10 @@ def test_no_test_imports_another_test_module() -> None:
     tests = Path(__file__).parents[1]
     found = []
     for path in sorted(tests.glob("**/*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else []
-            )
-            layers = ("tests.unit", "tests.integration", "tests.e2e", "tests.bench")
-            found += [
-                f"{path.relative_to(tests)}:{node.lineno} {n}"
-                for n in names
-                if n.startswith(layers)
-            ]
+        layers = ("tests.unit", "tests.integration", "tests.e2e", "tests.bench")
+        found += [
+            f"{path.relative_to(tests)}:{line} {n}"
+            for line, n in _absolute(path)
+            if n.startswith(layers)
+        ]
     assert not found, "\n".join(found)
