@@ -10,6 +10,8 @@ from django.db import transaction
 from apps.audit.context import REQUEST_ID, VIA
 from apps.audit.models import AuditEvent
 
+Actor = str | User  # a person, or `system:<component>`
+
 
 def actor_name(actor: str | User | AnonymousUser) -> str:
     """How an actor stands in the trail: a username, or `system:<component>`."""

@@ -2,11 +2,11 @@
 
 from collections import defaultdict
 
+from apps.audit.services import Actor
 from apps.fleet.models import Node
 from apps.fleet.triton import TritonClient
 from apps.registry.codec import from_dict, without_version_policy
 from apps.registry.imports import Candidate, ImportResult, candidates_import
-from apps.registry.services import Actor
 
 
 def node_import(*, node: Node, actor: Actor, dry_run: bool = False) -> list[ImportResult]:

@@ -11,7 +11,7 @@ from apps.accounts.models import PoolRole
 from apps.accounts.permissions import MOVING_BACK, authorize, second_person
 from apps.accounts.services import RoleError, user_role
 from apps.audit.context import REQUEST_ID
-from apps.audit.services import actor_name, audit_record, audited
+from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.fleet import addresses, failures
 from apps.fleet.desired import node_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
@@ -19,7 +19,6 @@ from apps.fleet.tasks import enqueue_run, reconcile_node, send_per_node
 from apps.fleet.traffic.balancer import traffic_sync
 from apps.fleet.traffic.haproxy import HAProxyError, Runtime, name_refusal
 from apps.registry.models import Model, ModelVersion
-from apps.registry.services import Actor
 
 
 class FleetError(Exception):

@@ -9,11 +9,10 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from apps.accounts.permissions import authorize
-from apps.audit.services import actor_name, audit_record, audited
+from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.fleet.models import Node, NodePool
 from apps.incidents.models import Incident
 from apps.registry.models import Model
-from apps.registry.services import Actor
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import RolloutError, release_rollback, rollout_roll_back
 

@@ -1,10 +1,9 @@
 """Evaluation sets in, evaluation runs out: every write here, each audited."""
 
-from django.contrib.auth.models import User
 from django.db import transaction
 
 from apps.accounts.permissions import authorize
-from apps.audit.services import actor_name, audit_record, audited
+from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.fleet.models import Node
 from apps.fleet.selectors import observed_many
 from apps.fleet.tasks import send_to
@@ -15,7 +14,6 @@ from apps.quality.selectors import latest_set, reference_version
 from apps.quality.tasks import drive_load, run_evaluation
 from apps.registry.models import Model
 
-Actor = str | User
 MAX_BYTES = 20 * 2**20
 
 

@@ -16,13 +16,13 @@ from typing import Any
 from django.core.files import File
 from django.db import transaction
 
-from apps.audit.services import audit_record, audited
+from apps.audit.services import Actor, audit_record, audited
 from apps.registry.archives import MAX_UPLOAD_BYTES, ArchiveError, extract_repository
 from apps.registry.codec import ConfigSyntaxError, to_dict
 from apps.registry.models import ModelVersion
 from apps.registry.repository import read_model
 from apps.registry.selectors import registry_resolver
-from apps.registry.services import Actor, RegistryError, config_problems, version_create
+from apps.registry.services import RegistryError, config_problems, version_create
 from apps.registry.validation import Problem, errors
 
 

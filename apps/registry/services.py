@@ -5,14 +5,12 @@ from typing import Any
 
 from django.contrib.auth.models import User
 
-from apps.audit.services import audit_record, audited
+from apps.audit.services import Actor, audit_record, audited
 from apps.registry.codec import ConfigSyntaxError, from_dict, parse_pbtxt, to_dict
 from apps.registry.ensembles import Resolver, validate_ensemble
 from apps.registry.models import Model, ModelVersion
 from apps.registry.selectors import ensembles_using, registry_resolver
 from apps.registry.validation import Problem, errors, is_ensemble, validate_config
-
-Actor = str | User
 
 
 class RegistryError(Exception):

@@ -4,11 +4,10 @@ row lock, checks the state it is allowed from, and writes one audit event with t
 import re
 from typing import Any
 
-from django.contrib.auth.models import User
 from django.db import IntegrityError, OperationalError, connection, transaction
 
 from apps.accounts.permissions import authorize, moving_back, second_person
-from apps.audit.services import actor_name, audit_record, audited
+from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.fleet.models import Deployment, NodePool, Release
 from apps.fleet.services import FleetError, deployment_set
 from apps.registry.models import Model
@@ -19,7 +18,6 @@ from apps.rollouts.plans import Analysis, PlanError
 from apps.rollouts.proposals import Proposal, RolloutError, rollout_propose
 from apps.rollouts.selectors import last_good_version
 
-Actor = str | User
 State = Rollout.State
 LOCK_WAIT_S = 5
 

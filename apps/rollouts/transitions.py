@@ -5,11 +5,10 @@ what its nodes are read back serving."""
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.contrib.auth.models import User
 from django.utils import timezone
 
 from apps.accounts.permissions import moving_back
-from apps.audit.services import actor_name, audit_record
+from apps.audit.services import Actor, actor_name, audit_record
 from apps.fleet import selectors
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.services import deployment_remove, deployment_set
@@ -25,8 +24,6 @@ from apps.rollouts.gates import (
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.notify import notify
 from apps.rollouts.plans import Analysis
-
-Actor = str | User
 
 State = Rollout.State
 
