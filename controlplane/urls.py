@@ -15,6 +15,7 @@ urlpatterns = [
     path("accounts/", include("apps.accounts.urls")),
     path("models/", include("apps.registry.urls")),
     path("", include("apps.quality.urls")),  # a model's evaluations, a version's quality, runs
+    path("rollouts/approvals/", include("apps.approvals.urls")),
     path("rollouts/", include("apps.rollouts.urls")),
     path("metrics/", include("apps.observability.urls")),
     path("", include("apps.incidents.urls")),  # before audit/: the timeline is audit/timeline/

@@ -82,7 +82,7 @@ def authorize(actor: User | str, permission: str, pool: Any) -> None:
         )
 
 
-# The approval whose action is being carried out (apps.rollouts.approvals), if any.
+# The approval whose action is being carried out (apps.approvals.services), if any.
 APPROVING: ContextVar[int | None] = ContextVar("approving", default=None)
 # A move back under way (an abort, a rollback, a fallback): whatever it changes on the way (the
 # pool's deployment, canary nodes' own ones) is never held for a second person.
@@ -102,7 +102,7 @@ def moving_back() -> Iterator[None]:
 
 class ApprovalRequired(PermissionDenied):
     """A person's change to a protected pool: it waits for a second person to approve it.
-    Carries what to do once approved (an action of apps.rollouts.approvals and its arguments)."""
+    Carries what to do once approved (an action of apps.approvals.services and its arguments)."""
 
     def __init__(self, action: str, params: dict[str, Any], pool: Any) -> None:
         self.action, self.params, self.pool = action, params, pool

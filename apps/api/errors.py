@@ -8,8 +8,8 @@ from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 
 from apps.accounts.permissions import ApprovalRequired, current_user
+from apps.approvals.services import approval_request
 from apps.quality.errors import QualityError
-from apps.rollouts.approvals import approval_request
 
 
 class ErrorBody(Schema):

@@ -12,9 +12,7 @@ from ninja import Router, Schema, Status
 from apps.accounts.permissions import current_user
 from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, WAITS, ApiError
-from apps.api.paging import Limit, Offset
-from apps.rollouts.approvals import APPROVER_PERMISSION, ApprovalError, approval_approve
-from apps.rollouts.models import Approval, Rollout
+from apps.rollouts.models import Rollout
 from apps.rollouts.plans import PlanError
 from apps.rollouts.services import (
     RolloutError,
@@ -258,56 +256,3 @@ def rollback_to_last_good(request: HttpRequest, pool: str, model: str) -> dict[s
 def switch_to_fallback(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
     """The pool onto the model's registered fallback version now."""
     return _switch(request, pool, model, release_fallback)
-
-
-class ApprovalOut(Schema):
-    id: int
-    pool: str
-    action: str
-    params: dict[str, Any]
-    requested_by: str
-    requested_at: datetime
-    expires_at: datetime
-    status: str
-    approved_by: str | None
-    result: str
-
-
-def _approval_out(approval: Approval) -> dict[str, Any]:
-    return {
-        "id": approval.pk,
-        "pool": approval.pool.name,
-        "action": approval.action,
-        "params": approval.params,
-        "requested_by": approval.requested_by.username,
-        "requested_at": approval.requested_at,
-        "expires_at": approval.expires_at,
-        "status": approval.status,
-        "approved_by": approval.approved_by.username if approval.approved_by else None,
-        "result": approval.result,
-    }
-
-
-@router.get("/approvals", response={200: list[ApprovalOut], **ERRORS})
-def list_approvals(
-    request: HttpRequest, offset: int = Offset, limit: int = Limit
-) -> list[dict[str, Any]]:
-    """Changes to protected pools, newest first: a change there answers 202 with its approval,
-    which waits for a second person (POST /approvals/{id}/approve) until `expires_at`."""
-    found = Approval.objects.select_related("pool", "requested_by", "approved_by")
-    return [_approval_out(a) for a in found[offset : offset + limit]]
-
-
-@router.post(
-    "/approvals/{approval_id}/approve",
-    response={200: ApprovalOut, **ERRORS},
-    auth=can(APPROVER_PERMISSION, "approval.approve"),
-)
-def approve(request: HttpRequest, approval_id: int) -> dict[str, Any]:
-    """Carry out someone else's pending change now, as theirs: `status` says whether it went
-    through (approved) or the change itself was refused (failed, with `result`)."""
-    try:
-        approval = approval_approve(approval_id=approval_id, actor=current_user(request))
-    except ApprovalError as exc:
-        raise ApiError(409, "conflict", str(exc)) from None
-    return _approval_out(approval)

@@ -15,10 +15,11 @@ from django.db import models, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
+from apps.approvals.models import Approval
 from apps.audit.partitions import audit_partitions_ensure
 from apps.audit.services import audit_record
 from apps.fleet.models import Operation
-from apps.rollouts.models import Approval, Measurement, Notification, Rollout
+from apps.rollouts.models import Measurement, Notification, Rollout
 
 FINISHED = [
     Operation.Status.SUCCEEDED,

@@ -6,8 +6,6 @@ app_name = "rollouts"
 urlpatterns = [
     path("", views.rollout_list, name="rollout_list"),
     path("new/", views.rollout_new, name="rollout_new"),
-    path("approvals/", views.approvals, name="approvals"),
-    path("approvals/<int:pk>/approve/", views.approval_approve_view, name="approval_approve"),
     path("<int:pk>/", views.rollout_detail, name="rollout_detail"),
     path("<int:pk>/<slug:action>/", views.rollout_act, name="rollout_act"),
     path(

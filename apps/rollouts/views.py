@@ -19,9 +19,8 @@ from apps.fleet.models import Deployment
 from apps.observability.charts import Chart, distributions
 from apps.quality.selectors import run_rows, shown_rows
 from apps.rollouts.analysis import Share, observed_share
-from apps.rollouts.approvals import APPROVER_PERMISSION, ApprovalError, approval_approve
 from apps.rollouts.forms import RolloutForm
-from apps.rollouts.models import Approval, Measurement, Rollout
+from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.plans import Analysis, PlanError, parse_plan, preview
 from apps.rollouts.proposals import RolloutError, rollout_propose
 from apps.rollouts.selectors import last_good_versions
@@ -286,26 +285,3 @@ def release_switch(request: HttpRequest, pool: str, model: str, to: str) -> Http
     if not url_has_allowed_host_and_scheme(following, allowed_hosts={request.get_host()}):
         following = reverse("fleet:deployments")
     return back(request, following)
-
-
-def approvals(request: HttpRequest) -> HttpResponse:
-    """Changes to protected pools waiting for a second person, then the ones decided."""
-    found = Approval.objects.select_related("pool", "requested_by", "approved_by")
-    page = Paginator(found, 25).get_page(request.GET.get("page"))
-    context = {"page": page, "now": timezone.now(), "user_id": current_user(request).pk}
-    return render(request, "rollouts/approvals.html", context)
-
-
-@require_POST
-@require(APPROVER_PERMISSION, "approval.approve")
-def approval_approve_view(request: HttpRequest, pk: int) -> HttpResponse:
-    try:
-        approval = approval_approve(approval_id=pk, actor=current_user(request))
-    except ApprovalError as exc:
-        messages.error(request, str(exc))
-    else:
-        done = f"Approved #{pk}: {approval.action} on {approval.pool.name} is {approval.status}"
-        (messages.success if not approval.result else messages.error)(
-            request, done + (f": {approval.result}" if approval.result else ".")
-        )
-    return back(request, reverse("rollouts:approvals"))

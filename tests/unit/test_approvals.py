@@ -17,14 +17,15 @@ from django.utils import timezone
 from apps.accounts.permissions import ApprovalRequired
 from apps.accounts.roles import Role
 from apps.accounts.services import user_ensure
+from apps.approvals.models import Approval
+from apps.approvals.services import ApprovalError, approval_approve, approval_request
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.services import deployment_set, node_adopt, operation_override, pool_role_set
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_rollback
 from apps.registry.models import Model, ModelVersion
-from apps.rollouts.approvals import ApprovalError, approval_approve, approval_request
-from apps.rollouts.models import Approval, Rollout
+from apps.rollouts.models import Rollout
 from apps.rollouts.plans import Analysis
 from apps.rollouts.services import (
     RolloutError,

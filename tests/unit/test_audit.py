@@ -17,6 +17,8 @@ from apps.accounts import services as accounts
 from apps.accounts.models import ApiToken
 from apps.accounts.permissions import ApprovalRequired
 from apps.accounts.roles import Role
+from apps.approvals import services as approvals
+from apps.approvals.models import Approval
 from apps.audit.models import AuditEvent
 from apps.fleet import services as fleet
 from apps.fleet.models import Deployment, Node, NodePool, Operation
@@ -25,8 +27,6 @@ from apps.quality.models import EvaluationSet
 from apps.registry import imports
 from apps.registry import services as registry
 from apps.registry.models import Model, ModelVersion
-from apps.rollouts import approvals
-from apps.rollouts.models import Approval
 from tests.support import REPOSITORY
 from tests.support.audit import ROLLOUT_SERVICES, Case, assert_one_event_each
 
@@ -166,7 +166,7 @@ SERVICE_MODULES = [
         f"apps.{app}.services"
         for app in ("accounts", "audit", "fleet", "quality", "registry", "rollouts")
     ),
-    "apps.rollouts.approvals",
+    "apps.approvals.services",
     "apps.fleet.polling",
     "apps.registry.imports",
     "apps.fleet.imports",

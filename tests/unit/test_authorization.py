@@ -18,13 +18,14 @@ from django.utils import timezone
 from apps.accounts.models import ApiToken, PoolRole
 from apps.accounts.roles import Role
 from apps.accounts.services import roles_sync, token_create
+from apps.approvals.models import Approval
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.services import pool_role_set
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.registry.models import ModelVersion
 from apps.rollouts.forms import RolloutForm
-from apps.rollouts.models import Approval, Rollout
+from apps.rollouts.models import Rollout
 from tests.support.registry import import_demo
 from tests.support.users import make_user
 
@@ -101,7 +102,7 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "rollouts:rollout_new": ({}, rollout_form),
         "rollouts:rollout_act": ({"pk": world.rollout_b.pk, "action": "resume"}, {}),
         "rollouts:release_switch": ({"pool": "b", "model": "embedder", "to": "last-good"}, {}),
-        "rollouts:approval_approve": ({"pk": world.approval_b.pk}, {}),
+        "approvals:approve": ({"pk": world.approval_b.pk}, {}),
         "accounts:token_revoke": ({"token_id": world.token_id}, {}),
         "quality:set_import": ({"name": "embedder"}, {"name": "x", "text": "{}"}),
         "quality:run_start": ({"name": "embedder", "set_name": "x", "version": 1}, {"version": 1}),

@@ -21,6 +21,7 @@ from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from apps.accounts.roles import Role
+from apps.approvals.models import Approval
 from apps.audit.models import AuditEvent
 from apps.audit.partitions import audit_partitions, audit_partitions_ensure, partition_name
 from apps.audit.services import audit_record
@@ -28,7 +29,7 @@ from apps.fleet.models import Node, NodePool, Operation
 from apps.registry.models import Model
 from apps.retention.services import retention_prune
 from apps.retention.tasks import prune
-from apps.rollouts.models import Approval, Measurement, Notification, Rollout
+from apps.rollouts.models import Measurement, Notification, Rollout
 from tests.support.users import make_user
 
 postgresql_only = pytest.mark.skipif(

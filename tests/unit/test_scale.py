@@ -11,13 +11,14 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from apps.accounts.services import token_create
+from apps.approvals.models import Approval
 from apps.devtools.seed import Size, seed_fleet
 from apps.fleet.desired import fleet_desired
 from apps.fleet.models import Node, NodePool
 from apps.incidents.models import Incident
 from apps.quality.models import CaseResult, EvaluationCase, EvaluationRun, EvaluationSet
 from apps.registry.models import Model, ModelVersion
-from apps.rollouts.models import Approval, Rollout
+from apps.rollouts.models import Rollout
 from tests.support.registry import import_demo
 
 SMALL = Size(nodes=4, pools=2, models=10, versions=3, operations=20, rollouts=2, events=30)

@@ -9,13 +9,11 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.contrib import messages
 from django.contrib.auth.models import User
-from django.http import HttpRequest, HttpResponse
-from django.urls import reverse
 from django.utils import timezone
 
-from apps.accounts.permissions import APPROVING, ApprovalRequired, authorize, current_user
+from apps.accounts.permissions import APPROVING, ApprovalRequired, authorize
+from apps.approvals.models import Approval
 from apps.audit.services import audit_record, audited
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services import (
@@ -25,7 +23,6 @@ from apps.fleet.services import (
     node_adopt,
     operation_override,
 )
-from apps.rollouts.models import Approval
 from apps.rollouts.plans import PlanError
 from apps.rollouts.services import (
     RolloutError,
@@ -35,7 +32,6 @@ from apps.rollouts.services import (
     rollout_retry,
     rollout_start,
 )
-from controlplane.htmx import back
 
 APPROVER_PERMISSION = "rollouts.change_rollout"  # a release manager's, on the pool
 
@@ -188,26 +184,3 @@ def approval_approve(*, approval_id: int, actor: User) -> Approval:
         message=approval.result,
     )
     return approval
-
-
-class ApprovalMiddleware:
-    """A page's change that a protected pool refused becomes a request for approval, and the
-    person is sent to the approvals page, which says so."""
-
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
-        self.get_response = get_response
-
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        return self.get_response(request)
-
-    def process_exception(self, request: HttpRequest, exc: Exception) -> HttpResponse | None:
-        if not isinstance(exc, ApprovalRequired) or request.path.startswith("/api/"):
-            return None
-        approval = approval_request(refused=exc, actor=current_user(request))
-        messages.info(
-            request,
-            f"Pool {approval.pool.name} is protected: {approval.action} is request "
-            f"#{approval.pk}, waiting for a second person until "
-            f"{approval.expires_at:%H:%M} UTC.",
-        )
-        return back(request, reverse("rollouts:approvals"))

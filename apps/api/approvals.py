@@ -1,0 +1,69 @@
+"""Changes to protected pools waiting for a second person, and their approval."""
+
+from datetime import datetime
+from typing import Any
+
+from django.http import HttpRequest
+from ninja import Router, Schema
+
+from apps.accounts.permissions import current_user
+from apps.api.auth import Token, can
+from apps.api.errors import ERRORS, ApiError
+from apps.api.paging import Limit, Offset
+from apps.approvals.models import Approval
+from apps.approvals.services import APPROVER_PERMISSION, ApprovalError, approval_approve
+
+router = Router(tags=["rollouts"], auth=Token())
+
+
+class ApprovalOut(Schema):
+    id: int
+    pool: str
+    action: str
+    params: dict[str, Any]
+    requested_by: str
+    requested_at: datetime
+    expires_at: datetime
+    status: str
+    approved_by: str | None
+    result: str
+
+
+def _approval_out(approval: Approval) -> dict[str, Any]:
+    return {
+        "id": approval.pk,
+        "pool": approval.pool.name,
+        "action": approval.action,
+        "params": approval.params,
+        "requested_by": approval.requested_by.username,
+        "requested_at": approval.requested_at,
+        "expires_at": approval.expires_at,
+        "status": approval.status,
+        "approved_by": approval.approved_by.username if approval.approved_by else None,
+        "result": approval.result,
+    }
+
+
+@router.get("/approvals", response={200: list[ApprovalOut], **ERRORS})
+def list_approvals(
+    request: HttpRequest, offset: int = Offset, limit: int = Limit
+) -> list[dict[str, Any]]:
+    """Changes to protected pools, newest first: a change there answers 202 with its approval,
+    which waits for a second person (POST /approvals/{id}/approve) until `expires_at`."""
+    found = Approval.objects.select_related("pool", "requested_by", "approved_by")
+    return [_approval_out(a) for a in found[offset : offset + limit]]
+
+
+@router.post(
+    "/approvals/{approval_id}/approve",
+    response={200: ApprovalOut, **ERRORS},
+    auth=can(APPROVER_PERMISSION, "approval.approve"),
+)
+def approve(request: HttpRequest, approval_id: int) -> dict[str, Any]:
+    """Carry out someone else's pending change now, as theirs: `status` says whether it went
+    through (approved) or the change itself was refused (failed, with `result`)."""
+    try:
+        approval = approval_approve(approval_id=approval_id, actor=current_user(request))
+    except ApprovalError as exc:
+        raise ApiError(409, "conflict", str(exc)) from None
+    return _approval_out(approval)
