@@ -1,22 +1,17 @@
 """Import what a live node runs into the registry: its repository index and each model's config."""
 
-from collections import defaultdict
-
 from apps.audit.services import Actor
 from apps.fleet.models import Node
-from apps.fleet.triton import TritonClient
+from apps.fleet.triton import TritonClient, ready_in
 from apps.registry.codec import from_dict, without_version_policy
 from apps.registry.imports import Candidate, ImportResult, candidates_import
 
 
 def node_import(*, node: Node, actor: Actor, dry_run: bool = False) -> list[ImportResult]:
     client = TritonClient(node.http_url, node=node.name)
-    versions: dict[str, list[int]] = defaultdict(list)
-    for entry in client.repository_index():
-        if entry.state == "READY" and entry.version is not None:
-            versions[entry.model].append(entry.version)
     candidates = []
-    for model, numbers in sorted(versions.items()):
+    for model, ready in sorted(ready_in(client.repository_index()).items()):
+        numbers = sorted(ready)
         # Triton keeps one config per model; every loaded version runs with it. Fields newer than
         # our schema (a newer server) are dropped rather than refused.
         config = without_version_policy(

@@ -1,6 +1,7 @@
 from django.db import models
 
 from apps.fleet import failures
+from apps.fleet.triton import ready_in
 from apps.registry.models import Model
 
 
@@ -136,11 +137,7 @@ class Node(models.Model):
     @property
     def ready_versions(self) -> dict[str, list[int]]:
         """Model -> its versions READY in the last index read, in order."""
-        found: dict[str, list[int]] = {}
-        for entry in self.index:
-            if entry.get("state") == "READY" and entry.get("version"):
-                found.setdefault(entry["model"], []).append(int(entry["version"]))
-        return {model: sorted(versions) for model, versions in found.items()}
+        return {model: sorted(versions) for model, versions in ready_in(self.index).items()}
 
 
 class Deployment(models.Model):

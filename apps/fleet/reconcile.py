@@ -21,6 +21,7 @@ from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Observed, plan
 from apps.fleet.polling import node_read_index
 from apps.fleet.runner import RECONCILER, DesiredDigest, save_owned
+from apps.fleet.triton import ready_in
 from apps.registry.models import Model
 
 log = logging.getLogger(__name__)
@@ -28,14 +29,10 @@ log = logging.getLogger(__name__)
 
 def observed_state(node: Node) -> dict[str, Observed]:
     """The node's last index read, plus what our own operations last did to each model."""
-    ready: dict[str, set[int]] = {}
-    busy: set[str] = set()
-    for entry in node.index:
-        ready.setdefault(entry["model"], set())
-        if entry.get("state") == "READY" and entry.get("version") is not None:
-            ready[entry["model"]].add(int(entry["version"]))
-        elif entry.get("state") in ("LOADING", "UNLOADING"):
-            busy.add(entry["model"])
+    # Every model the index lists, READY in no version or in some.
+    ready: dict[str, set[int]] = {entry["model"]: set() for entry in node.index}
+    ready |= ready_in(node.index)
+    busy = {e["model"] for e in node.index if e.get("state") in ("LOADING", "UNLOADING")}
     now = timezone.now()
     rows = _history(node, now)
     # Positions in each model's history: an operation counts if it came after the model's last

@@ -28,6 +28,7 @@ from apps.fleet.triton import (
     TritonRejected,
     TritonTimeout,
     TritonUnreachable,
+    ready_in,
 )
 from apps.registry.codec import ensemble_steps, from_dict
 
@@ -279,11 +280,8 @@ def _memory_check(
     (version, memory in use now) to measure it by, when it adds one version still measured and
     nothing else changes meanwhile: it ends no version, and no unload is still under way (Triton
     ends versions in the background, and their memory comes back during the measurement)."""
-    ready: dict[str, set[int]] = {}
     index = client.repository_index()
-    for entry in index:
-        if entry.state == "READY" and entry.version is not None:
-            ready.setdefault(entry.model, set()).add(entry.version)
+    ready = ready_in(index)
     adding = set(op.versions) - ready.get(op.model_name, set())
     refused = memory.refusal(node, op.model_name, adding, ready)
     ending = ready.get(op.model_name, set()) - set(op.versions)
@@ -300,7 +298,7 @@ def _memory_check(
 def _read_back(client: TritonClient, op: Operation) -> str:
     """Empty when the index shows exactly what the operation promised, else what it shows."""
     entries = [e for e in client.repository_index() if e.model == op.model_name]
-    ready = sorted(e.version for e in entries if e.state == "READY" and e.version is not None)
+    ready = sorted(ready_in(entries).get(op.model_name, set()))
     if ready == sorted(op.versions):
         return ""
     listed = {e.version for e in entries}

@@ -9,9 +9,9 @@ import random
 import re
 import socket
 import ssl
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -51,6 +51,16 @@ class IndexEntry:
     version: int | None
     state: str
     reason: str
+
+
+def ready_in(index: Iterable[IndexEntry | dict[str, Any]]) -> dict[str, set[int]]:
+    """Model -> its versions READY in a repository index, as read or as a node stores it."""
+    found: dict[str, set[int]] = {}
+    for entry in index:
+        read = entry if isinstance(entry, dict) else asdict(entry)
+        if read.get("state") == "READY" and read.get("version") not in (None, ""):
+            found.setdefault(read["model"], set()).add(int(read["version"]))
+    return found
 
 
 @dataclass(frozen=True)
