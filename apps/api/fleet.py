@@ -16,9 +16,11 @@ from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, WAITS, ApiError
 from apps.api.paging import Limit, Offset
 from apps.fleet.desired import DesiredStateError, FleetDesired, fleet_desired
+from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.selectors import Reading, converged, drift_of, node_models, observed_many
-from apps.fleet.services import FleetError, deployment_remove, deployment_set, operation_request
+from apps.fleet.services.deployments import deployment_remove, deployment_set
+from apps.fleet.services.nodes import operation_request
 from apps.fleet.traffic.gateway import (
     DNS_LABEL,
     DNS_SUBDOMAIN,

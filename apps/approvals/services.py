@@ -15,14 +15,10 @@ from django.utils import timezone
 from apps.accounts.permissions import APPROVING, ApprovalRequired, authorize
 from apps.approvals.models import Approval
 from apps.audit.services import audit_record, audited
+from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool
-from apps.fleet.services import (
-    FleetError,
-    deployment_remove,
-    deployment_set,
-    node_adopt,
-    operation_override,
-)
+from apps.fleet.services.deployments import deployment_remove, deployment_set
+from apps.fleet.services.nodes import node_adopt, operation_override
 from apps.rollouts.plans import PlanError
 from apps.rollouts.services import (
     RolloutError,

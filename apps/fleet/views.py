@@ -12,6 +12,7 @@ from django.views.decorators.http import require_POST
 from apps.accounts.permissions import current_user, require
 from apps.audit.models import AuditEvent
 from apps.fleet.desired import DesiredStateError, Want, Wanted, fleet_desired
+from apps.fleet.errors import FleetError
 from apps.fleet.memory import capacity, shortfalls
 from apps.fleet.models import Deployment, Footprint, Node, NodePool, Operation
 from apps.fleet.selectors import (
@@ -22,14 +23,8 @@ from apps.fleet.selectors import (
     node_rows,
     pool_views,
 )
-from apps.fleet.services import (
-    FleetError,
-    deployment_remove,
-    deployment_set,
-    node_adopt,
-    operation_override,
-    operation_request,
-)
+from apps.fleet.services.deployments import deployment_remove, deployment_set
+from apps.fleet.services.nodes import node_adopt, operation_override, operation_request
 from apps.registry.models import ModelVersion
 from controlplane.htmx import HtmxHttpRequest, back
 

@@ -6,7 +6,7 @@ class RolloutsConfig(AppConfig):
     label = "rollouts"
 
     def ready(self) -> None:
-        from apps.fleet.services import POOL_OWNERS
+        from apps.fleet.services.deployments import POOL_OWNERS
         from apps.rollouts.services import rollout_owning
 
         POOL_OWNERS.append(rollout_owning)

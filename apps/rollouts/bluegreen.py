@@ -5,7 +5,7 @@ from django.utils import timezone
 
 from apps.fleet import selectors
 from apps.fleet.models import Node
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.quality.errors import QualityError
 from apps.rollouts.analysis import overall
 from apps.rollouts.gates import (

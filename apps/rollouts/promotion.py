@@ -7,8 +7,9 @@ from django.utils import timezone
 
 from apps.audit.services import audit_record
 from apps.fleet.desired import Want, Wanted, fleet_desired
+from apps.fleet.errors import FleetError
 from apps.fleet.memory import shortfalls
-from apps.fleet.services import FleetError, deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.fleet.traffic.balancer import weights_reset
 from apps.rollouts.gates import (
     ACTOR,

@@ -8,8 +8,9 @@ from django.db import IntegrityError, OperationalError, connection, transaction
 
 from apps.accounts.permissions import authorize, moving_back, second_person
 from apps.audit.services import Actor, actor_name, audit_record, audited
+from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, NodePool, Release
-from apps.fleet.services import FleetError, deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model
 from apps.rollouts import transitions
 from apps.rollouts.models import AnalysisTemplate, Rollout
@@ -83,7 +84,7 @@ def _active(models: list[str], pool: NodePool) -> Rollout | None:
 
 def rollout_owning(pool: NodePool, model: Model) -> str:
     """Why a person may not move `pool`'s release of `model` by hand: a rollout releasing it
-    there decides what the pool runs until it ends (apps.fleet.services.POOL_OWNERS)."""
+    there decides what the pool runs until it ends (apps.fleet.services.deployments.POOL_OWNERS)."""
     running = _active([model.name], pool)
     if running is None:
         return ""

@@ -11,7 +11,7 @@ from apps.accounts.permissions import moving_back
 from apps.audit.services import Actor, actor_name, audit_record
 from apps.fleet import selectors
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.services import deployment_remove, deployment_set
+from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.traffic.balancer import weights_set
 from apps.registry.codec import from_dict
 from apps.registry.ensembles import UnresolvedStep, pinned_steps

@@ -20,7 +20,8 @@ import pytest
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc
 from apps.fleet.models import NodePool, Operation
-from apps.fleet.services import deployment_set, pool_set_traffic
+from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.pools import pool_set_traffic
 from tests.support.bench import Report
 from tests.support.fleet import (
     STEPS_V1,

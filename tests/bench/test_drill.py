@@ -16,7 +16,7 @@ import pytest
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState
 from apps.fleet.models import NodePool, Operation
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import rollout_abort, rollout_start
 from tests.support.bench import Report

@@ -29,7 +29,8 @@ from django.utils import timezone
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState
 from apps.fleet.models import Node, NodePool, Operation
-from apps.fleet.services import deployment_set, node_register
+from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.nodes import node_register
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
 from controlplane.celery import app as celery_app

@@ -36,7 +36,8 @@ from apps.devtools.simulator import FLOOR_TIMEOUT_S, floor_load
 from apps.fleet.models import NodePool, Operation
 from apps.fleet.reconcile import node_reconcile
 from apps.fleet.runner import node_run
-from apps.fleet.services import deployment_set, node_register
+from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.nodes import node_register
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
 from controlplane.celery import app as celery_app

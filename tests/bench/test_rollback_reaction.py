@@ -23,7 +23,7 @@ from django.utils import timezone
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState
 from apps.fleet.models import Node, NodePool, Operation
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.registry.services import model_set_budget
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import rollout_start

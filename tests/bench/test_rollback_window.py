@@ -23,7 +23,7 @@ from django.utils import timezone
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState, Proc
 from apps.fleet.models import NodePool, Operation
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model
 from apps.rollouts.services import release_fallback, release_rollback
 from tests.support.bench import Report

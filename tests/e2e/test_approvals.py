@@ -6,7 +6,8 @@ from playwright.sync_api import Page, expect
 from apps.accounts.roles import Role
 from apps.accounts.services import user_ensure
 from apps.fleet.models import Deployment, Node, NodePool
-from apps.fleet.services import deployment_set, pool_set_protected
+from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.pools import pool_set_protected
 from apps.registry.imports import repository_import
 from tests.support.browser import screenshot, sign_in
 from tests.support.users import PASSWORD, make_user

@@ -13,7 +13,8 @@ from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.fleet.models import Node, NodePool, Operation
-from apps.fleet.services import deployment_set, node_set_memory
+from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.nodes import node_set_memory
 from apps.registry.imports import repository_import
 from apps.registry.services import version_set_memory
 from tests.support.browser import screenshot, sign_in

@@ -7,7 +7,7 @@ from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.devtools.traffic import send_traffic
-from apps.fleet.services import node_register
+from apps.fleet.services.nodes import node_register
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
 from tests.support import REPOSITORY

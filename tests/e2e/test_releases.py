@@ -5,7 +5,7 @@ from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.fleet.models import Deployment, Node, NodePool
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.registry.imports import repository_import
 from apps.registry.models import Model
 from tests.support.browser import screenshot, sign_in

@@ -17,7 +17,7 @@ from apps.audit.models import AuditEvent
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState
 from apps.fleet.models import NodePool
-from apps.fleet.services import node_register
+from apps.fleet.services.nodes import node_register
 from tests.support.fleet import ANALYSIS, STEPS_V1, STEPS_V2, converged, traffic_to, wait_for
 from tests.support.services import Celery
 from tests.support.users import make_user

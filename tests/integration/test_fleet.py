@@ -93,7 +93,7 @@ def test_import_from_a_live_node_registers_what_it_runs(
     fleet: Fleet, clients: list[TritonClient]
 ) -> None:
     from apps.fleet.imports import node_import
-    from apps.fleet.services import node_register
+    from apps.fleet.services.nodes import node_register
     from apps.registry.models import ModelVersion
 
     proc = fleet.state.nodes[0]

@@ -10,7 +10,8 @@ import pytest
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState
 from apps.fleet.models import Footprint, Node, NodePool, Operation
-from apps.fleet.services import deployment_set, node_register, node_set_memory
+from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.nodes import node_register, node_set_memory
 from apps.registry.imports import repository_import
 from apps.registry.services import version_set_memory
 from tests.support.fleet import STEPS_V1, STEPS_V2, converged, ready_on, wait_for

@@ -13,7 +13,7 @@ from django.test import Client
 from apps.fleet import memory
 from apps.fleet.desired import Want, fleet_desired
 from apps.fleet.models import Node, NodePool
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model, ModelVersion
 from tests.support.backfill import backfilled_prometheus, gpu_memory
 

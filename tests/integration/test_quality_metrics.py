@@ -12,7 +12,7 @@ import pytest
 from django.db.models import F
 
 from apps.fleet.models import Node, NodePool
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Rollout

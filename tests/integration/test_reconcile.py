@@ -15,15 +15,11 @@ from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState
+from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool, Operation
-from apps.fleet.services import (
-    FleetError,
-    deployment_remove,
-    deployment_set,
-    node_adopt,
-    operation_request,
-    pool_set_queue,
-)
+from apps.fleet.services.deployments import deployment_remove, deployment_set
+from apps.fleet.services.nodes import node_adopt, operation_request
+from apps.fleet.services.pools import pool_set_queue
 from apps.fleet.tasks import reconcile_node
 from apps.fleet.triton import TritonClient
 from apps.registry.codec import parse_pbtxt

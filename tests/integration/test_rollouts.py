@@ -15,7 +15,7 @@ from apps.audit.models import AuditEvent
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState
 from apps.fleet.models import Node, NodePool, Operation
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.registry.services import model_set_budget, model_set_fallback, model_set_slo
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import release_fallback, release_rollback, rollout_start

@@ -14,7 +14,7 @@ from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState, Proc
 from apps.devtools.traffic import send_traffic
 from apps.fleet.models import Node, NodePool, Operation
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.fleet.triton import TritonClient
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import release_rollback, rollout_abort, rollout_start

@@ -3,7 +3,7 @@ import time
 import pytest
 
 from apps.fleet.models import Node
-from apps.fleet.services import node_register
+from apps.fleet.services.nodes import node_register
 from apps.fleet.tasks import poll_nodes
 from tests.support.fleet import Fleet
 from tests.support.services import Celery

@@ -13,7 +13,9 @@ import pytest
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc
 from apps.fleet.models import NodePool, Operation
-from apps.fleet.services import deployment_set, node_register, pool_set_traffic
+from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.nodes import node_register
+from apps.fleet.services.pools import pool_set_traffic
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
 from controlplane.celery import app as celery_app

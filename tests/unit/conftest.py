@@ -6,7 +6,7 @@ from django.urls import get_resolver
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 from apps.fleet.models import Node
-from apps.fleet.services import node_register
+from apps.fleet.services.nodes import node_register
 from apps.registry.imports import repository_import
 from tests.support import REPOSITORY
 

@@ -20,7 +20,7 @@ from apps.accounts.roles import Role
 from apps.accounts.services import TokenError, token_create
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.registry.imports import repository_import
 from tests.support import REPOSITORY
 from tests.support.users import bearer, make_user

@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import (
 from apps.accounts.roles import Role
 from apps.accounts.services import token_create
 from apps.fleet.models import Node, NodePool
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.quality.models import CaseResult
 from apps.quality.services import evaluation_set_import
 from apps.registry.imports import repository_import

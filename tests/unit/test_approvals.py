@@ -21,7 +21,9 @@ from apps.approvals.models import Approval
 from apps.approvals.services import ApprovalError, approval_approve, approval_request
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.services import deployment_set, node_adopt, operation_override, pool_role_set
+from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.nodes import node_adopt, operation_override
+from apps.fleet.services.pools import pool_role_set
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_rollback
 from apps.registry.models import Model, ModelVersion

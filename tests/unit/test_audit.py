@@ -20,8 +20,8 @@ from apps.accounts.roles import Role
 from apps.approvals import services as approvals
 from apps.approvals.models import Approval
 from apps.audit.models import AuditEvent
-from apps.fleet import services as fleet
 from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.services import deployments, nodes, pools
 from apps.quality import services as quality
 from apps.quality.models import EvaluationSet
 from apps.registry import imports
@@ -142,6 +142,9 @@ NOT_ACTIONS = {
     "config_problems": "a check",
     "compatibility_breaks": "a check",
     "rollout_owning": "a read: who decides a pool's release",
+    "reconcile_later": "enqueues the reconcile of a change its caller audits",
+    "target_nodes": "a read: the nodes a change targets",
+    "node_target": "names an event's target",
     "actor_name": "the trail itself",
     "audit_record": "the trail itself",
     "audited": "the trail itself",
@@ -162,10 +165,8 @@ def test_every_service_is_an_audited_action_and_is_in_a_table() -> None:
 
 
 SERVICE_MODULES = [
-    *(
-        f"apps.{app}.services"
-        for app in ("accounts", "audit", "fleet", "quality", "registry", "rollouts")
-    ),
+    *(f"apps.{app}.services" for app in ("accounts", "audit", "quality", "registry", "rollouts")),
+    *(f"apps.fleet.services.{part}" for part in ("deployments", "nodes", "pools")),
     "apps.approvals.services",
     "apps.fleet.polling",
     "apps.registry.imports",
@@ -175,24 +176,24 @@ FLEET_REGISTRY_SERVICES = {
     accounts.user_ensure,
     accounts.token_create,
     accounts.token_revoke,
-    fleet.pool_role_set,
-    fleet.node_register,
-    fleet.deployment_set,
-    fleet.deployment_remove,
-    fleet.operation_request,
-    fleet.node_adopt,
-    fleet.pool_set_queue,
+    pools.pool_role_set,
+    nodes.node_register,
+    deployments.deployment_set,
+    deployments.deployment_remove,
+    nodes.operation_request,
+    nodes.node_adopt,
+    pools.pool_set_queue,
     registry.version_create,
     registry.version_set_status,
     registry.model_set_budget,
     registry.model_set_fallback,
     registry.model_set_slo,
     imports.candidates_import,
-    fleet.pool_set_protected,
-    fleet.pool_set_traffic,
-    fleet.node_set_memory,
-    fleet.operation_override,
-    fleet.pool_set_rollback_window,
+    pools.pool_set_protected,
+    pools.pool_set_traffic,
+    nodes.node_set_memory,
+    nodes.operation_override,
+    pools.pool_set_rollback_window,
     registry.version_set_memory,
     approvals.approval_request,
     approvals.approval_approve,
@@ -254,20 +255,20 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             lambda: accounts.token_revoke(token_id=ApiToken.objects.get().pk, actor="ops"),
         ),
         Case(
-            fleet.pool_role_set,
+            pools.pool_role_set,
             "user.pool_role_set",
-            lambda: fleet.pool_role_set(username="ann", pool_name="gpu", role="x", actor="ops"),
-            lambda: fleet.pool_role_set(
+            lambda: pools.pool_role_set(username="ann", pool_name="gpu", role="x", actor="ops"),
+            lambda: pools.pool_role_set(
                 username="ann", pool_name="gpu", role="release_manager", actor="ops"
             ),
         ),
         Case(
-            fleet.node_register,
+            nodes.node_register,
             "node.register",
-            lambda: fleet.node_register(
+            lambda: nodes.node_register(
                 name="n", pool="gpu", http_url="ftp://x", grpc_url="", metrics_url="", actor="ops"
             ),
-            lambda: fleet.node_register(
+            lambda: nodes.node_register(
                 name="n",
                 pool="gpu",
                 http_url="http://10.0.0.9:8000",
@@ -277,38 +278,38 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             ),
         ),
         Case(
-            fleet.deployment_set,
+            deployments.deployment_set,
             "deployment.set",
-            lambda: fleet.deployment_set(model_name="rag", version=1, pool=pool, actor="ops"),
-            lambda: fleet.deployment_set(model_name="rag", version=2, pool=pool, actor="ops"),
+            lambda: deployments.deployment_set(model_name="rag", version=1, pool=pool, actor="ops"),
+            lambda: deployments.deployment_set(model_name="rag", version=2, pool=pool, actor="ops"),
         ),
         Case(
-            fleet.node_adopt,
+            nodes.node_adopt,
             "node.adopt",
-            lambda: fleet.node_adopt(node_id=node.pk, model_name="absent", actor="ops"),
-            lambda: fleet.node_adopt(node_id=node.pk, model_name="other", actor="ops"),
+            lambda: nodes.node_adopt(node_id=node.pk, model_name="absent", actor="ops"),
+            lambda: nodes.node_adopt(node_id=node.pk, model_name="other", actor="ops"),
         ),
         Case(
-            fleet.pool_set_queue,
+            pools.pool_set_queue,
             "pool.set_queue",
-            lambda: fleet.pool_set_queue(pool_name="gpu", queue="eu west", actor="ops"),
-            lambda: fleet.pool_set_queue(pool_name="gpu", queue="eu-west", actor="ops"),
+            lambda: pools.pool_set_queue(pool_name="gpu", queue="eu west", actor="ops"),
+            lambda: pools.pool_set_queue(pool_name="gpu", queue="eu-west", actor="ops"),
         ),
         Case(
-            fleet.operation_request,
+            nodes.operation_request,
             "operation.request_unload",
-            lambda: fleet.operation_request(
+            lambda: nodes.operation_request(
                 node_id=node.pk, kind="unload", model_name="rag", actor="ops"
             ),
-            lambda: fleet.operation_request(
+            lambda: nodes.operation_request(
                 node_id=node.pk, kind="unload", model_name="other", actor="ops"
             ),
         ),
         Case(
-            fleet.deployment_remove,
+            deployments.deployment_remove,
             "deployment.remove",
-            lambda: fleet.deployment_remove(deployment_id=0, actor="ops"),
-            lambda: fleet.deployment_remove(deployment_id=deployed(), actor="ops"),
+            lambda: deployments.deployment_remove(deployment_id=0, actor="ops"),
+            lambda: deployments.deployment_remove(deployment_id=deployed(), actor="ops"),
         ),
         Case(
             registry.version_create,
@@ -361,16 +362,16 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
     change = {"pool": "gpu", "model": "rag", "version": 2, "baseline": None}
     cases += [
         Case(
-            fleet.node_set_memory,
+            nodes.node_set_memory,
             "node.set_memory",
-            lambda: fleet.node_set_memory(node_name="nope", limit_mb=1024, actor="ops"),
-            lambda: fleet.node_set_memory(node_name="gpu-1", limit_mb=1024, actor="ops"),
+            lambda: nodes.node_set_memory(node_name="nope", limit_mb=1024, actor="ops"),
+            lambda: nodes.node_set_memory(node_name="gpu-1", limit_mb=1024, actor="ops"),
         ),
         Case(
-            fleet.operation_override,
+            nodes.operation_override,
             "operation.override",
-            lambda: fleet.operation_override(operation_id=0, reason="fits", actor="ops"),
-            lambda: fleet.operation_override(
+            lambda: nodes.operation_override(operation_id=0, reason="fits", actor="ops"),
+            lambda: nodes.operation_override(
                 operation_id=Operation.objects.create(
                     node=node, kind="load", model_name="rag", failure="memory", requested_by="x"
                 ).pk,
@@ -379,10 +380,10 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             ),
         ),
         Case(
-            fleet.pool_set_rollback_window,
+            pools.pool_set_rollback_window,
             "pool.set_rollback_window",
-            lambda: fleet.pool_set_rollback_window(pool_name="gpu", seconds=-1, actor="ops"),
-            lambda: fleet.pool_set_rollback_window(pool_name="gpu", seconds=60, actor="ops"),
+            lambda: pools.pool_set_rollback_window(pool_name="gpu", seconds=-1, actor="ops"),
+            lambda: pools.pool_set_rollback_window(pool_name="gpu", seconds=60, actor="ops"),
         ),
         Case(
             registry.version_set_memory,
@@ -395,16 +396,16 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             ),
         ),
         Case(
-            fleet.pool_set_protected,
+            pools.pool_set_protected,
             "pool.set_protected",
-            lambda: fleet.pool_set_protected(pool_name="nope", protected=True, actor="ops"),
-            lambda: fleet.pool_set_protected(pool_name="gpu", protected=True, actor="ops"),
+            lambda: pools.pool_set_protected(pool_name="nope", protected=True, actor="ops"),
+            lambda: pools.pool_set_protected(pool_name="gpu", protected=True, actor="ops"),
         ),
         Case(
-            fleet.pool_set_traffic,
+            pools.pool_set_traffic,
             "pool.set_traffic",
-            lambda: fleet.pool_set_traffic(pool_name="nope", traffic="", actor="ops"),
-            lambda: fleet.pool_set_traffic(pool_name="gpu", traffic="", min_serving=2, actor="ops"),
+            lambda: pools.pool_set_traffic(pool_name="nope", traffic="", actor="ops"),
+            lambda: pools.pool_set_traffic(pool_name="gpu", traffic="", min_serving=2, actor="ops"),
         ),
         Case(
             approvals.approval_request,

@@ -21,7 +21,7 @@ from apps.accounts.services import roles_sync, token_create
 from apps.approvals.models import Approval
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.services import pool_role_set
+from apps.fleet.services.pools import pool_role_set
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.registry.models import ModelVersion
 from apps.rollouts.forms import RolloutForm

@@ -14,8 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from apps.audit.models import AuditEvent
+from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool
-from apps.fleet.services import FleetError, pool_set_traffic
+from apps.fleet.services.pools import pool_set_traffic
 from apps.fleet.traffic import balancer as balancing
 from apps.fleet.traffic import warmup
 from apps.fleet.traffic.balancer import (

@@ -15,7 +15,7 @@ from apps.fleet import selectors
 from apps.fleet.desired import fleet_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.runner import _loads_nothing
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.quality.models import EvaluationRun
 from apps.quality.services import evaluation_set_import
 from apps.registry.models import ModelVersion
@@ -317,7 +317,7 @@ def test_the_page_lists_each_nodes_evaluation_worst_first(nodes: Nodes, client: 
 
 
 def test_the_preview_says_where_the_standby_would_not_fit_in_memory(nodes: Nodes) -> None:
-    from apps.fleet.services import node_set_memory
+    from apps.fleet.services.nodes import node_set_memory
 
     ModelVersion.objects.filter(model__name="retriever").update(memory_mb=300)
     node_set_memory(node_name="t-2", limit_mb=500, actor="sre")  # retriever 1 fits, not 3 too

@@ -14,9 +14,11 @@ from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.fleet import tasks
 from apps.fleet.desired import node_desired
+from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.reconcile import node_reconcile
-from apps.fleet.services import FleetError, deployment_set, node_register, operation_request
+from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.nodes import node_register, operation_request
 from apps.fleet.tasks import enqueue_run
 from apps.fleet.triton import IndexEntry, TritonClient, parse_gpu_memory
 from apps.registry.models import ModelVersion

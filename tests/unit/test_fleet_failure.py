@@ -22,11 +22,12 @@ from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 from apps.fleet import addresses
+from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.planner import Observed
 from apps.fleet.reconcile import node_reconcile, observed_state
 from apps.fleet.runner import NodeBusy, node_run
-from apps.fleet.services import FleetError, node_register
+from apps.fleet.services.nodes import node_register
 from apps.fleet.traffic.haproxy import HAProxyError, Runtime
 from apps.fleet.triton import (
     METRICS_MAX_BYTES,

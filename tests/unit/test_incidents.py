@@ -16,7 +16,8 @@ from apps.accounts.services import token_create
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 from apps.fleet.models import Deployment, NodePool, Release
-from apps.fleet.services import deployment_set, node_register
+from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.nodes import node_register
 from apps.incidents import suspects as suspects_module
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_open, incident_rollback

@@ -11,9 +11,11 @@ from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 from apps.fleet import memory, polling
+from apps.fleet.errors import FleetError
 from apps.fleet.models import Footprint, Node, NodePool
 from apps.fleet.planner import plan
-from apps.fleet.services import FleetError, deployment_set, node_set_memory
+from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.nodes import node_set_memory
 from apps.fleet.triton import ServerMetadata, TritonClient
 from apps.registry.models import Model, ModelVersion
 from tests.support.planning import MANAGED, desired, kinds, ready
@@ -281,7 +283,7 @@ def test_a_refused_load_is_sent_anyway_when_an_operator_gives_a_reason(
 ) -> None:
     from apps.fleet.models import Operation
     from apps.fleet.runner import node_run
-    from apps.fleet.services import operation_override
+    from apps.fleet.services.nodes import operation_override
     from apps.fleet.triton import IndexEntry, TritonClient
 
     sent: list[str] = []

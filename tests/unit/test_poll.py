@@ -5,7 +5,7 @@ import pytest
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
 from apps.fleet.polling import node_poll
-from apps.fleet.services import node_register
+from apps.fleet.services.nodes import node_register
 
 
 def closed_port() -> int:

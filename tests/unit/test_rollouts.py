@@ -23,7 +23,7 @@ from apps.accounts.services import token_create
 from apps.audit.models import AuditEvent
 from apps.fleet import selectors
 from apps.fleet.models import Deployment, Node, NodePool, Release
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.fleet.traffic import balancer as balancing
 from apps.fleet.traffic.balancer import Synced
 from apps.registry.models import Model, ModelVersion
@@ -240,7 +240,7 @@ def test_a_good_canary_goes_step_by_step_to_the_whole_pool(fleet: Fleet) -> None
 
 
 def test_the_release_before_is_not_kept_where_memory_does_not_allow(fleet: Fleet) -> None:
-    from apps.fleet.services import node_set_memory
+    from apps.fleet.services.nodes import node_set_memory
 
     ModelVersion.objects.filter(model__name="rag").update(memory_mb=400)
     # gpu-2 has room for one version, with headroom: v2 alone, not v1 beside it.

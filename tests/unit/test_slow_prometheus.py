@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from apps.accounts.roles import Role
 from apps.fleet.models import Node, NodePool
-from apps.fleet.services import deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import ModelVersion
 from apps.rollouts import controller
 from apps.rollouts.models import Measurement, Rollout

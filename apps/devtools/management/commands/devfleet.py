@@ -6,9 +6,11 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import HAPROXY_BACKENDS, DevfleetError, Proc
 from apps.devtools.traffic import send_traffic
+from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool
 from apps.fleet.selectors import node_list
-from apps.fleet.services import FleetError, node_register, pool_set_traffic
+from apps.fleet.services.nodes import node_register
+from apps.fleet.services.pools import pool_set_traffic
 from apps.fleet.triton import TritonClient, TritonError
 
 SIMULATED_MAX = 1000

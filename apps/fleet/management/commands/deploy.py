@@ -1,7 +1,8 @@
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from apps.fleet.errors import FleetError
 from apps.fleet.models import NodePool
-from apps.fleet.services import FleetError, deployment_set
+from apps.fleet.services.deployments import deployment_set
 
 
 class Command(BaseCommand):

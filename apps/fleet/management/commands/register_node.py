@@ -1,6 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from apps.fleet.services import FleetError, node_register
+from apps.fleet.errors import FleetError
+from apps.fleet.services.nodes import node_register
 
 
 class Command(BaseCommand):

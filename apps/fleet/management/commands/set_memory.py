@@ -1,6 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from apps.fleet.services import FleetError, node_set_memory
+from apps.fleet.errors import FleetError
+from apps.fleet.services.nodes import node_set_memory
 from apps.registry.services import RegistryError, version_set_memory
 
 ACTOR = "system:set_memory"

@@ -1,6 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from apps.fleet.services import FleetError, pool_set_protected
+from apps.fleet.errors import FleetError
+from apps.fleet.services.pools import pool_set_protected
 
 
 class Command(BaseCommand):

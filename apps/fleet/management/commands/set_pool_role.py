@@ -2,7 +2,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from apps.accounts.models import PoolRole
 from apps.accounts.services import RoleError
-from apps.fleet.services import pool_role_set
+from apps.fleet.services.pools import pool_role_set
 
 
 class Command(BaseCommand):

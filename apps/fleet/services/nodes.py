@@ -1,0 +1,196 @@
+"""Changes of a node: registering it, its operations, adopting a model, its memory."""
+
+from urllib.parse import urlsplit
+
+from django.db import transaction
+
+from apps.accounts.permissions import authorize, second_person
+from apps.audit.services import Actor, actor_name, audit_record, audited
+from apps.fleet import addresses, failures
+from apps.fleet.desired import node_desired
+from apps.fleet.errors import FleetError
+from apps.fleet.models import Node, NodePool, Operation
+from apps.fleet.tasks import enqueue_run
+from apps.fleet.traffic.haproxy import name_refusal
+
+
+def validate_node_url(url: str, *, field: str) -> None:
+    """http(s) with a host and a port, and no credentials: they would end up in logs and pages;
+    at an address the control plane may contact (apps.fleet.addresses)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise FleetError(f"{field} {url!r}: the port is not a number from 1 to 65535") from None
+    if parts.scheme not in ("http", "https", "grpc"):
+        raise FleetError(f"{field} {url!r}: use http:// or https://")
+    if parts.username or parts.password:
+        raise FleetError(f"{field} {url!r}: no credentials in node addresses")
+    if not parts.hostname:
+        raise FleetError(f"{field} {url!r}: a host is required")
+    if port is None and parts.scheme == "grpc":
+        raise FleetError(f"{field} {url!r}: host:port is required")
+    refused = addresses.refusal(parts.hostname)
+    if refused:
+        raise FleetError(f"{field} {url!r}: {refused}")
+
+
+@audited("node.register", lambda name, **_: f"node:{name}", (FleetError,))
+def node_register(
+    *, name: str, pool: str, http_url: str, grpc_url: str, metrics_url: str, actor: str
+) -> Node:
+    """Create or update a node by name; re-registering with the same addresses changes nothing."""
+    if refused := name_refusal(name, what="node name"):  # it names the node's balancer server
+        raise FleetError(refused)
+    for field, url in (("http_url", http_url), ("metrics_url", metrics_url)):
+        if url or field == "http_url":
+            validate_node_url(url, field=field)
+    if grpc_url:
+        validate_node_url(f"grpc://{grpc_url}", field="grpc_url")
+    node_pool, _ = NodePool.objects.get_or_create(name=pool)
+    wanted = {"pool": node_pool, "http_url": http_url, "grpc_url": grpc_url}
+    wanted["metrics_url"] = metrics_url
+    node = Node.objects.select_for_update().filter(name=name).first()
+    before = {} if node is None else {k: str(getattr(node, k)) for k in wanted}
+    after = {k: str(v) for k, v in wanted.items()}
+    if node is None:
+        node = Node.objects.create(name=name, **wanted)
+    elif before != after:
+        for key, value in wanted.items():
+            setattr(node, key, value)
+        node.save(update_fields=list(wanted))
+    if before != after:
+        audit_record(
+            actor=actor, action="node.register", target=f"node:{name}", before=before, after=after
+        )
+    return node
+
+
+def node_target(*, node_id: int, model_name: str, **_: object) -> str:
+    name = Node.objects.filter(pk=node_id).values_list("name", flat=True).first()
+    return f"node:{name}:{model_name}"
+
+
+@audited(lambda kind, **_: f"operation.request_{kind}", node_target, (FleetError,))
+def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor) -> Operation:
+    """A person's reload or unload on one node. A second click while one is open returns it."""
+    node = Node.objects.select_for_update().select_related("pool").get(pk=node_id)
+    authorize(actor, "fleet.operate_node", node.pool)
+    open_op = node.operations.filter(
+        model_name=model_name,
+        kind=kind,
+        status__in=Operation.OPEN,
+    ).first()
+    if open_op is not None:
+        return open_op
+    desired = node_desired(node).get(model_name)
+    if kind == Operation.Kind.UNLOAD and desired is not None:
+        raise FleetError(
+            f"{model_name} is deployed to {node.name} (pool {node.pool.name}); change or remove "
+            "the deployment instead, or the reconciler would load it again"
+        )
+    if kind == Operation.Kind.UNLOAD and model_name not in node.owned:
+        raise FleetError(
+            f"{model_name} on {node.name} was loaded by someone else, so the control plane does "
+            "not manage it; adopt it first to unload it from here"
+        )
+    if kind == Operation.Kind.RELOAD and desired is None:
+        raise FleetError(f"{model_name} is not deployed to {node.name}; deploy it to load it")
+    op = Operation.objects.create(
+        node=node,
+        kind=kind,
+        model_name=model_name,
+        versions=list(desired.versions) if desired else [],
+        config=desired.config if desired else None,
+        config_digest=desired.digest if desired else "",
+        requested_by=actor_name(actor),
+    )
+    audit_record(
+        actor=actor, action=f"operation.request_{kind}", target=f"node:{node.name}:{model_name}"
+    )
+    transaction.on_commit(lambda: enqueue_run(node_id), robust=True)
+    return op
+
+
+@audited("operation.override", lambda operation_id, **_: f"operation:{operation_id}", (FleetError,))
+def operation_override(*, operation_id: int, reason: str, actor: Actor) -> Operation:
+    """Send a load the memory preflight refused, as it was planned, because a person says the
+    node has the room (say, a footprint measured while something else loaded)."""
+    refused = (
+        Operation.objects.select_related("node__pool")
+        .filter(pk=operation_id, failure=failures.MEMORY)
+        .first()
+    )
+    if refused is None:
+        raise FleetError(f"operation #{operation_id} was not refused for want of memory")
+    authorize(actor, "fleet.operate_node", refused.node.pool)
+    reason = reason.strip()
+    if not reason:
+        raise FleetError("an override needs a reason, for the audit trail")
+    params = {"operation_id": operation_id, "reason": reason, "node": refused.node.name}
+    second_person(actor, refused.node.pool, "operation.override", params)
+    op = Operation.objects.create(
+        node=refused.node,
+        kind=refused.kind,
+        model_name=refused.model_name,
+        versions=refused.versions,
+        config=refused.config,
+        config_digest=refused.config_digest,
+        requested_by=actor_name(actor),
+        override=reason,
+    )
+    audit_record(
+        actor=actor,
+        action="operation.override",
+        target=f"node:{refused.node.name}:{refused.model_name}",
+        after={"refused": operation_id, "operation": op.pk, "versions": op.versions},
+        message=reason,
+    )
+    transaction.on_commit(lambda: enqueue_run(refused.node_id), robust=True)
+    return op
+
+
+@audited("node.adopt", node_target, (FleetError,))
+def node_adopt(*, node_id: int, model_name: str, actor: Actor) -> Node:
+    """Take over a model someone else loaded on the node: from now on the reconciler manages it,
+    so it is unloaded unless a deployment names it."""
+    node = Node.objects.select_for_update().select_related("pool").get(pk=node_id)
+    authorize(actor, "fleet.operate_node", node.pool)
+    # Adopted, a model is unloaded unless a deployment names it: a change to what the pool runs.
+    second_person(actor, node.pool, "node.adopt", {"node": node.name, "model": model_name})
+    if model_name in node.owned:
+        raise FleetError(f"{model_name} on {node.name} is managed already")
+    if not any(entry["model"] == model_name for entry in node.index):
+        raise FleetError(f"{model_name} is not on {node.name} (by its last repository index)")
+    node.owned = sorted({*node.owned, model_name})
+    node.save(update_fields=["owned"])
+    audit_record(
+        actor=actor,
+        action="node.adopt",
+        target=f"node:{node.name}:{model_name}",
+        after={"managed": True},
+        message="the reconciler unloads it unless a deployment names it",
+    )
+    return node
+
+
+@audited("node.set_memory", lambda node_name, **_: f"node:{node_name}", (FleetError,))
+def node_set_memory(*, node_name: str, limit_mb: int | None, actor: Actor) -> Node:
+    """The memory models may take on the node (None: no limit). Set, every load there is
+    checked against it first and its footprint measured (apps/fleet/memory.py)."""
+    node = Node.objects.select_for_update().filter(name=node_name).first()
+    if node is None:
+        raise FleetError(f"no node {node_name!r}")
+    if limit_mb is not None and limit_mb < 1:
+        raise FleetError(f"node {node_name}: a memory limit of {limit_mb} MiB is not one")
+    if node.memory_limit_mb != limit_mb:
+        audit_record(
+            actor=actor,
+            action="node.set_memory",
+            target=f"node:{node_name}",
+            before={"memory_limit_mb": node.memory_limit_mb},
+            after={"memory_limit_mb": limit_mb},
+        )
+        node.memory_limit_mb = limit_mb
+        node.save(update_fields=["memory_limit_mb"])
+    return node
