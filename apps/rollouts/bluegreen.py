@@ -82,7 +82,9 @@ def blue_green(rollout: Rollout) -> None:
             return pause(rollout, f"evaluation before the switch: {exc}")
         return None
     if not all(run.finished for run in runs):
-        if now > max(gate_deadline(run, spec) for run in runs):
+        # The runs of one set share their cases and limits: its newest decides (a query each).
+        newest = {run.evaluation_set_id: run for run in runs}.values()
+        if now > max(gate_deadline(run, spec) for run in newest):
             rollout.gate_runs.clear()  # a resume runs them again
             return pause(
                 rollout,
