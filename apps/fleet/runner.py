@@ -140,7 +140,7 @@ def _loads_nothing(node: Node, queued: "QuerySet[Operation]") -> bool:
     READY on the node already (a narrower version policy), or a pipeline's load whose steps
     are all READY at the versions it pins (Triton keeps serving the pipeline it replaces
     until the new one is loaded)."""
-    ready = {model: set(versions) for model, versions in node.ready_versions.items()}
+    ready = ready_in(node.index)
 
     def light(op: Operation) -> bool:
         if op.kind == Operation.Kind.UNLOAD or set(op.versions) <= ready.get(op.model_name, set()):
