@@ -332,3 +332,32 @@ def test_the_preview_says_where_the_standby_would_not_fit_in_memory(nodes: Nodes
     assert len(proposal.memory) == 1
     assert proposal.memory[0].startswith("t-2 needs ")
     assert "for retriever v3" in proposal.memory[0]
+
+
+def test_the_page_costs_the_same_queries_however_many_nodes_were_evaluated(
+    nodes: Nodes, client: Client
+) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    rollout = tick(start(9))
+    nodes.converge()
+    rollout = tick(rollout)
+    finish(rollout, {"t-1": 1.0, "t-2": 0.27, "t-3": 1.0})
+    client.force_login(make_user(Role.VIEWER))
+
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as seen:
+            assert client.get(f"/rollouts/{rollout.pk}/").status_code == 200
+        return len(seen)
+
+    before = queries()
+    first = rollout.gate_runs.first()
+    assert first is not None
+    for n in range(4, 40):
+        node = Node.objects.create(name=f"t-{n}", pool=nodes.pool, http_url=f"http://t-{n}:8000")
+        first.pk, first.node = None, node
+        first.save()
+        rollout.gate_runs.add(first)
+    assert rollout.gate_runs.count() == 39
+    assert queries() == before
