@@ -33,6 +33,7 @@ from apps.accounts.permissions import ANY_ROLE
 from apps.accounts.services import token_authenticate
 from apps.fleet.models import Heartbeat, Node, NodePool, Operation
 from apps.rollouts.models import Measurement, Notification, Rollout
+from apps.rollouts.verdicts import Verdict
 from controlplane.celery import ROLLOUTS_QUEUE, TICK_HEARTBEAT
 from controlplane.celery import app as celery_app
 
@@ -76,7 +77,7 @@ class ControlPlaneCollector(Collector):
             f"Analysis measurements per verdict, among the last {RECENT_ROWS} taken.",
             _recent(Measurement),
             "verdict",
-            Measurement.Verdict,
+            Verdict,
         )
         yield _per_choice(
             "controlplane_webhook_deliveries",

@@ -14,6 +14,7 @@ from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.verdicts import Verdict
 from controlplane.catalog import canary_queries
 
 TENSOR = {"data_type": "TYPE_FP32", "dims": ["4"]}
@@ -186,7 +187,7 @@ def seed_fleet(*, size: Size, prefix: str = "") -> None:
             canary_value=100.0,
             baseline_value=90.0,
             threshold=120.0,
-            verdict=Measurement.Verdict.SUCCESS,
+            verdict=Verdict.SUCCESS,
         )
         for rollout in rollouts
         for metric in ("requests", "p99", "errors")

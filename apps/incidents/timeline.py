@@ -9,13 +9,13 @@ from django.utils import timezone
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Operation
 from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.verdicts import Verdict
 
 # The longest timeline window a page, a report or the API reads: bounded work per request.
 MAX_WINDOW = timedelta(days=31)
 # The most audit events one timeline page, report or API answer holds; the rest is linked.
 MAX_EVENTS = 2_000
 MARGIN = timedelta(minutes=5)
-Verdict = Measurement.Verdict
 # One analysis round's rows are written within one tick; rounds are a whole interval apart.
 ROUND_GAP = timedelta(seconds=0.5)
 WORST_FIRST = [Verdict.FAILURE, Verdict.ERROR, Verdict.INCONCLUSIVE, Verdict.SUCCESS]

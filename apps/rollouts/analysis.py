@@ -18,9 +18,9 @@ from datetime import timedelta
 from django.utils import timezone
 
 from apps.rollouts.judge import compare, score
-from apps.rollouts.models import Measurement
 from apps.rollouts.plans import Analysis, QualityMetric
 from apps.rollouts.slo import Objectives, burn_rate, gate, over_budget
+from apps.rollouts.verdicts import Verdict
 from controlplane.catalog import (
     canary_queries,
     custom_query,
@@ -35,8 +35,6 @@ from controlplane.prometheus import (
     range_query,
 )
 
-Verdict = Measurement.Verdict
-
 
 @dataclass(frozen=True)
 class Result:
@@ -45,7 +43,7 @@ class Result:
     canary: float | None
     baseline: float | None
     threshold: float | None
-    verdict: str
+    verdict: Verdict
     detail: str
     evidence: dict[str, object] = field(default_factory=dict)
 

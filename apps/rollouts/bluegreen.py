@@ -19,7 +19,6 @@ from apps.rollouts.plans import Analysis
 from apps.rollouts.promotion import promote
 from apps.rollouts.transitions import (
     State,
-    Verdict,
     begin_abort,
     changed_steps,
     members,
@@ -30,6 +29,7 @@ from apps.rollouts.transitions import (
     stalled,
     transition,
 )
+from apps.rollouts.verdicts import Verdict
 
 
 def blue_green(rollout: Rollout) -> None:

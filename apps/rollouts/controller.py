@@ -37,7 +37,6 @@ from apps.rollouts.promotion import aborting, promote
 from apps.rollouts.slo import Objectives
 from apps.rollouts.transitions import (
     State,
-    Verdict,
     begin_abort,
     changed_steps,
     members,
@@ -47,6 +46,7 @@ from apps.rollouts.transitions import (
     stalled,
     transition,
 )
+from apps.rollouts.verdicts import Verdict
 from controlplane.prometheus import PrometheusUnavailable
 
 log = logging.getLogger(__name__)
@@ -368,7 +368,8 @@ def _analyse(rollout: Rollout, spec: Analysis, reading: Round) -> None:
         rollout.failures += 1
         rollout.first_failure_at = rollout.first_failure_at or now
         if rollout.failures >= spec.failure_limit:
-            why = "; ".join(f"{r.metric}: {r.detail}" for r in results if r.verdict == "failure")
+            failed = [r for r in results if r.verdict == Verdict.FAILURE]
+            why = "; ".join(f"{r.metric}: {r.detail}" for r in failed)
             return begin_abort(rollout, f"failure: {why}")
     rollout.save()
     return None

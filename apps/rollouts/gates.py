@@ -16,12 +16,12 @@ from apps.quality.selectors import latest_set, run_rows
 from apps.quality.services import evaluation_start, synthetic_load_start
 from apps.registry.models import Model
 from apps.rollouts.analysis import ChangedStep, Result
-from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.models import Rollout
 from apps.rollouts.plans import Analysis
+from apps.rollouts.verdicts import Verdict
 
 log = logging.getLogger(__name__)
 ACTOR = "system:rollouts"  # the controller's name in the trail, and its gates'
-Verdict = Measurement.Verdict
 
 
 class Release(Protocol):
@@ -194,7 +194,7 @@ def gate_deadline(run: EvaluationRun, spec: Analysis) -> datetime:
     return run.created_at + timedelta(seconds=60 + rounds * run.timeout_s)
 
 
-def evaluation_verdict(run: EvaluationRun, spec: Analysis) -> tuple[str, str]:
+def evaluation_verdict(run: EvaluationRun, spec: Analysis) -> tuple[Verdict, str]:
     """Success, or failure with what failed: the score below the minimum, or too far below
     the baseline's, or no case judged at all (never passed on missing answers)."""
     if run.status == EvaluationRun.Status.FAILED:  # missing answers: never a pass, nor a fail

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 from scipy.stats import mannwhitneyu
 
-# As a measurement's verdicts (Measurement.Verdict) name them.
-PASS, MARGINAL, FAIL, INCONCLUSIVE = "success", "marginal", "failure", "inconclusive"
+from apps.rollouts.verdicts import Verdict
+
 MIN_SAMPLES = 3
 
 
 @dataclass(frozen=True)
 class Comparison:
-    verdict: str
+    verdict: Verdict
     canary: list[float]
     baseline: list[float]
     u: float | None = None
@@ -60,7 +60,7 @@ def compare(
     b = [x for x in baseline if math.isfinite(x)]
     if len(c) < MIN_SAMPLES or len(b) < MIN_SAMPLES:
         why = f"{len(c)} canary and {len(b)} baseline samples; {MIN_SAMPLES} a side are needed"
-        return Comparison(INCONCLUSIVE, c, b, detail=why)
+        return Comparison(Verdict.INCONCLUSIVE, c, b, detail=why)
     effect = _effect(c, b, relative)
     if len(set(c) | set(b)) == 1:  # all equal: no test can tell them apart
         u, p = len(c) * len(b) / 2, 1.0
@@ -69,11 +69,17 @@ def compare(
         u, p = float(result.statistic), float(result.pvalue)
     apart = not relative or statistics.median(c) - statistics.median(b) > margin
     worse, beyond = p < 1 - confidence, effect > tolerance and apart
-    verdict = FAIL if worse and beyond else MARGINAL if worse or beyond else PASS
+    verdict = (
+        Verdict.FAILURE
+        if worse and beyond
+        else Verdict.MARGINAL
+        if worse or beyond
+        else Verdict.SUCCESS
+    )
     how = f"{effect:+.1%}" if relative else f"{effect:+.4g}"
     allowed = f"tolerance {tolerance:g}" + (f", margin {margin:g}" if relative and margin else "")
     detail = f"canary {how} against the baseline ({allowed}), p={p:.3g}"
-    return Comparison(verdict, c, b, u, p, effect, "" if verdict == PASS else detail)
+    return Comparison(verdict, c, b, u, p, effect, "" if verdict == Verdict.SUCCESS else detail)
 
 
 def _effect(canary: list[float], baseline: list[float], relative: bool) -> float:
@@ -85,12 +91,12 @@ def _effect(canary: list[float], baseline: list[float], relative: bool) -> float
     return c / b - 1
 
 
-def score(verdicts: list[tuple[str, float]], pass_score: float) -> str:
+def score(verdicts: list[tuple[Verdict, float]], pass_score: float) -> Verdict:
     """The step's verdict from each metric's (verdict, weight)."""
-    judged = [(v, w) for v, w in verdicts if v != INCONCLUSIVE]
-    if any(v == FAIL for v, _ in judged):
-        return FAIL
+    judged = [(v, w) for v, w in verdicts if v != Verdict.INCONCLUSIVE]
+    if any(v == Verdict.FAILURE for v, _ in judged):
+        return Verdict.FAILURE
     if not judged:
-        return INCONCLUSIVE
-    passed = sum(w for v, w in judged if v == PASS) / sum(w for _, w in judged)
-    return PASS if passed >= pass_score else MARGINAL
+        return Verdict.INCONCLUSIVE
+    passed = sum(w for v, w in judged if v == Verdict.SUCCESS) / sum(w for _, w in judged)
+    return Verdict.SUCCESS if passed >= pass_score else Verdict.MARGINAL

@@ -6,6 +6,7 @@ from django.db.models import Q
 from apps.fleet.models import NodePool
 from apps.quality.models import EvaluationRun, SyntheticLoad
 from apps.registry.models import Model
+from apps.rollouts.verdicts import Verdict
 
 
 class AnalysisTemplate(models.Model):
@@ -177,13 +178,6 @@ class Rollout(models.Model):
 
 class Measurement(models.Model):
     """One analysis query, canary against baseline, with what it was judged against."""
-
-    class Verdict(models.TextChoices):
-        SUCCESS = "success"
-        MARGINAL = "marginal"  # worse than the baseline, but within tolerance or unproven
-        FAILURE = "failure"
-        INCONCLUSIVE = "inconclusive"
-        ERROR = "error"
 
     rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="measurements")
     step = models.PositiveIntegerField()

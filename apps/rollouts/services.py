@@ -63,7 +63,6 @@ def template_save(
     )
     audit_record(
         actor=actor,
-        action="analysis_template.save",
         target=f"analysis_template:{name}",
         before={"version": latest.version, "analysis": latest.analysis} if latest else {},
         after={
@@ -157,7 +156,6 @@ def rollout_start(
         raise RolloutError(f"another rollout of {model_name} on {pool_name} is active") from None
     audit_record(
         actor=actor,
-        action="rollout.start",
         target=f"rollout:{rollout.pk}:{model_name}",
         after={
             "baseline": proposal.baseline,
@@ -303,7 +301,6 @@ def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
         again.save(update_fields=["template"])
     audit_record(
         actor=actor,
-        action="rollout.retry",
         target=f"rollout:{rollout.pk}:{rollout.model.name}",
         after={"rollout": again.pk},
     )

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from apps.registry.models import Model
-from apps.rollouts.judge import FAIL, INCONCLUSIVE, MARGINAL, PASS
+from apps.rollouts.verdicts import Verdict
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def burn_rate(bad: float | None, objective: float) -> float | None:
 
 @dataclass(frozen=True)
 class Gate:
-    verdict: str
+    verdict: Verdict
     detail: str
 
 
@@ -65,12 +65,14 @@ def gate(burns: dict[int, float | None], limit: float, objective: float, what: s
     """The verdict from the burn rate over each window (seconds: burn rate)."""
     if any(burn is None for burn in burns.values()):
         missing = [f"{w} s" for w, burn in burns.items() if burn is None]
-        return Gate(INCONCLUSIVE, f"no {what} data over {' and '.join(missing)}")
+        return Gate(Verdict.INCONCLUSIVE, f"no {what} data over {' and '.join(missing)}")
     over = [w for w, burn in burns.items() if burn is not None and burn > limit]
     if not over:
-        return Gate(PASS, "")
+        return Gate(Verdict.SUCCESS, "")
     rates = " and ".join(f"{burn:.3g}x over {w} s" for w, burn in burns.items())
     detail = f"{what} burn rate {rates} (limit {limit:g}x, objective {objective:.4g})"
     if len(over) == len(burns):
-        return Gate(FAIL, detail)
-    return Gate(MARGINAL, f"{detail}: over the {' s and '.join(map(str, over))} s window only")
+        return Gate(Verdict.FAILURE, detail)
+    return Gate(
+        Verdict.MARGINAL, f"{detail}: over the {' s and '.join(map(str, over))} s window only"
+    )

@@ -27,8 +27,6 @@ from apps.rollouts.plans import Analysis
 
 State = Rollout.State
 
-Verdict = Measurement.Verdict
-
 
 def pool_nodes(rollout: Rollout) -> list[Node]:
     return list(rollout.pool.nodes.order_by("name"))

@@ -12,6 +12,7 @@ from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.quality.services import evaluation_set_import
 from apps.registry.models import Model
 from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.verdicts import Verdict
 from tests.support import ROOT
 from tests.support.browser import screenshot, sign_in
 from tests.support.quality import demo_faq
@@ -106,7 +107,7 @@ def test_a_release_whose_index_failed_on_a_node_lists_every_nodes_evaluation(
         canary_value=0.27,
         baseline_value=1.0,
         threshold=0.9,
-        verdict=Measurement.Verdict.FAILURE,
+        verdict=Verdict.FAILURE,
         detail="trio-2: canary scored 27% (8 of 30 cases), below 90%",
     )
     page.goto(f"{signed_in}/rollouts/{rollout.pk}/")

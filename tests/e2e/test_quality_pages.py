@@ -12,6 +12,7 @@ from apps.fleet.models import Node, NodePool
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.verdicts import Verdict
 from tests.support.browser import screenshot, sign_in
 from tests.support.quality import demo_faq, wrong_answers
 from tests.support.users import make_user
@@ -181,7 +182,7 @@ def test_a_rollout_rolled_back_by_its_quality_gate_lists_the_failing_cases(
         canary_value=run.score,
         baseline_value=1.0,
         threshold=0.9,
-        verdict=Measurement.Verdict.FAILURE,
+        verdict=Verdict.FAILURE,
         detail="canary scored 3% (1 of 30 cases), below 90%; failing: orders-track-1, ...",
         evidence={"run": run.pk, "passed": 1, "failed": 29},
     )

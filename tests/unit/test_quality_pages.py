@@ -19,6 +19,7 @@ from apps.quality.services import evaluation_set_import
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.verdicts import Verdict
 from apps.rollouts.views import chart_query
 from tests.support.quality import DEMO_SET, demo_faq, wrong_answers
 from tests.support.users import make_user
@@ -71,7 +72,7 @@ def gated_rollout(run: EvaluationRun) -> Rollout:
         canary_value=0.0,
         baseline_value=1.0,
         threshold=0.9,
-        verdict=Measurement.Verdict.FAILURE,
+        verdict=Verdict.FAILURE,
         detail="canary scored 0% (0 of 30 cases), below 90%; failing: orders-track-1",
         evidence={"run": run.pk, "passed": 0, "failed": 30},
     )
@@ -83,7 +84,7 @@ def gated_rollout(run: EvaluationRun) -> Rollout:
         canary_value=0.61,
         baseline_value=0.83,
         threshold=0.7885,
-        verdict=Measurement.Verdict.FAILURE,
+        verdict=Verdict.FAILURE,
         detail="canary 0.61 is worse than the baseline's 0.83 by more than 5%",
     )
     return rollout
