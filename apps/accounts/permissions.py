@@ -16,7 +16,7 @@ from django.shortcuts import render
 from apps.accounts.models import PoolRole
 from apps.accounts.roles import roles_granting
 from apps.audit.models import AuditEvent
-from apps.audit.services import audit_record
+from apps.audit.services import Actor, audit_record
 
 View = Callable[..., HttpResponseBase]
 # What the viewer role grants first: a user without it has no role, and sees nothing.
@@ -70,7 +70,7 @@ def may_somewhere(user: User | AnonymousUser, permission: str) -> bool:
     return any(role in _pool_roles(permission) for role in _held(user).values())
 
 
-def authorize(actor: User | str, permission: str, pool: Any) -> None:
+def authorize(actor: Actor, permission: str, pool: Any) -> None:
     """Raise PermissionDenied unless `actor` holds `permission` on `pool` (a NodePool; None: a
     permission that no pool scopes). System actors (names, not users: the controller, the
     reconciler, commands) act everywhere."""
@@ -111,7 +111,7 @@ class ApprovalRequired(PermissionDenied):
         )
 
 
-def second_person(actor: User | str, pool: Any, action: str, params: dict[str, Any]) -> None:
+def second_person(actor: Actor, pool: Any, action: str, params: dict[str, Any]) -> None:
     """On a protected pool, a person's `action` needs an approval first (system actors, such as
     the rollout controller promoting a canary that passed, act alone); a move back never waits."""
     if (

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from apps.accounts.models import ApiToken
 from apps.accounts.roles import ROLE_ORDER, Role, role_permissions
-from apps.audit.services import audit_record, audited
+from apps.audit.services import Actor, audit_record, audited
 
 
 @transaction.atomic
@@ -44,7 +44,6 @@ def user_ensure(*, username: str, password: str, role: Role, actor: str = "syste
         user.groups.set([Group.objects.get(name=role.value)])
         audit_record(
             actor=actor,
-            action="user.role_set",
             target=f"user:{username}",
             before={"roles": before},
             after={"roles": [role.value]},
@@ -82,7 +81,7 @@ def token_create(
     *,
     user: User,
     name: str,
-    actor: User | str,
+    actor: Actor,
     days: int | None = None,
     scope: str = ApiToken.Scope.WRITE,
 ) -> tuple[ApiToken, str]:
@@ -108,7 +107,6 @@ def token_create(
     )
     audit_record(
         actor=actor,
-        action="token.create",
         target=f"user:{user.username}",
         after={"token": str(record), "scope": scope, "expires_at": record.expires_at.isoformat()},
     )
@@ -121,7 +119,7 @@ def _token_target(*, token_id: int, **_: object) -> str:
 
 
 @audited("token.revoke", _token_target, (TokenError,))
-def token_revoke(*, token_id: int, actor: User | str) -> ApiToken:
+def token_revoke(*, token_id: int, actor: Actor) -> ApiToken:
     """Revoked at once: the next call with it is refused. A user revokes only their own tokens
     unless they may manage users."""
     token = ApiToken.objects.select_for_update().select_related("user").filter(pk=token_id).first()
@@ -134,7 +132,6 @@ def token_revoke(*, token_id: int, actor: User | str) -> ApiToken:
         token.save(update_fields=["revoked_at"])
         audit_record(
             actor=actor,
-            action="token.revoke",
             target=f"user:{token.user.username}",
             after={"token": str(token)},
         )

@@ -121,7 +121,6 @@ def approval_request(*, refused: ApprovalRequired, actor: User) -> Approval:
     )
     audit_record(
         actor=actor,
-        action="approval.request",
         target=f"pool:{refused.pool.name}",
         after={"approval": approval.pk, "action": refused.action, "params": refused.params},
     )
@@ -170,7 +169,6 @@ def approval_approve(*, approval_id: int, actor: User) -> Approval:
     approval.save()
     audit_record(
         actor=actor,
-        action="approval.approve",
         target=f"approval:{approval.pk}",
         after={
             "action": approval.action,

@@ -6,7 +6,9 @@ from typing import Any, TypeVar, cast
 from django.contrib.auth.models import AnonymousUser, User
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
+from django.db.models import Model
 
+from apps.audit.actions import ACTIONS
 from apps.audit.context import REQUEST_ID, VIA
 from apps.audit.models import AuditEvent
 
@@ -21,13 +23,16 @@ def actor_name(actor: str | User | AnonymousUser) -> str:
 # The events of the action under way, kept until it ends: an action is one event, and what the
 # services it calls record along the way become that event's parts.
 _ACTION: ContextVar[list[AuditEvent] | None] = ContextVar("audit_action", default=None)
+# The name of the innermost audited service under way: the action its events are recorded as,
+# unless they name another.
+_NAMED: ContextVar[str] = ContextVar("audit_named", default="")
 
 
 def audit_record(
     *,
     actor: str | User | AnonymousUser,
-    action: str,
     target: str,
+    action: str = "",
     before: dict[str, Any] | None = None,
     after: dict[str, Any] | None = None,
     result: str = AuditEvent.Result.OK,
@@ -35,7 +40,11 @@ def audit_record(
 ) -> AuditEvent:
     """Append one event. Callers run inside their own transaction, so the event commits with
     the change it records, or not at all. Within an `audited` service the event is held back and
-    written when the service ends, as that action's event or one of its parts."""
+    written when the service ends, as that action's event or one of its parts; its action is
+    that service's unless named."""
+    action = action or _NAMED.get()
+    if action not in ACTIONS:
+        raise ValueError(f"{action!r} is not an audit action: name it in apps/audit/actions.py")
     event = AuditEvent(
         actor=actor_name(actor),
         user=actor if isinstance(actor, User) else None,
@@ -54,6 +63,20 @@ def audit_record(
     else:
         event.save()
     return event
+
+
+def fields_set(row: Model, values: dict[str, Any], *, actor: Actor, target: str) -> dict[str, Any]:
+    """The one way a service changes settings of a (locked) row: the fields `values` changes
+    are set and saved, and recorded as one event of the service under way, before and after;
+    nothing is written when nothing changed (a repeated click). Returns what changed."""
+    changed = {name: value for name, value in values.items() if getattr(row, name) != value}
+    if changed:
+        before = {name: getattr(row, name) for name in changed}
+        audit_record(actor=actor, target=target, before=before, after=changed)
+        for name, value in changed.items():
+            setattr(row, name, value)
+        row.save(update_fields=list(changed))
+    return changed
 
 
 def _record_action(events: list[AuditEvent]) -> None:
@@ -94,6 +117,13 @@ def audited(
     def decorator(service: F) -> F:
         @wraps(service)
         def wrapped(**kwargs: Any) -> Any:
+            named = _NAMED.set(action if isinstance(action, str) else action(**kwargs))
+            try:
+                return _run(kwargs)
+            finally:
+                _NAMED.reset(named)
+
+        def _run(kwargs: dict[str, Any]) -> Any:
             if _ACTION.get() is not None:  # a step of an action already under way
                 with transaction.atomic():
                     return service(**kwargs)
@@ -105,7 +135,6 @@ def audited(
             except (PermissionDenied, *refusals) as exc:  # type: ignore[misc]  # a tuple of them
                 audit_record(
                     actor=kwargs["actor"],
-                    action=action if isinstance(action, str) else action(**kwargs),
                     target=target(**kwargs),
                     result=(
                         AuditEvent.Result.DENIED

@@ -135,7 +135,7 @@ def _deploy_from_form(
 
 
 @require_POST
-@require("fleet.operate_node", "node.load")
+@require("fleet.operate_node", "deployment.set")
 def node_load(request: HttpRequest, name: str) -> HttpResponse:
     """Load a registry version on this node: a node-level deployment that the workers converge."""
     _deploy_from_form(request, node=get_object_or_404(Node, name=name))

@@ -57,7 +57,6 @@ def incident_open(
     )
     audit_record(
         actor=actor,
-        action="incident.open",
         target=f"incident:{incident.pk}",
         after={"title": incident.title, "severity": severity, "start": start.isoformat()},
     )
@@ -94,7 +93,6 @@ def incident_update(
         changed = {k: v for k, v in after.items() if before[k] != v}
         audit_record(
             actor=actor,
-            action="incident.update",
             target=f"incident:{incident.pk}",
             before={k: before[k] for k in changed},
             after=changed,
@@ -156,7 +154,6 @@ def incident_rollback(
         )
     audit_record(
         actor=actor,
-        action="incident.rollback",
         target=f"incident:{incident.pk}",
         after={"model": model, "pool": pool, "rollout": rollout, "done": done},
     )

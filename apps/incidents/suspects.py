@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from apps.audit.actions import Kind, of_kind
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node
 from apps.incidents.models import Incident
@@ -18,22 +19,9 @@ from controlplane.prometheus import PrometheusUnavailable, Series, range_query
 LOOKBACK = timedelta(hours=1)
 AROUND = timedelta(minutes=1)  # the P99 before a change is compared with the P99 after it
 MAX_SUSPECTS = 10
-# Changes of what the fleet serves, and the registry's (a config or a status).
-ACTIONS = [
-    "deployment.set",
-    "deployment.remove",
-    "rollout.start",
-    "rollout.step",
-    "rollout.progressing",
-    "rollout.promoting",
-    "rollout.succeeded",
-    "release.rollback",
-    "release.fallback",
-    "operation.request_reload",
-    "operation.request_unload",
-    "registry.version_create",
-    "registry.version_status",
-]
+# Changes of what the fleet serves, a rollout's course, people's requests to nodes and the
+# registry's changes (a config or a status).
+ACTIONS = of_kind(Kind.SERVING, Kind.ROLLOUT, Kind.REQUEST, Kind.REGISTRY)
 ROLLOUTS = "system:rollouts"  # the rollout controller: its deployments are its rollout's steps
 
 

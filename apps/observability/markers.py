@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from django.db.models import Count, F, Q, QuerySet, Subquery, Value, Window
 from django.db.models.functions import Coalesce, Concat, RowNumber, StrIndex, Substr
 
+from apps.audit.actions import Kind, kind_of, of_kind
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node
 
@@ -23,24 +24,14 @@ class Marker:
     kind: str = "change"  # change, operation, down or up: how the line is drawn
 
 
-HEALTH = ["node.down", "node.up", "node.flapping"]
-OPERATIONS = ["operation.load", "operation.unload", "operation.reload"]
+HEALTH = of_kind(Kind.HEALTH)
+OPERATIONS = of_kind(Kind.OPERATION)
 # What changes what a node serves. Listed, not matched by prefix: one IN is several times
 # cheaper to build than ORed LIKEs, and a chart pays it on every refresh.
-CHANGES = [
-    "deployment.set",
-    "deployment.remove",
-    "rollout.step",
-    "rollout.promoting",
-    "rollout.succeeded",
-    "rollout.aborting",
-    "rollout.rolled_back",
-    "release.rollback",
-    "release.fallback",
-]
-# Requests a rollout made where users sent too few: drawn apart, so that a chart's latency and
-# throughput are not read as users' alone.
-SYNTHETIC = ["synthetic_load.start"]
+CHANGES = of_kind(Kind.SERVING)
+# Requests the product made where users sent too few: drawn apart, so that a chart's latency
+# and throughput are not read as users' alone.
+SYNTHETIC = of_kind(Kind.SYNTHETIC)
 MAX_MARKERS = 60
 MAX_EVENTS = 5000  # per chart, newest first: a deployment to 500 nodes and its operations
 # Without a request id to link them (a rollout's tick runs from the beat), a change's events are
@@ -279,11 +270,10 @@ def _rank(event: _Event) -> int:
 
 
 def _kind(event: _Event) -> str:
-    if event.action in HEALTH:
+    kind = kind_of(event.action)
+    if kind == Kind.HEALTH:
         return "up" if event.action == "node.up" else "down"
-    if event.action in SYNTHETIC:
-        return "synthetic"
-    return "operation" if event.action in OPERATIONS else "change"
+    return {Kind.SYNTHETIC: "synthetic", Kind.OPERATION: "operation"}.get(kind, "change")
 
 
 def _model(target: str) -> str:

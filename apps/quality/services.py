@@ -59,7 +59,6 @@ def evaluation_set_import(
     )
     audit_record(
         actor=actor,
-        action="evaluation_set.import",
         target=f"model:{model_name}",
         after={
             "set": name,
@@ -124,7 +123,6 @@ def evaluation_start(
     )
     audit_record(
         actor=actor,
-        action="evaluation.start",
         target=f"model:{found.model.name}",
         after={
             "run": run.pk,
@@ -186,7 +184,6 @@ def synthetic_load_start(
     )
     audit_record(
         actor=actor,
-        action="synthetic_load.start",
         target=_load_target(set_id=set_id, nodes=nodes),
         after={
             "load": load.pk,

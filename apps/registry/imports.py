@@ -130,7 +130,7 @@ def candidates_import(
                     _store(candidate, results[candidate.name], actor=actor, resolve_with=valid)
         imported = {name: result.imported for name, result in results.items() if result.imported}
         if imported:
-            audit_record(actor=actor, action="registry.import", target="registry", after=imported)
+            audit_record(actor=actor, target="registry", after=imported)
     return [results[c.name] for c in candidates]
 
 

@@ -5,7 +5,7 @@ from typing import Any
 
 from django.contrib.auth.models import User
 
-from apps.audit.services import Actor, audit_record, audited
+from apps.audit.services import Actor, audit_record, audited, fields_set
 from apps.registry.codec import ConfigSyntaxError, from_dict, parse_pbtxt, to_dict
 from apps.registry.ensembles import Resolver, validate_ensemble
 from apps.registry.models import Model, ModelVersion
@@ -131,7 +131,6 @@ def version_create(
     )
     audit_record(
         actor=actor,
-        action="registry.version_create",
         target=f"model:{model_name}:v{number}",
         after={"status": status, "artifact": artifact},
     )
@@ -164,7 +163,6 @@ def version_set_status(*, version_id: int, status: str, actor: Actor) -> ModelVe
     version.save(update_fields=["status"])
     audit_record(
         actor=actor,
-        action="registry.version_status",
         target=f"model:{version.model.name}:v{version.version}",
         before={"status": before},
         after={"status": status},
@@ -176,7 +174,8 @@ def version_set_status(*, version_id: int, status: str, actor: Actor) -> ModelVe
 def model_set_budget(*, model_name: str, latency_budget_ms: int | None, actor: Actor) -> Model:
     model = _model_locked(model_name)
     values = {"latency_budget_ms": latency_budget_ms}
-    return _model_set(model, values, "registry.budget_set", actor)
+    fields_set(model, values, actor=actor, target=f"model:{model_name}")
+    return model
 
 
 @audited("registry.fallback_set", _model_target, (RegistryError,))
@@ -187,7 +186,8 @@ def model_set_fallback(*, model_name: str, version: int | None, actor: Actor) ->
     if version is not None and not released.filter(version=version).exists():
         problem = Problem("error", model_name, "fallback_version", f"v{version} is not released")
         raise RegistryError([problem])
-    return _model_set(model, {"fallback_version": version}, "registry.fallback_set", actor)
+    fields_set(model, {"fallback_version": version}, actor=actor, target=f"model:{model_name}")
+    return model
 
 
 @audited("registry.slo_set", _model_target, (RegistryError,))
@@ -208,7 +208,8 @@ def model_set_slo(
     if problems:
         raise RegistryError(problems)
     values = {"slo_availability": availability, "slo_latency": latency}
-    return _model_set(model, values, "registry.slo_set", actor)
+    fields_set(model, values, actor=actor, target=f"model:{model_name}")
+    return model
 
 
 @audited("registry.memory_set", _model_target, (RegistryError,))
@@ -225,15 +226,7 @@ def version_set_memory(
         raise RegistryError(
             [Problem("error", model_name, "memory_mb", f"{memory_mb} MiB is not an estimate")]
         )
-    audit_record(
-        actor=actor,
-        action="registry.memory_set",
-        target=f"model:{model_name}:v{version}",
-        before={"memory_mb": row.memory_mb},
-        after={"memory_mb": memory_mb},
-    )
-    row.memory_mb = memory_mb
-    row.save(update_fields=["memory_mb"])
+    fields_set(row, {"memory_mb": memory_mb}, actor=actor, target=f"model:{model_name}:v{version}")
     return row
 
 
@@ -241,20 +234,4 @@ def _model_locked(name: str) -> Model:
     model = Model.objects.select_for_update().filter(name=name).first()
     if model is None:
         raise RegistryError([Problem("error", name, "model", f"no model named {name!r}")])
-    return model
-
-
-def _model_set(model: Model, values: dict[str, Any], action: str, actor: Actor) -> Model:
-    """Fields of a (locked) model changed, with its audit event."""
-    before = {name: getattr(model, name) for name in values}
-    for name, value in values.items():
-        setattr(model, name, value)
-    model.save(update_fields=list(values))
-    audit_record(
-        actor=actor,
-        action=action,
-        target=f"model:{model.name}",
-        before=before,
-        after=values,
-    )
     return model

@@ -17,9 +17,13 @@ from apps.accounts import services as accounts
 from apps.accounts.models import ApiToken
 from apps.accounts.permissions import ApprovalRequired
 from apps.accounts.roles import Role
+from apps.api.api import api
+from apps.api.auth import Token
 from apps.approvals import services as approvals
 from apps.approvals.models import Approval
+from apps.audit.actions import ACTIONS
 from apps.audit.models import AuditEvent
+from apps.audit.services import audit_record
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.services import deployments, nodes, pools
 from apps.quality import services as quality
@@ -147,6 +151,7 @@ NOT_ACTIONS = {
     "node_target": "names an event's target",
     "actor_name": "the trail itself",
     "audit_record": "the trail itself",
+    "fields_set": "the trail itself: a service's change of settings, recorded as its action",
     "audited": "the trail itself",
     "reference_version": "a read: which config a set is checked against",
 }
@@ -469,3 +474,23 @@ def test_an_event_carries_the_id_of_the_request_it_was_written_for(
         assert re.fullmatch(r"[0-9a-f]{32}", response["X-Request-ID"]), hostile
         assert AuditEvent.objects.first().request_id == response["X-Request-ID"]  # type: ignore[union-attr]
     assert not client.get("/audit/", {"request": "nobody"}).context["page"].object_list
+
+
+def test_an_action_not_named_in_the_registry_is_refused_and_nothing_is_written(db: None) -> None:
+    with pytest.raises(ValueError, match=r"'rollout\.stepped' is not an audit action"):
+        audit_record(actor="ops", action="rollout.stepped", target="rollout:1:rag")
+    assert not AuditEvent.objects.exists()
+
+
+def test_every_action_the_api_refuses_under_is_in_the_registry() -> None:
+    """An endpoint records a refusal under the action its auth names (the views' are recorded
+    by the test above): each must be an action the trail's readers know."""
+    named = {
+        auth.action
+        for router in (router for _, router in api._routers)
+        for path in router.path_operations.values()
+        for operation in path.operations
+        for auth in operation.auth_callbacks
+        if isinstance(auth, Token) and auth.action
+    }
+    assert len(named) >= 10 and named <= set(ACTIONS), named - set(ACTIONS)

@@ -160,13 +160,15 @@ def test_the_csv_export_keeps_formulas_as_text(client: Client, operator: User) -
     client.force_login(operator)
     typed = ['=HYPERLINK("http://evil.example")', "+1+1", "-2+3", "@SUM(A1)", "\tx", "\rx"]
     for value in typed:
-        audit_record(actor="ops", action="note.add", target="note:1", message=value)
-    audit_record(actor="=cmd|' /C calc'!A0", action="note.add", target="@target", message="fine")
-    body = b"".join(client.get("/audit/export.csv?action=note.").streaming_content).decode()
+        audit_record(actor="ops", action="incident.update", target="incident:1", message=value)
+    audit_record(
+        actor="=cmd|' /C calc'!A0", action="incident.update", target="@target", message="fine"
+    )
+    body = b"".join(client.get("/audit/export.csv?action=incident.").streaming_content).decode()
     rows = list(csv.DictReader(io.StringIO(body)))
     assert [row["message"] for row in rows] == [f"'{value}" for value in typed] + ["fine"]
     assert (rows[-1]["actor"], rows[-1]["target"]) == ("'=cmd|' /C calc'!A0", "'@target")
-    assert rows[0]["action"] == "note.add"  # the rest as it was
+    assert rows[0]["action"] == "incident.update"  # the rest as it was
 
 
 def test_a_password_needs_twelve_characters() -> None:

@@ -34,7 +34,11 @@ def test_the_demo_set_imports_once_and_again_unchanged_adds_nothing() -> None:
     (found,) = EvaluationSet.objects.all()
     assert (found.version, found.cases.count(), found.source) == (1, 30, DEMO_SET.name)
     (event,) = AuditEvent.objects.filter(action="evaluation_set.import")
-    assert (event.actor, event.after["cases"], event.after["version"]) == ("system:cli", 30, 1)
+    assert (event.actor, event.after["cases"], event.after["version"]) == (
+        "system:import_evaluation_set",
+        30,
+        1,
+    )
 
 
 def test_a_changed_set_is_the_next_version() -> None:

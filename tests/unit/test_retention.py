@@ -163,7 +163,7 @@ def test_beat_runs_the_prune_task_and_the_command_the_same_service(
     assert not Notification.objects.filter(pk=seeded["notifications"][0].pk).exists()
     call_command("prune")
     assert "operations 0, measurements 0" in capsys.readouterr().out
-    assert AuditEvent.objects.filter(action="retention.prune", actor="system:cli").count() == 1
+    assert AuditEvent.objects.filter(action="retention.prune", actor="system:prune").count() == 1
 
 
 def test_the_database_refuses_to_change_or_delete_an_event_on_either_database(db: None) -> None:

@@ -150,7 +150,7 @@ def test_the_timeline_charts_each_model_and_node_its_events_touched(
 ) -> None:
     settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
     for target in ["pool:gpu:rag", "node:gpu-2:ocr", "node:gpu-3", "model:asr:v4", "user:ops"]:
-        audit_record(actor="ops", action="some.change", target=target)
+        audit_record(actor="ops", action="deployment.set", target=target)
     client.force_login(viewer)
     page = client.get("/audit/timeline/?window=1h").content.decode()
     urls = re.findall(r'hx-get="/audit/timeline/chart/\?([^"]+)"', page)

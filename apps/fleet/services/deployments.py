@@ -113,7 +113,6 @@ def deployment_set(
     )
     audit_record(
         actor=actor,
-        action="deployment.set",
         target=f"{deployment.target}:{model_name}",
         before=before,
         after=_versions(deployment),
@@ -143,7 +142,6 @@ def deployment_remove(*, deployment_id: int, actor: Actor) -> None:
     nodes = target_nodes(deployment.pool, deployment.node)
     audit_record(
         actor=actor,
-        action="deployment.remove",
         target=f"{deployment.target}:{deployment.model.name}",
         before=_versions(deployment),
     )

@@ -5,7 +5,7 @@ from urllib.parse import urlsplit
 from django.db import transaction
 
 from apps.accounts.permissions import authorize, second_person
-from apps.audit.services import Actor, actor_name, audit_record, audited
+from apps.audit.services import Actor, actor_name, audit_record, audited, fields_set
 from apps.fleet import addresses, failures
 from apps.fleet.desired import node_desired
 from apps.fleet.errors import FleetError
@@ -60,9 +60,7 @@ def node_register(
             setattr(node, key, value)
         node.save(update_fields=list(wanted))
     if before != after:
-        audit_record(
-            actor=actor, action="node.register", target=f"node:{name}", before=before, after=after
-        )
+        audit_record(actor=actor, target=f"node:{name}", before=before, after=after)
     return node
 
 
@@ -105,9 +103,7 @@ def operation_request(*, node_id: int, kind: str, model_name: str, actor: Actor)
         config_digest=desired.digest if desired else "",
         requested_by=actor_name(actor),
     )
-    audit_record(
-        actor=actor, action=f"operation.request_{kind}", target=f"node:{node.name}:{model_name}"
-    )
+    audit_record(actor=actor, target=f"node:{node.name}:{model_name}")
     transaction.on_commit(lambda: enqueue_run(node_id), robust=True)
     return op
 
@@ -141,7 +137,6 @@ def operation_override(*, operation_id: int, reason: str, actor: Actor) -> Opera
     )
     audit_record(
         actor=actor,
-        action="operation.override",
         target=f"node:{refused.node.name}:{refused.model_name}",
         after={"refused": operation_id, "operation": op.pk, "versions": op.versions},
         message=reason,
@@ -166,7 +161,6 @@ def node_adopt(*, node_id: int, model_name: str, actor: Actor) -> Node:
     node.save(update_fields=["owned"])
     audit_record(
         actor=actor,
-        action="node.adopt",
         target=f"node:{node.name}:{model_name}",
         after={"managed": True},
         message="the reconciler unloads it unless a deployment names it",
@@ -183,14 +177,5 @@ def node_set_memory(*, node_name: str, limit_mb: int | None, actor: Actor) -> No
         raise FleetError(f"no node {node_name!r}")
     if limit_mb is not None and limit_mb < 1:
         raise FleetError(f"node {node_name}: a memory limit of {limit_mb} MiB is not one")
-    if node.memory_limit_mb != limit_mb:
-        audit_record(
-            actor=actor,
-            action="node.set_memory",
-            target=f"node:{node_name}",
-            before={"memory_limit_mb": node.memory_limit_mb},
-            after={"memory_limit_mb": limit_mb},
-        )
-        node.memory_limit_mb = limit_mb
-        node.save(update_fields=["memory_limit_mb"])
+    fields_set(node, {"memory_limit_mb": limit_mb}, actor=actor, target=f"node:{node_name}")
     return node

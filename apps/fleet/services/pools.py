@@ -7,7 +7,7 @@ from django.db import transaction
 
 from apps.accounts.models import PoolRole
 from apps.accounts.services import RoleError, user_role
-from apps.audit.services import Actor, audit_record, audited
+from apps.audit.services import Actor, audit_record, audited, fields_set
 from apps.fleet.errors import FleetError
 from apps.fleet.models import NodePool
 from apps.fleet.traffic.balancer import traffic_sync
@@ -21,13 +21,13 @@ def pool_set_queue(*, pool_name: str, queue: str, actor: Actor) -> NodePool:
     """Route the pool's node work (polls, reconciles, loads) to `queue`; empty: the default."""
     if queue and not QUEUE_NAME.fullmatch(queue):
         raise FleetError(f"queue {queue!r}: letters, digits, '_', '.' and '-', at most 60")
-    return _pool_set(pool_name, "pool.set_queue", {"queue": queue}, actor)
+    return _pool_set(pool_name, {"queue": queue}, actor)
 
 
 @audited("pool.set_protected", lambda pool_name, **_: f"pool:{pool_name}", (FleetError,))
 def pool_set_protected(*, pool_name: str, protected: bool, actor: Actor) -> NodePool:
     """A protected pool's deployments, promotions and rollbacks need two people."""
-    return _pool_set(pool_name, "pool.set_protected", {"protected": protected}, actor)
+    return _pool_set(pool_name, {"protected": protected}, actor)
 
 
 @audited("pool.set_rollback_window", lambda pool_name, **_: f"pool:{pool_name}", (FleetError,))
@@ -36,7 +36,7 @@ def pool_set_rollback_window(*, pool_name: str, seconds: int, actor: Actor) -> N
     not at all): a rollback inside the window only narrows the version policy."""
     if seconds < 0:
         raise FleetError(f"pool {pool_name}: a rollback window of {seconds} s is not one")
-    return _pool_set(pool_name, "pool.set_rollback_window", {"rollback_window_s": seconds}, actor)
+    return _pool_set(pool_name, {"rollback_window_s": seconds}, actor)
 
 
 BACKEND_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
@@ -85,34 +85,23 @@ def pool_set_traffic(
         "warmup_requests": warmup_requests,
         "drain_timeout_s": drain_timeout_s,
     }
-    pool = _pool_set(pool_name, "pool.set_traffic", settings, actor)
+    pool = _pool_set(pool_name, settings, actor)
     # Once committed: the balancer is never asked while the pool's row is held.
     transaction.on_commit(lambda: traffic_sync(pool.pk), robust=True)
     return pool
 
 
-def _pool_set(pool_name: str, action: str, values: dict[str, object], actor: Actor) -> NodePool:
-    """Settings of a pool, audited as one `action` when any of them changes."""
+def _pool_set(pool_name: str, values: dict[str, object], actor: Actor) -> NodePool:
+    """Settings of a pool, audited as its service's action when any of them changes."""
     pool = NodePool.objects.select_for_update().filter(name=pool_name).first()
     if pool is None:
         raise FleetError(f"no pool {pool_name!r}")
-    changed = {name: value for name, value in values.items() if getattr(pool, name) != value}
-    if changed:
-        audit_record(
-            actor=actor,
-            action=action,
-            target=f"pool:{pool_name}",
-            before={name: getattr(pool, name) for name in changed},
-            after=changed,
-        )
-        for name, value in changed.items():
-            setattr(pool, name, value)
-        pool.save(update_fields=list(changed))
+    fields_set(pool, values, actor=actor, target=f"pool:{pool_name}")
     return pool
 
 
 @audited("user.pool_role_set", lambda username, **_: f"user:{username}", (RoleError,))
-def pool_role_set(*, username: str, pool_name: str, role: str, actor: User | str) -> None:
+def pool_role_set(*, username: str, pool_name: str, role: str, actor: Actor) -> None:
     """Give `username` `role` (operator or release_manager) on one pool, or none ("")."""
     user = User.objects.filter(username=username).first()
     pool = NodePool.objects.filter(name=pool_name).first()
@@ -133,7 +122,6 @@ def pool_role_set(*, username: str, pool_name: str, role: str, actor: User | str
         PoolRole.objects.filter(user=user, pool=pool).delete()
     audit_record(
         actor=actor,
-        action="user.pool_role_set",
         target=f"user:{username}",
         before={"pool": pool_name, "role": held or ""},
         after={"pool": pool_name, "role": role},

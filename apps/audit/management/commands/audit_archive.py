@@ -29,7 +29,9 @@ class Command(BaseCommand):
 
     def handle(self, *args: object, month: str, out: Path, drop: bool, **options: object) -> None:
         try:
-            rows = audit_archive(month=_month(month), out=out, drop=drop, actor="system:cli")
+            rows = audit_archive(
+                month=_month(month), out=out, drop=drop, actor="system:audit_archive"
+            )
         except ArchiveError as exc:
             raise CommandError(str(exc)) from None
         done = "dropped" if drop else "detached (drop it once the file is safe)"

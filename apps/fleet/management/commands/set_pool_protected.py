@@ -16,7 +16,9 @@ class Command(BaseCommand):
 
     def handle(self, *args: object, pool: str, protected: str, **_: object) -> None:
         try:
-            pool_set_protected(pool_name=pool, protected=protected == "on", actor="system:cli")
+            pool_set_protected(
+                pool_name=pool, protected=protected == "on", actor="system:set_pool_protected"
+            )
         except FleetError as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"{pool}: {'protected' if protected == 'on' else 'not protected'}")

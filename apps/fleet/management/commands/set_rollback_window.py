@@ -16,7 +16,9 @@ class Command(BaseCommand):
 
     def handle(self, *args: object, pool: str, seconds: int, **_: object) -> None:
         try:
-            pool_set_rollback_window(pool_name=pool, seconds=seconds, actor="system:cli")
+            pool_set_rollback_window(
+                pool_name=pool, seconds=seconds, actor="system:set_rollback_window"
+            )
         except FleetError as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"{pool}: rollback window {seconds} s")

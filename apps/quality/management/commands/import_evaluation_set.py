@@ -24,7 +24,11 @@ class Command(BaseCommand):
             raise CommandError(f"{file}: {exc}") from None
         try:
             found = evaluation_set_import(
-                model_name=model, name=name, text=text, actor="system:cli", source=file.name
+                model_name=model,
+                name=name,
+                text=text,
+                actor="system:import_evaluation_set",
+                source=file.name,
             )
         except QualityError as exc:
             raise CommandError(

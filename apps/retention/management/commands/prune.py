@@ -12,5 +12,5 @@ class Command(BaseCommand):
     )
 
     def handle(self, *args: object, **options: object) -> None:
-        counts = retention_prune(actor="system:cli")
+        counts = retention_prune(actor="system:prune")
         self.stdout.write(", ".join(f"{kind} {count}" for kind, count in counts.items()))

@@ -1,0 +1,118 @@
+"""Every action the audit trail records, named once, with its kind. The readers of the trail
+(the charts' markers, an incident's suspects and timeline) choose events by kind, never by a list
+of their own; `audit_record` refuses a name that is not here."""
+
+from enum import StrEnum
+
+
+class Kind(StrEnum):
+    SERVING = "serving"  # changes what nodes serve: a chart marker, an incident suspect
+    ROLLOUT = "rollout"  # a rollout's course that serves nothing new by itself: suspected
+    OPERATION = "operation"  # a node's load, unload or reload: told in its change's story
+    REQUEST = "request"  # a person asking a node for an operation: suspected
+    REGISTRY = "registry"  # a version created or its status changed: suspected
+    HEALTH = "health"  # a node down, up or flapping: drawn on the charts
+    SYNTHETIC = "synthetic"  # requests the product sent itself: drawn apart
+    UPKEEP = "upkeep"  # the fleet keeping itself: drift, drains, warm-ups, weights
+    SETTING = "setting"  # a setting of a node, pool, model, user, token or template
+    QUALITY = "quality"  # an evaluation run started
+    APPROVAL = "approval"
+    INCIDENT = "incident"
+    ACCESS = "access"  # sign-in and API refusals
+    HOUSEKEEPING = "housekeeping"  # the trail's own archiving and retention
+
+
+_BY_KIND: dict[Kind, list[str]] = {
+    Kind.SERVING: [
+        "deployment.set",
+        "deployment.remove",
+        "rollout.step",
+        "rollout.switch",
+        "rollout.promoting",
+        "rollout.succeeded",
+        "rollout.aborting",
+        "rollout.rolled_back",
+        "release.rollback",
+        "release.fallback",
+    ],
+    # A person's commands (`rollout.pause`...) are named for their refusals; what they did is
+    # the transition they made (`rollout.paused`...).
+    Kind.ROLLOUT: [
+        "rollout.start",
+        "rollout.progressing",
+        "rollout.standby",
+        "rollout.paused",
+        "rollout.resumed",
+        "rollout.failed",
+        "rollout.window_skipped",
+        "rollout.verdict",  # a round's verdict, shown on the timeline (not written)
+        "rollout.pause",
+        "rollout.resume",
+        "rollout.promote",
+        "rollout.abort",
+        "rollout.roll_back",
+        "rollout.retry",
+        "rollout.act",
+    ],
+    Kind.OPERATION: ["operation.load", "operation.unload", "operation.reload"],
+    Kind.REQUEST: [
+        "operation.request_load",
+        "operation.request_unload",
+        "operation.request_reload",
+        "operation.override",
+        "node.operate",
+    ],
+    Kind.REGISTRY: ["registry.version_create", "registry.version_status"],
+    Kind.HEALTH: ["node.down", "node.up", "node.flapping"],
+    Kind.SYNTHETIC: ["synthetic_load.start"],
+    Kind.UPKEEP: [
+        "node.drift",
+        "node.drain",
+        "node.warmup",
+        "pool.weights",
+        "pool.traffic_drift",
+        "deployment.window_closed",
+    ],
+    Kind.SETTING: [
+        "node.register",
+        "node.adopt",
+        "node.set_memory",
+        "pool.set_protected",
+        "pool.set_queue",
+        "pool.set_rollback_window",
+        "pool.set_traffic",
+        "registry.import",
+        "registry.memory_set",
+        "registry.slo_set",
+        "registry.budget_set",
+        "registry.fallback_set",
+        "analysis_template.save",
+        "evaluation_set.import",
+        "user.role_set",
+        "user.pool_role_set",
+        "token.create",
+        "token.revoke",
+    ],
+    Kind.QUALITY: ["evaluation.start"],
+    Kind.APPROVAL: ["approval.request", "approval.approve"],
+    Kind.INCIDENT: [
+        "incident.open",
+        "incident.update",
+        "incident.alert",
+        "incident.resolve",
+        "incident.rollback",
+    ],
+    Kind.ACCESS: ["login.locked_out", "api.read", "api.write", "registry.download"],
+    Kind.HOUSEKEEPING: ["audit.archive", "retention.prune"],
+}
+
+ACTIONS: dict[str, Kind] = {name: kind for kind, names in _BY_KIND.items() for name in names}
+
+
+def of_kind(*kinds: Kind) -> list[str]:
+    """The actions of those kinds: a list, as an `action__in` filter takes it."""
+    return [name for kind in kinds for name in _BY_KIND[kind]]
+
+
+def kind_of(action: str) -> Kind:
+    return ACTIONS[action]
