@@ -26,8 +26,11 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
 
+# The integration tests mostly wait on real services: two files at a time, each worker with a
+# fleet, a Redis, a Celery worker and a database of its own; then those that measure the host.
 integration: $(STAMP) os-deps
-	$(BIN)/pytest tests/integration
+	$(BIN)/pytest -n 2 --dist loadfile -m "not alone" tests/integration
+	$(BIN)/pytest -m alone tests/integration
 
 e2e: $(STAMP) os-deps
 	$(BIN)/pytest tests/e2e
@@ -35,7 +38,8 @@ e2e: $(STAMP) os-deps
 # One run per layer, each saying its time and its slowest tests.
 test: $(STAMP) os-deps lint
 	$(BIN)/pytest --durations=10 tests/unit
-	$(BIN)/pytest --durations=10 tests/integration
+	$(BIN)/pytest --durations=10 -n 2 --dist loadfile -m "not alone" tests/integration
+	$(BIN)/pytest --durations=10 -m alone tests/integration
 	$(BIN)/pytest --durations=10 tests/e2e
 
 # Figures that count are taken on PostgreSQL, as production runs; BENCH_DATABASE_URL overrides.

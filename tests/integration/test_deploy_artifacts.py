@@ -22,6 +22,8 @@ from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc, haproxy_
 from apps.quality.models import EvaluationSet
 from apps.rollouts.models import AnalysisTemplate
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 PROMETHEUS = DEPLOY / "prometheus"

@@ -17,7 +17,11 @@ from apps.registry.services import version_set_memory
 from tests.support.fleet import STEPS_V1, STEPS_V2, converged, ready_on, wait_for
 from tests.support.services import Celery
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.alone,
+    pytest.mark.django_db(transaction=True),
+]
 
 
 @pytest.fixture(scope="module")

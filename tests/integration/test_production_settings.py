@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).parents[2]
 PRODUCTION = {
     "PRODUCTION": "true",
@@ -45,3 +47,21 @@ def test_what_production_refuses(changes: dict[str, str | None], message: str) -
     result = check(**changes)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def test_settings_refuse_to_start_without_a_secret_key_in_production() -> None:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "DEBUG": "false",
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "SECRET_KEY must be set" in result.stderr

@@ -9,15 +9,23 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
+from django.contrib.auth.models import User
+from django.test import Client
+from kombu import Connection
 
 from apps.accounts.models import ApiToken
 from apps.accounts.roles import Role
 from apps.accounts.services import token_create
 from apps.fleet.models import Node, NodePool
+from controlplane import metrics
+from controlplane.celery import app as celery_app
+from tests.support.metrics import make_fleet, matching, scrape, scrape_headers
 from tests.support.users import make_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -97,3 +105,53 @@ def test_prometheus_scrapes_self_metrics_with_a_token_from_a_file(
         proc.terminate()
         proc.wait(timeout=10)
         log.close()
+
+
+@pytest.fixture
+def headers(viewer: User) -> dict[str, str]:
+    return scrape_headers(viewer)
+
+
+def test_queue_depth_sums_every_priority_list_of_each_queue_in_use(
+    client: Client, headers: dict[str, str], redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(celery_app.conf, "broker_url", redis_url)
+    queue = f"metrics-test-{uuid.uuid4().hex[:8]}"
+    make_fleet("regional", nodes=1, queue=queue)
+    make_fleet("local", nodes=1)
+    with redis.Redis.from_url(redis_url) as broker:
+        try:
+            with Connection(redis_url) as conn:
+                waiting = conn.SimpleQueue(queue)
+                for priority in [0, 0, 5, 9, 9]:
+                    waiting.put({"n": priority}, priority=priority)
+                waiting.close()
+            # kombu spread them over several lists: the depth has to add them up.
+            assert len(broker.keys(f"{queue}*")) > 1
+            samples = scrape(client, headers)
+        finally:
+            broker.delete(*broker.keys(f"*{queue}*"))
+        depths = matching(samples, "controlplane_celery_queue_depth")
+        assert depths == {
+            ("celery",): broker.llen("celery"),
+            ("rollouts",): broker.llen("rollouts"),
+            (queue,): 5,
+        }
+    assert matching(samples, "controlplane_broker_up") == {(): 1}
+
+
+def test_a_broker_that_accepts_and_never_answers_leaves_the_scrape_up_in_time(
+    client: Client, headers: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        silent = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+        monkeypatch.setattr(celery_app.conf, "broker_url", silent)
+        make_fleet("gpu-a", nodes=1, queue="gpu")
+        started = time.monotonic()
+        samples = scrape(client, headers)
+    assert time.monotonic() - started < 1 + metrics.BROKER_TIMEOUT_S
+    assert matching(samples, "controlplane_broker_up") == {(): 0}
+    assert matching(samples, "controlplane_celery_queue_depth") == {}
+    assert matching(samples, "controlplane_nodes")[("ready", "gpu-a")] == 1

@@ -22,7 +22,7 @@ from apps.rollouts.services import rollout_abort
 from tests.support.registry import import_demo
 from tests.support.users import make_user
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 ANSWER_AFTER_S = 20
 
 

@@ -1,5 +1,9 @@
 """Fixtures the unit tests share."""
 
+import socket
+import subprocess
+from collections.abc import Callable
+
 import pytest
 from django.urls import get_resolver
 
@@ -8,6 +12,7 @@ from apps.audit.services import audit_record
 from apps.fleet.models import Node
 from apps.fleet.services.nodes import node_register
 from apps.registry.imports import repository_import
+from controlplane.celery import app as celery_app
 from tests.support import REPOSITORY
 
 
@@ -17,6 +22,32 @@ def _every_view_imported() -> None:
     `apps.fleet.selectors.observed_many`): one first imported during that test would keep the
     stub it imported by name, for every test after it."""
     assert get_resolver().url_patterns
+
+
+def _refused(what: str) -> Callable[..., None]:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a unit test {what}: it belongs in tests/integration")
+
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _in_this_process(monkeypatch: pytest.MonkeyPatch, settings: object) -> None:
+    """A unit test runs in this process alone: it starts no process, serves no socket and
+    reaches no service (a server, even a silent one, or a Redis, is an integration test's). It
+    may find nothing answering at port 1, as a node or Prometheus that is down."""
+    monkeypatch.setattr(subprocess.Popen, "__init__", _refused("started a process"))
+    monkeypatch.setattr(socket.socket, "bind", _refused("opened a server socket"))
+    connect = socket.socket.connect
+
+    def connect_to_nothing(sock: socket.socket, address: object) -> None:
+        if not (isinstance(address, tuple) and address[1] == 1):
+            _refused(f"connected to {address}")()
+        connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect_to_nothing)
+    settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    monkeypatch.setattr(celery_app.conf, "broker_url", "redis://127.0.0.1:1/0")
 
 
 @pytest.fixture(autouse=True)

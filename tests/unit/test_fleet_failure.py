@@ -1,18 +1,14 @@
 """How the fleet's workers fail safely, and what a reconcile costs: the observed state read from a
 bounded part of a node's operation history; a worker whose lease lapsed is neither joined by the
-next owner mid-load nor allowed to overwrite how the next owner recorded its operation; a node is
-contacted at the address that was checked, its metrics read up to a cap, and its name never
-becomes a second command to HAProxy."""
+next owner mid-load nor allowed to overwrite how the next owner recorded its operation; a node
+whose name HAProxy could not take is refused (tests/integration/test_connections.py speaks to
+real servers)."""
 
 import random
-import socketserver
-import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -21,20 +17,15 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from apps.audit.models import AuditEvent
-from apps.fleet import addresses
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.planner import Observed
 from apps.fleet.reconcile import node_reconcile, observed_state
 from apps.fleet.runner import NodeBusy, node_run
 from apps.fleet.services.nodes import node_register
-from apps.fleet.traffic.haproxy import HAProxyError, Runtime
 from apps.fleet.triton import (
-    METRICS_MAX_BYTES,
     IndexEntry,
     TritonClient,
-    TritonRejected,
-    read_metrics,
 )
 
 pytestmark = pytest.mark.django_db
@@ -262,107 +253,6 @@ def test_an_operation_declared_lost_meanwhile_keeps_the_new_owners_record_and_no
     assert not AuditEvent.objects.filter(action__startswith="operation.").exists()
     assert Node.objects.get(pk=node.pk).owned == []
     assert second.status == Operation.Status.QUEUED  # the node is the next owner's now
-
-
-class Node_(BaseHTTPRequestHandler):
-    """A node's HTTP API as far as these tests ask: health, and /metrics of any size."""
-
-    hosts: ClassVar[list[str]] = []
-
-    def do_GET(self) -> None:
-        self.hosts.append(self.headers["Host"])
-        body = METRICS if self.path == "/metrics" else b""
-        if self.path.startswith("/huge"):
-            body = b"#" * (METRICS_MAX_BYTES + 1)
-        self.send_response(200)
-        if self.path != "/huge-unannounced":  # HTTP/1.0: the body ends when the node closes
-            self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        with suppress(OSError):  # a reader that stopped early
-            self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-METRICS = b'nv_gpu_memory_used_bytes{gpu_uuid="GPU-a"} 1\n'
-
-
-@pytest.fixture
-def node_at_a_name(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list[str]]]:
-    """A node at http://triton-node.test:<port>, a name only the check resolves (to 127.0.0.1):
-    a second lookup, by the HTTP client, would find nothing. Yields its URL and the lookups."""
-    lookups: list[str] = []
-
-    def lookup(host: str) -> list[str]:
-        lookups.append(host)
-        assert host == "triton-node.test"
-        return ["127.0.0.1"]
-
-    monkeypatch.setattr(addresses, "_lookup", lookup)
-    Node_.hosts = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Node_)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://triton-node.test:{server.server_address[1]}", lookups
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def test_a_node_is_contacted_at_the_address_that_was_checked(
-    node_at_a_name: tuple[str, list[str]],
-) -> None:
-    url, lookups = node_at_a_name
-    assert TritonClient(url, node="n1").health() == "ready"  # two requests, one lookup
-    assert read_metrics(f"{url}/metrics", node="n1") == METRICS.decode()
-    assert lookups == ["triton-node.test"] * 2
-    host = url.removeprefix("http://")
-    assert Node_.hosts == [host] * 3  # the node still hears its own name
-
-
-@pytest.mark.parametrize("path", ["/huge", "/huge-unannounced"])
-def test_a_nodes_metrics_past_the_cap_are_refused_naming_the_node(
-    node_at_a_name: tuple[str, list[str]], path: str
-) -> None:
-    url, _ = node_at_a_name
-    with pytest.raises(TritonRejected, match=rf"^n1: metrics at {url}{path}: larger than 8 MiB"):
-        read_metrics(f"{url}{path}", node="n1")
-
-
-@pytest.fixture
-def runtime_api(tmp_path: Path) -> Iterator[tuple[str, list[bytes]]]:
-    """HAProxy's runtime API on a unix socket, answering nothing (as `set weight` does when it
-    works). Yields the socket's path and what each connection sent."""
-    heard: list[bytes] = []
-
-    class Handler(socketserver.StreamRequestHandler):
-        def handle(self) -> None:
-            heard.append(self.rfile.readline())
-
-    path = str(tmp_path / "admin.sock")
-    server = socketserver.ThreadingUnixStreamServer(path, Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield path, heard
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-@pytest.mark.parametrize(
-    "server", ["n1; set server triton_http/n2 state maint", "n1\nshutdown sessions", "n 1", ""]
-)
-def test_a_name_that_would_be_a_second_command_never_reaches_haproxy(
-    runtime_api: tuple[str, list[bytes]], server: str
-) -> None:
-    path, heard = runtime_api
-    with pytest.raises(HAProxyError, match="only letters, digits"):
-        Runtime(path).set_weights("triton_http", {"ok-1": 100, server: 0})
-    with pytest.raises(HAProxyError, match="only letters, digits"):
-        Runtime(path).weights(f"triton_http;{server}")
-    Runtime(f"unix:{path}").set_weights("triton_http", {"gpu-a.1": 10})
-    assert heard == [b"set weight triton_http/gpu-a.1 10\n"]  # the last call alone
 
 
 @pytest.mark.parametrize("name", ["n1;shutdown", "n1 n2", "n1\n", "n1/x", "n\u00e9"])

@@ -4,22 +4,14 @@ scrape that still answers when the broker does not."""
 
 import math
 import re
-import socket
-import time
-import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-import redis
 from django.contrib.auth.models import User
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
-from kombu import Connection
-from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.parser import text_string_to_metric_families
 
 from apps.accounts.models import ApiToken
 from apps.accounts.services import token_create, token_revoke
@@ -30,66 +22,14 @@ from apps.rollouts.models import Measurement, Notification, Rollout
 from apps.rollouts.tasks import advance_all
 from controlplane import metrics
 from controlplane.celery import app as celery_app
+from tests.support.metrics import make_fleet, matching, operation, scrape, scrape_headers
 
 pytestmark = pytest.mark.django_db
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-# A database of its own on the local Redis, so nothing here touches a real broker's queues.
-TEST_BROKER = "redis://127.0.0.1:6379/14"
 
 
 @pytest.fixture
 def headers(viewer: User) -> dict[str, str]:
-    _, value = token_create(
-        user=viewer, name="prometheus", actor="system:test", scope=ApiToken.Scope.READ
-    )
-    return {"Authorization": f"Bearer {value}"}
-
-
-@pytest.fixture
-def broker(monkeypatch: pytest.MonkeyPatch) -> Iterator[redis.Redis]:
-    monkeypatch.setattr(celery_app.conf, "broker_url", TEST_BROKER)
-    with redis.Redis.from_url(TEST_BROKER) as client:
-        yield client
-
-
-def scrape(client: Client, headers: dict[str, str]) -> Samples:
-    response = client.get("/metrics", headers=headers)
-    assert response.status_code == 200
-    assert response["Content-Type"] == CONTENT_TYPE_LATEST
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(response.content.decode())
-        for sample in family.samples
-    }
-
-
-def matching(samples: Samples, name: str) -> dict[tuple[str, ...], float]:
-    """One metric's samples, keyed by their label values in label-name order."""
-    return {
-        tuple(value for _, value in labels): v
-        for (sample, labels), v in samples.items()
-        if sample == name
-    }
-
-
-def operation(node: Node, kind: str, status: str, *, took_s: float | None = None) -> Operation:
-    op = Operation.objects.create(node=node, kind=kind, model_name="m", status=status)
-    if took_s is not None:
-        start = timezone.now() - timedelta(minutes=5)
-        op.started_at, op.finished_at = start, start + timedelta(seconds=took_s)
-        op.save()
-    return op
-
-
-def make_fleet(prefix: str, nodes: int, queue: str = "") -> NodePool:
-    pool = NodePool.objects.create(name=prefix, queue=queue)
-    for i in range(nodes):
-        node = Node.objects.create(
-            name=f"{prefix}-{i}", pool=pool, http_url="http://127.0.0.1:1", health="ready"
-        )
-        operation(node, "load", "succeeded", took_s=1)
-        operation(node, "unload", "queued")
-    return pool
+    return scrape_headers(viewer)
 
 
 def test_every_series_reports_exact_values_from_the_database(
@@ -193,60 +133,6 @@ def test_a_scrape_runs_as_many_queries_for_a_big_fleet_as_for_a_small_one(
     for i in range(6):
         make_fleet(f"big-{i}", nodes=5, queue=f"q{i}")
     assert queries() == small
-
-
-def test_queue_depth_sums_every_priority_list_of_each_queue_in_use(
-    client: Client, headers: dict[str, str], broker: redis.Redis
-) -> None:
-    queue = f"metrics-test-{uuid.uuid4().hex[:8]}"
-    make_fleet("regional", nodes=1, queue=queue)
-    make_fleet("local", nodes=1)
-    try:
-        with Connection(TEST_BROKER) as conn:
-            waiting = conn.SimpleQueue(queue)
-            for priority in [0, 0, 5, 9, 9]:
-                waiting.put({"n": priority}, priority=priority)
-            waiting.close()
-        # kombu spread them over several lists: the depth has to add them up.
-        assert len(broker.keys(f"{queue}*")) > 1
-        samples = scrape(client, headers)
-    finally:
-        broker.delete(*broker.keys(f"*{queue}*"))
-    depths = matching(samples, "controlplane_celery_queue_depth")
-    assert depths == {
-        ("celery",): broker.llen("celery"),
-        ("rollouts",): broker.llen("rollouts"),
-        (queue,): 5,
-    }
-    assert matching(samples, "controlplane_broker_up") == {(): 1}
-
-
-@pytest.fixture(params=["closed", "silent"])
-def dead_broker(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A port nothing listens on, or one that accepts and never answers."""
-    if request.param == "closed":
-        yield "redis://127.0.0.1:1/0"
-        return
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
-
-
-def test_a_broker_that_does_not_answer_leaves_the_scrape_up_without_queue_depths(
-    client: Client,
-    headers: dict[str, str],
-    monkeypatch: pytest.MonkeyPatch,
-    dead_broker: str,
-) -> None:
-    monkeypatch.setattr(celery_app.conf, "broker_url", dead_broker)
-    make_fleet("gpu-a", nodes=1, queue="gpu")
-    started = time.monotonic()
-    samples = scrape(client, headers)
-    assert time.monotonic() - started < 1 + metrics.BROKER_TIMEOUT_S
-    assert matching(samples, "controlplane_broker_up") == {(): 0}
-    assert matching(samples, "controlplane_celery_queue_depth") == {}
-    assert matching(samples, "controlplane_nodes")[("ready", "gpu-a")] == 1
 
 
 def test_a_scrape_needs_a_live_token(client: Client, viewer: User) -> None:
@@ -447,3 +333,15 @@ def test_a_scrape_reads_as_many_rows_after_a_long_history_as_after_a_short_one(
     assert long_queries == short_queries
     assert long_rows == short_rows, (long_rows, short_rows)
     assert full_scans(sqls) == []
+
+
+def test_a_broker_nothing_answers_at_leaves_the_scrape_up_without_queue_depths(
+    client: Client, headers: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tests/integration/test_self_metrics.py has one that accepts and never answers."""
+    monkeypatch.setattr(celery_app.conf, "broker_url", "redis://127.0.0.1:1/0")
+    make_fleet("gpu-a", nodes=1, queue="gpu")
+    samples = scrape(client, headers)
+    assert matching(samples, "controlplane_broker_up") == {(): 0}
+    assert matching(samples, "controlplane_celery_queue_depth") == {}
+    assert matching(samples, "controlplane_nodes")[("ready", "gpu-a")] == 1

@@ -1,15 +1,8 @@
 """Findings of the security review that are not about one app: sessions, secrets in errors."""
 
-import base64
 import io
 import re
-import ssl
-import subprocess
-import threading
-from collections.abc import Iterator
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +15,6 @@ from django.utils import timezone
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
 from apps.fleet.polling import node_poll
-from apps.fleet.triton import TritonClient, TritonUnreachable, read_metrics
 from controlplane.guard import client_ip
 from controlplane.prometheus import PrometheusUnavailable, instant_query
 from tests.support.users import PASSWORD
@@ -54,60 +46,6 @@ def test_a_session_ends_after_an_hour_without_a_request(
     Session.objects.filter(pk=session.pk).update(expire_date=timezone.now())
     response = client.get("/")
     assert response.status_code == 302 and response["Location"].startswith("/accounts/login/")
-
-
-@pytest.fixture(scope="module")
-def tls_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """An https server answering Prometheus' query API (empty results) with a self-signed
-    certificate for 127.0.0.1, and only to the basic-auth user admin:s3cret."""
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        [
-            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
-            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
-            *("-keyout", str(key), "-out", str(cert)),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    expected = "Basic " + base64.b64encode(b"admin:s3cret").decode()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path.startswith("/v2/health/"):  # a Triton node's health, for https nodes
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            allowed = self.headers.get("Authorization") == expected
-            body = b'{"status":"success","data":{"resultType":"vector","result":[]}}'
-            self.send_response(200 if allowed else 401)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(body if allowed else b"{}")
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
-    server.socket = context.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"https://admin:s3cret@127.0.0.1:{server.server_address[1]}", cert
-    server.shutdown()
-
-
-def test_prometheus_certificates_are_checked(
-    tls_prometheus: tuple[str, Path], settings: Any
-) -> None:
-    """The client was built with disable_ssl=True: any certificate was accepted."""
-    settings.PROMETHEUS_URL, cert = tls_prometheus
-    with pytest.raises(PrometheusUnavailable, match="its TLS certificate is not trusted"):
-        instant_query("up")
-    settings.PROMETHEUS_CA_BUNDLE = str(cert)
-    assert instant_query("up") == []  # trusted, and the URL's credentials were sent
 
 
 def test_credentials_in_the_prometheus_url_never_reach_a_page(
@@ -160,43 +98,6 @@ def test_a_node_moved_to_a_refused_address_is_not_contacted() -> None:
         "n1: 169.254.169.254 is 169.254.169.254: link-local, multicast and metadata addresses"
         " are refused"
     )
-
-
-def test_a_node_metrics_redirect_is_not_followed() -> None:
-    hits: list[str] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            hits.append(self.path)
-            self.send_response(302)
-            self.send_header("Location", "/elsewhere")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
-        with pytest.raises(TritonUnreachable, match="HTTP Error 302"):
-            read_metrics(url, node="n1")
-    finally:
-        server.shutdown()
-    assert hits == ["/metrics"]
-
-
-def test_an_https_node_is_spoken_to_over_tls(
-    tls_prometheus: tuple[str, Path], settings: Any
-) -> None:
-    """Only host:port of the URL was kept: an https:// node was sent plain HTTP."""
-    url, cert = tls_prometheus
-    node = TritonClient("https://" + url.split("@")[1], node="n1")
-    with pytest.raises(TritonUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
-        node.health()
-    settings.TRITON_CA_BUNDLE = str(cert)
-    assert node.health() == "ready"
 
 
 def test_sign_ins_are_throttled_per_user_and_address(client: Client, viewer: User) -> None:
