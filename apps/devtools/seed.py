@@ -10,7 +10,7 @@ from itertools import cycle, islice
 from django.db import transaction
 from django.utils import timezone
 
-from apps.audit.models import AuditEvent
+from apps.audit.models import AuditEvent, target_parts
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Measurement, Rollout
@@ -205,14 +205,19 @@ def _seed_events(count: int, nodes: list[str], now: datetime) -> None:
     try:
         for start in range(0, count, 5000):
             AuditEvent.objects.bulk_create(
-                AuditEvent(
-                    created_at=now - step * (count - i),
-                    actor="system:reconciler",
-                    action="operation.load",
-                    target=f"node:{nodes[i % len(nodes)]}:model",
-                    after={"versions": [1]},
-                )
+                _load_event(now - step * (count - i), f"node:{nodes[i % len(nodes)]}:model")
                 for i in range(start, min(count, start + 5000))
             )
     finally:
         field.auto_now_add = True  # type: ignore[attr-defined]
+
+
+def _load_event(at: datetime, target: str) -> AuditEvent:
+    return AuditEvent(
+        created_at=at,
+        actor="system:reconciler",
+        action="operation.load",
+        target=target,
+        **target_parts(target),
+        after={"versions": [1]},
+    )

@@ -72,20 +72,19 @@ def _group(events: list[AuditEvent]) -> list[Suspect]:
     rollouts = {
         r.pk: r
         for r in Rollout.objects.filter(
-            pk__in=[_number(e.target) for e in events if e.target.startswith("rollout:")]
+            pk__in=[_number(e.target_name) for e in events if e.target_type == "rollout"]
         ).select_related("pool", "model")
     }
-    names = {e.target.split(":")[1] for e in events if e.target.startswith("node:")}
+    names = {e.target_name for e in events if e.target_type == "node"}
     pools = dict(Node.objects.filter(name__in=names).values_list("name", "pool__name"))
     found: dict[tuple, Suspect] = {}
     rollout_of: dict[tuple[str, str], Suspect] = {}  # (model, pool): its rollout's suspect
     for event in events:  # newest first: the first seen of a change is its latest event
-        kind, _, rest = event.target.partition(":")
-        subject, _, model = rest.rpartition(":")
-        if kind == "rollout" and (rollout := rollouts.get(_number(event.target))):
+        kind, subject, model = event.target_type, event.target_name, event.target_model
+        if kind == "rollout" and (rollout := rollouts.get(_number(subject))):
             key: tuple = ("rollout", rollout.pk)
             pool = rollout.pool.name
-            title = f"rollout #{rollout.pk}: {rollout.release} on {pool}"
+            title = f"rollout #{rollout.pk}: {rollout.moves} on {pool}"
         elif kind in ("pool", "node"):
             pool = subject if kind == "pool" else pools.get(subject, "")
             owner = rollout_of.get((model, pool))
@@ -94,7 +93,7 @@ def _group(events: list[AuditEvent]) -> list[Suspect]:
                 continue
             key, title = ("event", event.pk), f"{event.action} {event.target}"
         else:  # the registry's: a model, whichever pools run it
-            pool, model = "", rest.split(":")[0] if kind == "model" else model
+            pool = ""
             key, title = ("event", event.pk), f"{event.action} {event.target}"
         if key in found:
             found[key].parts.append(f"{event.action} at {event.created_at:%H:%M:%S}")
@@ -110,9 +109,8 @@ def _group(events: list[AuditEvent]) -> list[Suspect]:
     return list(found.values())
 
 
-def _number(target: str) -> int:
-    part = target.split(":")[1]
-    return int(part) if part.isdecimal() else 0
+def _number(name: str) -> int:
+    return int(name) if name.isdecimal() else 0
 
 
 def _measure(found: list[Suspect], onset: datetime) -> None:

@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 
-from apps.audit.models import AuditEvent
+from apps.audit.models import AuditEvent, target_parts
 from apps.fleet.models import Operation
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.verdicts import Verdict
@@ -89,12 +89,14 @@ def verdict_changes(start: datetime, end: datetime) -> list[AuditEvent]:
         key = (first.rollout_id, first.step, verdict)
         if key != previous:
             worst = [m for m in found if m.verdict == verdict != Verdict.SUCCESS]
+            target = f"rollout:{first.rollout_id}:{first.rollout.model.name}"
             changes.append(
                 AuditEvent(
                     created_at=first.taken_at,
                     actor="system:rollouts",
                     action="rollout.verdict",
-                    target=f"rollout:{first.rollout_id}:{first.rollout.model.name}",
+                    target=target,
+                    **target_parts(target),
                     result="ok" if verdict == Verdict.SUCCESS else "failed",
                     message=f"step {first.step + 1}: {verdict}"
                     + "".join(f"; {m.metric} {_values(m)}" for m in worst[:3]),
@@ -139,18 +141,12 @@ def what_changed(events: list[AuditEvent]) -> list[Change]:
 
 
 def affected(events: list[AuditEvent]) -> tuple[list[str], list[str]]:
-    """The models and nodes the events' targets name (`pool:<pool>:<model>`, `node:<node>`,
-    `node:<node>:<model>`, `model:<model>:v<n>`, `rollout:<id>:<model>`), in order of first
-    mention."""
+    """The models and nodes the events' targets name, in order of first mention."""
     models: dict[str, None] = {}
     nodes: dict[str, None] = {}
     for event in events:
-        kind, _, rest = event.target.partition(":")
-        name, _, model = rest.partition(":")
-        if kind == "node":
-            nodes[name] = None
-        if kind == "model":
-            models[name] = None
-        elif kind in ("pool", "node", "rollout") and model:
-            models[model] = None
+        if event.target_type == "node":
+            nodes[event.target_name] = None
+        if event.target_model:
+            models[event.target_model] = None
     return list(models), list(nodes)

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from django.db.models import Count, F, Q, QuerySet, Subquery, Value, Window
-from django.db.models.functions import Coalesce, Concat, RowNumber, StrIndex, Substr
+from django.db.models.functions import Coalesce, RowNumber
 
 from apps.audit.actions import Kind, kind_of, of_kind
 from apps.audit.models import AuditEvent
@@ -68,7 +68,9 @@ class _Event(NamedTuple):
     created_at: datetime
     actor: str
     action: str
-    target: str
+    target_type: str
+    target_name: str
+    target_model: str
     after: dict[str, Any]
     result: str
     message: str
@@ -123,21 +125,17 @@ def _events(
         action__in=CHANGES + OPERATIONS + HEALTH + SYNTHETIC,
         created_at__range=(start, end),
     )
-    of_model = Q(target__endswith=f":{model}") if model else Q()
+    of_model = Q(target_model=model) if model else Q()
     at = Q()
     if pool:  # its nodes' events too, by a subquery of this one query: not a query per node
-        rest = Substr("target", len("node:") + 1)
-        window = window.alias(
-            node_name=Substr(rest, 1, StrIndex(Concat(rest, Value(":")), Value(":")) - 1)
-        )
         nodes = Node.objects.filter(pool__name=pool).values("name")
         at &= (
-            Q(target__startswith=f"pool:{pool}:")
-            | Q(target__startswith="node:", node_name__in=nodes)
-            | Q(target__startswith="rollout:", after__pool=pool)
+            Q(target_type="pool", target_name=pool)
+            | Q(target_type="node", target_name__in=nodes)
+            | Q(target_type="rollout", after__pool=pool)
         )
     if node:
-        at &= Q(target=f"node:{node}") | Q(target__startswith=f"node:{node}:")
+        at &= Q(target_type="node", target_name=node)
     scoped = window.filter(of_model & at)
     linked = Q()
     if model:  # the operations of its changes, on its steps too: a request id links them
@@ -146,7 +144,7 @@ def _events(
     if node:  # the pool's changes that its operations carried out
         operations = scoped.filter(action__in=OPERATIONS).exclude(request_id="")
         named = Q(action__in=CHANGES, request_id__in=operations.values("request_id"))
-        linked |= of_model & named & Q(target__startswith="pool:")
+        linked |= of_model & named & Q(target_type="pool")
     return window.filter((of_model & at) | linked) if linked else scoped
 
 
@@ -188,7 +186,7 @@ def fold(events: Iterable[_Event]) -> list[Marker]:
     last_change: _Marker | None = None
     unexplained: dict[str, _Marker] = {}
     for event in events:
-        model = _model(event.target)
+        model = event.target_model
         if event.action in CHANGES:
             found = by_request.get(event.request_id) if event.request_id else None
             same = by_model.get(model)
@@ -276,10 +274,6 @@ def _kind(event: _Event) -> str:
     return {Kind.SYNTHETIC: "synthetic", Kind.OPERATION: "operation"}.get(kind, "change")
 
 
-def _model(target: str) -> str:
-    return target.split(":")[2] if target.count(":") >= 2 else ""
-
-
 def _label(event: _Event) -> str:
     """`deployment.set pool:demo:rag_pipeline {version: 2}` reads `deploy rag_pipeline v2`."""
     if event.action in SYNTHETIC:
@@ -288,14 +282,13 @@ def _label(event: _Event) -> str:
     verb = {"deployment.set": "deploy", "deployment.remove": "remove"}.get(event.action)
     verb = verb or event.action.split(".", 1)[-1]
     versions = event.after.get("versions") or [event.after.get("version")]
-    subject = event.target.rsplit(":", 1)[-1]
+    subject = event.target_model or event.target_name
     return f"{verb} {subject}" + (f" v{versions[-1]}" if versions[-1] else "")
 
 
 def _story(event: _Event) -> str:
     """`deploy rag_pipeline v2 on pool demo by ops`, and why, when the event says."""
-    kind, _, rest = event.target.partition(":")
-    name, _, model = rest.partition(":")
+    kind, name, model = event.target_type, event.target_name, event.target_model
     story = _label(event)
     if model:  # a node's own events name it in their label already
         where = {"pool": f"pool {name}", "rollout": f"rollout #{name}"}.get(kind, name)
@@ -314,7 +307,7 @@ def _operations(folded: _Marker) -> list[str]:
     total, failed = folded.totals()
     per_node: dict[str, list[str]] = {}
     for op in folded.operations:
-        node, _, model = op.target.partition(":")[2].partition(":")
+        node, model = op.target_name, op.target_model
         verb = op.action.split(".", 1)[1]
         per_node.setdefault(node, []).append(
             f"{verb} {model}" + (" (failed)" if op.result != "ok" else "")

@@ -8,7 +8,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from apps.audit.models import AuditEvent
+from apps.audit.models import AuditEvent, target_parts
 from apps.fleet.models import Node, NodePool
 from apps.observability.charts import figure
 from apps.observability.markers import MAX_MARKERS, Marker, change_markers
@@ -181,6 +181,7 @@ def test_a_deployment_to_500_nodes_counts_its_operations_and_lists_the_first() -
             actor="system:reconciler",
             action="operation.load",
             target=f"node:big-{n}:{model}",
+            **target_parts(f"node:big-{n}:{model}"),
             request_id="req-big",
             result="failed" if n == 7 and model == "embedder" else "ok",
         )
