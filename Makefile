@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell md5sum pyproject.toml | cut -c1-8)
 
-.PHONY: demo test lint unit integration e2e bench os-deps clean
+.PHONY: demo test lint unit integration e2e bench screenshots os-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ test: $(STAMP) os-deps lint
 	$(BIN)/pytest --durations=10 -n 2 --dist loadfile -m "not alone" tests/integration
 	$(BIN)/pytest --durations=10 -m alone tests/integration
 	$(BIN)/pytest --durations=10 tests/e2e
+
+# The README's pictures, taken by the browser tests that check those pages (tests/support/browser.py).
+screenshots: $(STAMP) os-deps
+	README_SCREENSHOTS=1 $(BIN)/pytest tests/e2e/test_login.py tests/e2e/test_registry.py \
+		tests/e2e/test_metrics_page.py
 
 # Figures that count are taken on PostgreSQL, as production runs; BENCH_DATABASE_URL overrides.
 BENCH_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test

@@ -151,11 +151,11 @@ class Rollout(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.release} on {self.pool}"
+        return f"{self.moves} on {self.pool}"
 
     @property
-    def release(self) -> str:
-        """What it releases: "rag_pipeline v1 → v3", and its lockstep models after "with"."""
+    def moves(self) -> str:
+        """What it moves: "rag_pipeline v1 → v3", and its lockstep models after "with"."""
         lead = f"{self.model.name} v{self.baseline_version} → v{self.canary_version}"
         rest = [f"{m['model']} v{m['baseline']} → v{m['canary']}" for m in self.lockstep]
         return " with ".join([lead, ", ".join(rest)]) if rest else lead

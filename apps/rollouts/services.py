@@ -88,7 +88,7 @@ def rollout_owning(pool: NodePool, model: Model) -> str:
     if running is None:
         return ""
     return (
-        f"rollout #{running.pk} of {running.release} on {pool.name} is {running.state}: "
+        f"rollout #{running.pk} of {running.moves} on {pool.name} is {running.state}: "
         "abort it, or roll the pool back, before changing the release by hand"
     )
 
@@ -138,7 +138,7 @@ def rollout_start(
             running = _active(names, proposal.pool)
             if running is not None:
                 raise RolloutError(
-                    f"rollout #{running.pk} of {running.release} on {pool_name} is {running.state}"
+                    f"rollout #{running.pk} of {running.moves} on {pool_name} is {running.state}"
                 )
             rollout = Rollout.objects.create(
                 model=proposal.model,

@@ -10,7 +10,7 @@ urlpatterns = [
     path("<int:pk>/<slug:action>/", views.rollout_act, name="rollout_act"),
     path(
         "release/<slug:pool>/<str:model>/<slug:to>/",
-        views.release_switch,
-        name="release_switch",
+        views.release_roll_back,
+        name="release_roll_back",
     ),
 ]

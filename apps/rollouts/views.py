@@ -270,7 +270,7 @@ def rollout_act(request: HttpRequest, pk: int, action: str) -> HttpResponse:
 
 @require_POST
 @require("rollouts.rollback_release", "release.rollback")
-def release_switch(request: HttpRequest, pool: str, model: str, to: str) -> HttpResponse:
+def release_roll_back(request: HttpRequest, pool: str, model: str, to: str) -> HttpResponse:
     """One click for on-call: the pool to its last good release, or to the model's fallback."""
     service = {"last-good": release_rollback, "fallback": release_fallback}.get(to)
     try:

@@ -27,19 +27,21 @@ def test_signed_in_user_sees_the_navigation_and_every_page(
     settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
     user = make_user(Role.OPERATOR)
     pool = NodePool.objects.create(name="demo")
-    Node.objects.create(
-        name="demo-1",
-        pool=pool,
-        http_url="http://127.0.0.1:8100",
-        health=Node.Health.READY,
-        triton_version="2.51.0",
-        index=[{"model": "rag_pipeline", "version": 1, "state": "READY", "reason": ""}],
-    )
+    steps = ["embedder", "retriever", "reranker", "generator", "rag_pipeline"]
+    for i in range(1, 4):  # the demo fleet, as the README shows it
+        Node.objects.create(
+            name=f"demo-{i}",
+            pool=pool,
+            http_url=f"http://127.0.0.1:{8097 + 3 * i}",
+            health=Node.Health.READY,
+            triton_version="2.51.0",
+            index=[{"model": m, "version": 1, "state": "READY", "reason": ""} for m in steps],
+        )
     sign_in(page, str(live_server), user.username)
     nav = page.get_by_role("navigation", name="Main")
     for label in NAVIGATION:
         expect(nav.get_by_role("link", name=label)).to_be_visible()
-    expect(page.get_by_role("cell", name="rag_pipeline v1")).to_be_visible()
+    expect(page.get_by_role("cell", name="rag_pipeline v1")).to_have_count(3)
     screenshot(page, "nodes")
     for label in NAVIGATION:
         with page.expect_response(lambda r: r.request.resource_type == "document") as loaded:

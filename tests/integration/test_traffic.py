@@ -2,12 +2,14 @@
 driven by the real worker and beat; requests counted by Triton's own per-version counters."""
 
 import itertools
+import random
 from collections import Counter
 from datetime import timedelta
 
 import pytest
 import tritonclient.grpc as grpcclient
 from django.utils import timezone
+from tritonclient.utils import np_to_triton_dtype
 
 from apps.audit.models import AuditEvent
 from apps.devtools.devfleet import Devfleet
@@ -15,7 +17,7 @@ from apps.devtools.processes import FleetState, Proc
 from apps.devtools.traffic import send_traffic
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services.deployments import deployment_set
-from apps.fleet.triton import TritonClient
+from apps.fleet.triton import TritonClient, sample_inputs
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import release_rollback, rollout_abort, rollout_start
 from tests.support.fleet import (
@@ -73,9 +75,27 @@ def test_loads_wait_their_turn_out_of_traffic_and_warm_up_before_it(
     assert served(trio[1].nodes, trio[1], "rag_pipeline")[1] == 3 * 3
 
 
-def test_grpc_clients_are_balanced_too(weighted: NodePool, haproxy: Proc) -> None:
+def test_grpc_clients_are_balanced_too(
+    weighted: NodePool, haproxy: Proc, trio: tuple[Devfleet, FleetState]
+) -> None:
+    """One gRPC connection through HAProxy (HTTP/2): its requests are spread over the nodes,
+    by Triton's own counters on each node, not all sent to the one the connection reached."""
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{haproxy.ports['grpc']}")
-    assert client.is_model_ready("rag_pipeline")
+    metadata = client.get_model_metadata("rag_pipeline", as_json=True)
+    spec = [(i["name"], i["datatype"], [int(d) for d in i["shape"]]) for i in metadata["inputs"]]
+    nodes = trio[1].nodes
+    before = [served([proc], trio[1], "rag_pipeline")[1] for proc in nodes]
+    rng = random.Random(0)
+    for _ in range(30):
+        inputs = []
+        for name, array in sample_inputs(spec, rng, texts=["where is my order"]).items():
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        client.infer("rag_pipeline", inputs)
+    after = [served([proc], trio[1], "rag_pipeline")[1] for proc in nodes]
+    answered = [a - b for a, b in zip(after, before, strict=True)]
+    assert sum(answered) == 30 and min(answered) >= 5, answered
 
 
 def test_a_rollback_inside_the_window_narrows_every_node_in_traffic_at_once(

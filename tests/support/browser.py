@@ -1,6 +1,8 @@
 """Browser steps the end-to-end tests share (the browser and page fixtures are in conftest.py)."""
 
+import os
 import re
+import shutil
 from pathlib import Path
 
 from playwright.sync_api import Page, expect
@@ -9,12 +11,18 @@ from tests.support import ROOT
 from tests.support.users import PASSWORD
 
 SCREENSHOTS = ROOT / "var" / "screenshots"
+# The README's pictures, by the screenshot each one is: `make screenshots` runs the tests that
+# take them and copies them here, so the README shows the pages as they are today.
+README_PICTURES = {"nodes": "nodes", "registry-version": "pipeline", "metrics-p99": "metrics"}
+README_SCREENSHOTS = ROOT / "deploy" / "screenshots"
 
 
 def screenshot(page: Page, name: str) -> Path:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     path = SCREENSHOTS / f"{name}.png"
     page.screenshot(path=path, full_page=True)
+    if os.environ.get("README_SCREENSHOTS") and name in README_PICTURES:
+        shutil.copyfile(path, README_SCREENSHOTS / f"{README_PICTURES[name]}.png")
     return path
 
 

@@ -101,7 +101,7 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "registry:version_status": (version, {"status": "deprecated"}),
         "rollouts:rollout_new": ({}, rollout_form),
         "rollouts:rollout_act": ({"pk": world.rollout_b.pk, "action": "resume"}, {}),
-        "rollouts:release_switch": ({"pool": "b", "model": "embedder", "to": "last-good"}, {}),
+        "rollouts:release_roll_back": ({"pool": "b", "model": "embedder", "to": "last-good"}, {}),
         "approvals:approve": ({"pk": world.approval_b.pk}, {}),
         "accounts:token_revoke": ({"token_id": world.token_id}, {}),
         "quality:set_import": ({"name": "embedder"}, {"name": "x", "text": "{}"}),

@@ -97,7 +97,7 @@ def deployment_set(
         return existing  # a double click changes nothing
     before = _versions(existing) if existing else {}
     if pool is not None and (existing is None or existing.version != version):
-        _release_switch(pool=pool, model=found.model, version=version, actor=actor)
+        _release_record(pool=pool, model=found.model, version=version, actor=actor)
     deployment, _ = Deployment.objects.update_or_create(
         model=found.model,
         pool=pool,
@@ -146,12 +146,12 @@ def deployment_remove(*, deployment_id: int, actor: Actor) -> None:
         before=_versions(deployment),
     )
     if deployment.pool is not None:
-        _release_switch(pool=deployment.pool, model=deployment.model, version=None, actor=actor)
+        _release_record(pool=deployment.pool, model=deployment.model, version=None, actor=actor)
     deployment.delete()
     reconcile_later(nodes)
 
 
-def _release_switch(*, pool: NodePool, model: Model, version: int | None, actor: Actor) -> None:
+def _release_record(*, pool: NodePool, model: Model, version: int | None, actor: Actor) -> None:
     """End the pool's current release of `model` and, unless it is being removed, start one."""
     now = timezone.now()
     Release.objects.filter(pool=pool, model=model, ended_at__isnull=True).update(ended_at=now)
