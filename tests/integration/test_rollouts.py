@@ -143,10 +143,10 @@ def test_the_statistical_judge_rolls_a_slow_release_back(
 def test_a_canary_a_few_percent_slower_is_judged_marginal_not_failed(
     serving_v1: NodePool, traffic: None
 ) -> None:
-    """v6 is v2 with 0.7 ms more in the reranker (5 to 13 % slower, measured), against v2: a
-    real difference, within the default latency margin. The default analysis (the statistical
-    judge) at test pace, over a 30 s window of 2 s samples (15 a side: over 20 s, 10 a side
-    left a round of such a small difference unproven too often), several times over."""
+    """v6 is v2 with 1.5 ms more in the reranker (10 to 25 % slower), against v2: a real
+    difference, within the default 5 ms latency margin, so never a failure. The default analysis
+    (the statistical judge) at test pace, over a 30 s window of 2 s samples (15 a side), several
+    times over. (0.7 ms was proven too rarely with another test's fleet busy beside it.)"""
     deployment_set(model_name="rag_pipeline", version=2, pool=serving_v1, actor="system:test")
     wait_for("v2 everywhere", converged(serving_v1, STEPS_V2), timeout=90)
     rollout = rollout_start(
