@@ -30,7 +30,7 @@ def roles_sync() -> list[Group]:
     return groups
 
 
-@audited("user.role_set", lambda username, **_: f"user:{username}")
+@audited("user.set_role", lambda username, **_: f"user:{username}")
 def user_ensure(*, username: str, password: str, role: Role, actor: str = "system") -> User:
     """Create the user if missing and give it exactly one role; audited when something changed."""
     user, created = User.objects.get_or_create(username=username)

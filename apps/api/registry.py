@@ -197,7 +197,7 @@ def get_version(request: HttpRequest, name: str, version: int) -> dict[str, Any]
 @router.post(
     "/models/{name}/versions",
     response={201: VersionOut, **ERRORS},
-    auth=can("registry.add_modelversion", "registry.version_create"),
+    auth=can("registry.add_modelversion", "version.create"),
 )
 def register_version(request: HttpRequest, name: str, body: VersionIn) -> Status[dict[str, Any]]:
     """Register a version (a draft) of `name`, a new model if it is the first. Refused with every
@@ -246,7 +246,7 @@ def validate_config(request: HttpRequest, name: str, body: ConfigIn) -> dict[str
 @router.post(
     "/models/{name}/versions/{version}/status",
     response={200: VersionOut, **ERRORS},
-    auth=can("registry.change_modelversion", "registry.version_status"),
+    auth=can("registry.change_modelversion", "version.set_status"),
 )
 def set_version_status(
     request: HttpRequest, name: str, version: int, body: StatusIn

@@ -1,6 +1,17 @@
 """Every action the audit trail records, named once, with its kind. The readers of the trail
 (the charts' markers, an incident's suspects and timeline) choose events by kind, never by a list
-of their own; `audit_record` refuses a name that is not here."""
+of their own; `audit_record` refuses a name that is not here.
+
+A name is `<subject>.<verb>[_<object>]`, the verb in the imperative (`pool.set_traffic`,
+`version.create`, `node.warm_up`), as the person or the part of the system that acts would say
+it; a rollout's state changes are named by the state entered (`rollout.paused`). Events written
+before a rename keep their old name (the trail is never rewritten): `registry.memory_set` is
+`version.set_memory` now, `registry.{slo,budget,fallback}_set` are `model.set_*`,
+`registry.version_create` and `registry.version_status` are `version.create` and
+`version.set_status`, `user.role_set` and `user.pool_role_set` are `user.set_role` and
+`user.set_pool_role`, `node.warmup` is `node.warm_up`, `pool.weights` is `pool.set_weights`,
+`deployment.window_closed` is `deployment.close_window`, `rollout.window_skipped` is
+`rollout.skip_window` and `rollout.resumed` is `rollout.resume`."""
 
 from enum import StrEnum
 
@@ -42,12 +53,11 @@ _BY_KIND: dict[Kind, list[str]] = {
         "rollout.progressing",
         "rollout.standby",
         "rollout.paused",
-        "rollout.resumed",
+        "rollout.resume",
         "rollout.failed",
-        "rollout.window_skipped",
+        "rollout.skip_window",
         "rollout.verdict",  # a round's verdict, shown on the timeline (not written)
         "rollout.pause",
-        "rollout.resume",
         "rollout.promote",
         "rollout.abort",
         "rollout.roll_back",
@@ -62,16 +72,16 @@ _BY_KIND: dict[Kind, list[str]] = {
         "operation.override",
         "node.operate",
     ],
-    Kind.REGISTRY: ["registry.version_create", "registry.version_status"],
+    Kind.REGISTRY: ["version.create", "version.set_status"],
     Kind.HEALTH: ["node.down", "node.up", "node.flapping"],
     Kind.SYNTHETIC: ["synthetic_load.start"],
     Kind.UPKEEP: [
         "node.drift",
         "node.drain",
-        "node.warmup",
-        "pool.weights",
+        "node.warm_up",
+        "pool.set_weights",
         "pool.traffic_drift",
-        "deployment.window_closed",
+        "deployment.close_window",
     ],
     Kind.SETTING: [
         "node.register",
@@ -82,14 +92,14 @@ _BY_KIND: dict[Kind, list[str]] = {
         "pool.set_rollback_window",
         "pool.set_traffic",
         "registry.import",
-        "registry.memory_set",
-        "registry.slo_set",
-        "registry.budget_set",
-        "registry.fallback_set",
+        "version.set_memory",
+        "model.set_slo",
+        "model.set_budget",
+        "model.set_fallback",
         "analysis_template.save",
         "evaluation_set.import",
-        "user.role_set",
-        "user.pool_role_set",
+        "user.set_role",
+        "user.set_pool_role",
         "token.create",
         "token.revoke",
     ],

@@ -240,7 +240,7 @@ def rollback_windows_close() -> int:
             deployment.save(update_fields=["baseline_version", "baseline_until", "updated_at"])
             audit_record(
                 actor=RECONCILER,
-                action="deployment.window_closed",
+                action="deployment.close_window",
                 target=f"{deployment.target}:{deployment.model.name}",
                 before={"version": deployment.version, "baseline": kept},
                 after={"version": deployment.version},

@@ -81,7 +81,7 @@ def _version_target(*, version_id: int, **_: object) -> str:
     return f"model:{found.model.name}:v{found.version}" if found else f"version:{version_id}"
 
 
-@audited("registry.version_create", _model_target, (RegistryError,))
+@audited("version.create", _model_target, (RegistryError,))
 def version_create(
     *,
     model_name: str,
@@ -144,7 +144,7 @@ _TRANSITIONS = {
 }
 
 
-@audited("registry.version_status", _version_target, (RegistryError,))
+@audited("version.set_status", _version_target, (RegistryError,))
 def version_set_status(*, version_id: int, status: str, actor: Actor) -> ModelVersion:
     version = ModelVersion.objects.select_for_update().select_related("model").get(pk=version_id)
     if status not in _TRANSITIONS[ModelVersion.Status(version.status)]:
@@ -170,7 +170,7 @@ def version_set_status(*, version_id: int, status: str, actor: Actor) -> ModelVe
     return version
 
 
-@audited("registry.budget_set", _model_target, (RegistryError,))
+@audited("model.set_budget", _model_target, (RegistryError,))
 def model_set_budget(*, model_name: str, latency_budget_ms: int | None, actor: Actor) -> Model:
     model = _model_locked(model_name)
     values = {"latency_budget_ms": latency_budget_ms}
@@ -178,7 +178,7 @@ def model_set_budget(*, model_name: str, latency_budget_ms: int | None, actor: A
     return model
 
 
-@audited("registry.fallback_set", _model_target, (RegistryError,))
+@audited("model.set_fallback", _model_target, (RegistryError,))
 def model_set_fallback(*, model_name: str, version: int | None, actor: Actor) -> Model:
     """The version on-call switches a pool to in a latency emergency; it must be released."""
     model = _model_locked(model_name)
@@ -190,7 +190,7 @@ def model_set_fallback(*, model_name: str, version: int | None, actor: Actor) ->
     return model
 
 
-@audited("registry.slo_set", _model_target, (RegistryError,))
+@audited("model.set_slo", _model_target, (RegistryError,))
 def model_set_slo(
     *, model_name: str, availability: float | None, latency: float | None, actor: Actor
 ) -> Model:
@@ -212,7 +212,7 @@ def model_set_slo(
     return model
 
 
-@audited("registry.memory_set", _model_target, (RegistryError,))
+@audited("version.set_memory", _model_target, (RegistryError,))
 def version_set_memory(
     *, model_name: str, version: int, memory_mb: int | None, actor: Actor
 ) -> ModelVersion:

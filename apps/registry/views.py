@@ -132,7 +132,7 @@ def version_diff(request: HttpRequest, name: str) -> HttpResponse:
     )
 
 
-@require("registry.add_modelversion", "registry.version_create")
+@require("registry.add_modelversion", "version.create")
 def version_new(request: HttpRequest, name: str) -> HttpResponse:
     model = get_object_or_404(Model, name=name)
     if request.method == "POST":
@@ -189,7 +189,7 @@ def version_validate(request: HtmxHttpRequest, name: str) -> HttpResponse:
 
 
 @require_POST
-@require("registry.change_modelversion", "registry.version_status")
+@require("registry.change_modelversion", "version.set_status")
 def version_status(request: HttpRequest, name: str, version: int) -> HttpResponse:
     found = _version(name, version)
     try:

@@ -44,7 +44,7 @@ def promote(rollout: Rollout) -> None:
             window = 0
             audit_record(
                 actor=ACTOR,
-                action="rollout.window_skipped",
+                action="rollout.skip_window",
                 target=f"rollout:{rollout.pk}:{rollout.model.name}",
                 message="the release before is not kept loaded for the rollback window, for "
                 f"want of memory beside the new one: {'; '.join(short)}",

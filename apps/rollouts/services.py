@@ -222,7 +222,7 @@ def rollout_resume(*, rollout_id: int, actor: Actor) -> Rollout:
     rollout = _locked(rollout_id, "resume", [State.PAUSED], actor)
     # Judged afresh: what made it pause (too little data, a node down) may have passed.
     rollout.errors, rollout.last_verdict, rollout.last_measured_at = 0, "", None
-    transitions.transition(rollout, State.PROGRESSING, "", event="resumed", actor=actor)
+    transitions.transition(rollout, State.PROGRESSING, "", event="resume", actor=actor)
     return rollout
 
 

@@ -110,8 +110,8 @@ def test_a_pipeline_releases_v2_through_the_api_only(
         AuditEvent.objects.filter(actor="release_manager-user").values_list("action", flat=True)
     )
     assert {
-        "registry.version_create",
-        "registry.version_status",
+        "version.create",
+        "version.set_status",
         "deployment.set",
         "rollout.start",
     } <= mine

@@ -4,7 +4,6 @@ import os
 import re
 import shutil
 import signal
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -93,7 +92,7 @@ def test_a_config_triton_refuses_fails_with_its_words_and_the_old_version_serves
         "every node refused generator v7", lambda: failed.values("node").distinct().count() == 3
     )
     assert "GPU" in failed.first().error  # Triton's own text
-    time.sleep(3)  # a few reconcile periods: the refusal is not retried in a loop
+    reconciled_twice(list(pool.nodes.all()))  # counted: the refusal is not retried in a loop
     assert failed.count() == 3
     for node in pool.nodes.all():
         assert ("generator", 1) in ready_on(node) and ask(node) == "faq:account-password"
@@ -228,7 +227,6 @@ def test_what_someone_else_loaded_survives_every_reconcile_until_adopted(
     assert {model for model, _ in hand_loaded} == {"reranker"}
     since = Operation.objects.order_by("-id").values_list("id", flat=True).first()
     reconciled_twice(nodes)
-    time.sleep(4)  # and the beat's own reconciles, every 2 s
     assert ready_on(first) == STEPS_V4 | hand_loaded
     # The pool lets go of everything; a person loads the whole v1 pipeline by hand on another
     # node, ensemble included: it is theirs, and nothing of it is unloaded.
@@ -237,7 +235,6 @@ def test_what_someone_else_loaded_survives_every_reconcile_until_adopted(
     devfleet.load_release(TritonClient(second.http_url, node=second.name), "rag_pipeline", 1)
     hand_loaded_at = Operation.objects.order_by("-id").values_list("id", flat=True).first()
     reconciled_twice(nodes)
-    time.sleep(4)
     assert ready_on(second) == STEPS_V1
     assert ready_on(first) == hand_loaded
     assert ask(second) == "faq:account-password"

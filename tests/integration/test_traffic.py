@@ -170,7 +170,7 @@ def test_a_10_percent_step_gets_10_percent_of_requests_and_a_rollback_none(
     assert weights(haproxy) == share | {canary: 0}  # before anything else happens
     aborted = AuditEvent.objects.get(action="rollout.aborting")
     first, *_ = aborted.after["parts"]  # the canary's share went first, with the abort
-    assert (first["action"], first["after"]["weights"]) == ("pool.weights", {canary: 0})
+    assert (first["action"], first["after"]["weights"]) == ("pool.set_weights", {canary: 0})
     cut = aborted.created_at
     wait_for(
         "rolled back",
@@ -181,7 +181,7 @@ def test_a_10_percent_step_gets_10_percent_of_requests_and_a_rollback_none(
     after_abort = Operation.objects.filter(node__name=canary, created_at__gt=cut)
     assert after_abort.exists() and all(op.started_at > cut for op in after_abort)
     narrowed = after_abort.get(model_name="rag_pipeline", versions=[1])
-    back = AuditEvent.objects.get(action="pool.weights", created_at__gt=cut)
+    back = AuditEvent.objects.get(action="pool.set_weights", created_at__gt=cut)
     assert back.after["weights"][canary] == 100
     assert narrowed.finished_at and back.created_at > narrowed.finished_at
     wait_for("equal shares again", lambda: weights(haproxy) == equal(state))
@@ -199,7 +199,7 @@ def test_a_rollout_by_5_25_50_100_percent_completes(
         )
     rollout = Rollout.objects.get(pk=rollout.pk)
     assert rollout.state == State.SUCCEEDED, rollout.reason
-    steps = AuditEvent.objects.filter(action="pool.weights", target="pool:trio").order_by("id")
+    steps = AuditEvent.objects.filter(action="pool.set_weights", target="pool:trio").order_by("id")
     assert [event.after["weights"] for event in steps] == [
         {"trio-1": 10, "trio-2": 95, "trio-3": 95},  # 5 %: 10 / (10 + 2 x 95)
         {"trio-1": 66, "trio-2": 99, "trio-3": 99},  # 25 %: 66 / (66 + 2 x 99)

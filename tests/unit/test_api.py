@@ -166,7 +166,7 @@ def test_a_version_is_validated_created_released_and_diffed(
     diff = client.get(f"/api/models/embedder/diff?left=1&right={number}", headers=headers).json()
     changed = [row for row in diff["rows"] if row["kind"] != "equal"]
     assert any("max_batch_size: 16" in row["right"] for row in changed)
-    event = AuditEvent.objects.filter(action="registry.version_create").first()
+    event = AuditEvent.objects.filter(action="version.create").first()
     assert event and (event.actor, event.user) == ("admin-user", admin_user)  # the token's owner
     assert event.via == "API token ci (tcp_" + headers["Authorization"][11:17] + "…)"
     assert set(AuditEvent.objects.filter(actor="admin-user").values_list("via", flat=True)) == {

@@ -243,7 +243,7 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
     cases = [
         Case(
             accounts.user_ensure,
-            "user.role_set",
+            "user.set_role",
             None,
             lambda: accounts.user_ensure(username="ann", password="pw", role=Role.VIEWER),
         ),
@@ -261,7 +261,7 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
         ),
         Case(
             pools.pool_role_set,
-            "user.pool_role_set",
+            "user.set_pool_role",
             lambda: pools.pool_role_set(username="ann", pool_name="gpu", role="x", actor="ops"),
             lambda: pools.pool_role_set(
                 username="ann", pool_name="gpu", role="release_manager", actor="ops"
@@ -318,7 +318,7 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
         ),
         Case(
             registry.version_create,
-            "registry.version_create",
+            "version.create",
             lambda: registry.version_create(
                 model_name="ocr", config=from_dict({**CONFIG, "name": "nope"}), actor="ops"
             ),
@@ -326,7 +326,7 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
         ),
         Case(
             registry.version_set_status,
-            "registry.version_status",
+            "version.set_status",
             lambda: registry.version_set_status(version_id=draft.pk, status="draft", actor="ops"),
             lambda: registry.version_set_status(
                 version_id=draft.pk, status="released", actor="ops"
@@ -334,19 +334,19 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
         ),
         Case(
             registry.model_set_budget,
-            "registry.budget_set",
+            "model.set_budget",
             lambda: registry.model_set_budget(model_name="nope", latency_budget_ms=9, actor="ops"),
             lambda: registry.model_set_budget(model_name="rag", latency_budget_ms=90, actor="ops"),
         ),
         Case(
             registry.model_set_fallback,
-            "registry.fallback_set",
+            "model.set_fallback",
             lambda: registry.model_set_fallback(model_name="rag", version=9, actor="ops"),
             lambda: registry.model_set_fallback(model_name="rag", version=2, actor="ops"),
         ),
         Case(
             registry.model_set_slo,
-            "registry.slo_set",
+            "model.set_slo",
             lambda: registry.model_set_slo(
                 model_name="rag", availability=2.0, latency=None, actor="ops"
             ),
@@ -392,7 +392,7 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
         ),
         Case(
             registry.version_set_memory,
-            "registry.memory_set",
+            "version.set_memory",
             lambda: registry.version_set_memory(
                 model_name="rag", version=9, memory_mb=512, actor="ops"
             ),

@@ -222,7 +222,7 @@ def test_what_a_node_just_loaded_is_warmed_on_the_node_itself_once_per_pipeline(
         },
     )
     assert sent == [("gpu-1", "rag"), ("gpu-1", "rag")]
-    failed = AuditEvent.objects.get(action="node.warmup")
+    failed = AuditEvent.objects.get(action="node.warm_up")
     assert (failed.target, failed.result) == ("node:gpu-1:broken", "failed")
     assert "model 'broken' is not ready" in failed.message
 

@@ -144,7 +144,7 @@ def test_the_rollout_step_before_the_onset_is_ranked_first_on_its_evidence(
         (step, "system:rollouts", "deployment.set", "node:demo-1:embedder"),
         (step, "system:rollouts", "rollout.step", f"rollout:{rollout.pk}:rag_pipeline"),
         (onset - timedelta(minutes=2), "ops", "deployment.set", "pool:other:embedder"),
-        (onset - timedelta(seconds=30), "bob", "registry.version_create", "model:generator"),
+        (onset - timedelta(seconds=30), "bob", "version.create", "model:generator"),
     ]
     for moment, actor, action, target in changes:
         event = {"actor": actor, "action": action, "target": target}

@@ -182,7 +182,7 @@ def test_limits_and_estimates_are_set_audited_and_checked(node: Node) -> None:
     assert ModelVersion.objects.get(version=3).memory_mb == 512
     assert set(AuditEvent.objects.values_list("action", flat=True)) == {
         "node.set_memory",
-        "registry.memory_set",
+        "version.set_memory",
     }
     with pytest.raises(FleetError, match="no node 'nope'"):
         node_set_memory(node_name="nope", limit_mb=1, actor="sre")

@@ -123,7 +123,7 @@ def test_markers_are_the_changes_to_the_chosen_model(db: None) -> None:
         actor="ops", action="deployment.set", target="pool:demo:rag_pipeline", after={"version": 2}
     )
     audit_record(actor="ops", action="operation.load", target="node:demo-1:embedder")
-    audit_record(actor="ops", action="user.role_set", target="user:ops")
+    audit_record(actor="ops", action="user.set_role", target="user:ops")
     audit_record(actor="system:poller", action="node.down", target="node:demo-1", result="failed")
     audit_record(actor="system:poller", action="node.up", target="node:demo-10")
     audit_record(

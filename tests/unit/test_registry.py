@@ -137,7 +137,7 @@ def test_released_versions_only_move_forward() -> None:
     with pytest.raises(RegistryError, match="cannot go from released to draft"):
         version_set_status(version_id=version.id, status="draft", actor="system:test")
     version_set_status(version_id=version.id, status="deprecated", actor="system:test")
-    assert AuditEvent.objects.filter(action="registry.version_status", result="ok").count() == 1
+    assert AuditEvent.objects.filter(action="version.set_status", result="ok").count() == 1
 
 
 def test_a_new_step_version_lists_the_ensembles_it_would_break() -> None:
@@ -254,7 +254,7 @@ def test_a_viewer_cannot_create_versions_and_the_attempt_is_audited(
     assert response.status_code == 403
     assert ModelVersion.objects.filter(model__name="embedder").count() == 2
     assert AuditEvent.objects.filter(
-        action="registry.version_create", result="denied", actor=viewer.username
+        action="version.create", result="denied", actor=viewer.username
     ).exists()
 
 

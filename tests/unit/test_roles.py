@@ -20,7 +20,7 @@ def test_setup_roles_creates_four_nested_roles_and_demo_users() -> None:
     for role in ROLE_ORDER:
         user = User.objects.get(username=role.value)
         assert user_role(user) is role
-    assert AuditEvent.objects.filter(action="user.role_set").count() == 4
+    assert AuditEvent.objects.filter(action="user.set_role").count() == 4
 
 
 def test_each_role_holds_the_permissions_of_the_roles_below() -> None:
@@ -49,7 +49,7 @@ def test_a_pool_role_is_set_and_taken_away_by_command(viewer: User) -> None:
         call_command("set_pool_role", "nobody", "gpu", "operator")
     with pytest.raises(CommandError, match="no pool named 'cpu'"):
         call_command("set_pool_role", "viewer-user", "cpu", "operator")
-    events = AuditEvent.objects.filter(action="user.pool_role_set", result="ok")
+    events = AuditEvent.objects.filter(action="user.set_pool_role", result="ok")
     assert [(e.before["role"], e.after["role"]) for e in events.order_by("id")] == [
         ("", "operator"),
         ("operator", ""),

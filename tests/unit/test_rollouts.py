@@ -252,7 +252,7 @@ def test_the_release_before_is_not_kept_where_memory_does_not_allow(fleet: Fleet
     assert rollout.state == State.SUCCEEDED, rollout.state
     pooled = Deployment.objects.get(pool__name="gpu")
     assert (pooled.version, pooled.baseline_version, pooled.baseline_until) == (2, None, None)
-    skipped = AuditEvent.objects.get(action="rollout.window_skipped")
+    skipped = AuditEvent.objects.get(action="rollout.skip_window")
     assert skipped.message == (
         "the release before is not kept loaded for the rollback window, for want of memory"
         " beside the new one: gpu-2 needs 880 MiB with headroom for rag v1, rag v2;"
@@ -284,7 +284,7 @@ def test_the_rollback_window_closes_and_a_rollback_inside_it_only_narrows(fleet:
     assert rollback_windows_close() == 1 and rollback_windows_close() == 0
     pool = Deployment.objects.get(pool__name="gpu")
     assert (pool.version, pool.baseline_version, pool.baseline_until) == (2, None, None)
-    closed = AuditEvent.objects.get(action="deployment.window_closed")
+    closed = AuditEvent.objects.get(action="deployment.close_window")
     assert (closed.before, closed.after) == ({"version": 2, "baseline": 1}, {"version": 2})
     call_command("set_rollback_window", "gpu", "0")
     again = tick(start(canary=3))
@@ -609,7 +609,7 @@ def test_every_rollout_service_records_one_event_refused_or_done(fleet: Fleet) -
             "rollout.resume",
             lambda: rollout_resume(rollout_id=0, actor="ops"),
             lambda: rollout_resume(rollout_id=rollout(), actor="ops"),
-            done="rollout.resumed",
+            done="rollout.resume",
         ),
         Case(
             rollout_promote,
@@ -1075,7 +1075,7 @@ def test_a_weighted_pool_gives_a_percent_step_its_share_and_an_abort_none_first(
     assert synced(rollout) == {"gpu-1": 0, "gpu-2": 0, "gpu-3": 100}
     # No request reaches the canary from before its nodes are told to go back to the baseline.
     parts = AuditEvent.objects.get(action="rollout.aborting").after["parts"]
-    assert [part["action"] for part in parts] == ["pool.weights", *["deployment.remove"] * 2]
+    assert [part["action"] for part in parts] == ["pool.set_weights", *["deployment.remove"] * 2]
     assert parts[0]["after"] == {"weights": {"gpu-1": 0, "gpu-2": 0}}
     fleet.converge()
     assert tick(rollout).state == State.ROLLED_BACK

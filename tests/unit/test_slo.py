@@ -76,7 +76,7 @@ def test_objectives_are_checked_audited_and_read_back() -> None:
     rag = Model.objects.get(name="rag")
     assert rag.slo == "99.9% of requests succeed, 99% within 300 ms"
     assert Objectives.of(rag) == Objectives(0.999, 0.99, 300)
-    event = AuditEvent.objects.get(action="registry.slo_set")
+    event = AuditEvent.objects.get(action="model.set_slo")
     assert event.after == {"slo_availability": 0.999, "slo_latency": 0.99}
     assert Objectives.of(Model.objects.get(name="plain")) is None
     with pytest.raises(RegistryError, match=r"slo_availability.*1.5 is not a share"):

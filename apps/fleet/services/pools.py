@@ -100,7 +100,7 @@ def _pool_set(pool_name: str, values: dict[str, object], actor: Actor) -> NodePo
     return pool
 
 
-@audited("user.pool_role_set", lambda username, **_: f"user:{username}", (RoleError,))
+@audited("user.set_pool_role", lambda username, **_: f"user:{username}", (RoleError,))
 def pool_role_set(*, username: str, pool_name: str, role: str, actor: Actor) -> None:
     """Give `username` `role` (operator or release_manager) on one pool, or none ("")."""
     user = User.objects.filter(username=username).first()

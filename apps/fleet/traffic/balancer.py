@@ -133,7 +133,7 @@ def weights_set(pool: NodePool, weights: dict[str, int], actor: str) -> None:
         transaction.on_commit(lambda: traffic_sync(pool.pk), robust=True)
     audit_record(
         actor=actor,
-        action="pool.weights",
+        action="pool.set_weights",
         target=f"pool:{pool.name}",
         before={"weights": {name: before[name] for name in changed}},
         after={"weights": changed},

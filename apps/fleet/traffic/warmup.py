@@ -54,7 +54,7 @@ def warm_up(node: Node, configs: dict[str, dict | None]) -> None:
         except TritonError as exc:  # it takes traffic all the same: it serves what it loaded
             audit_record(
                 actor=ACTOR,
-                action="node.warmup",
+                action="node.warm_up",
                 target=f"node:{node.name}:{model}",
                 result="failed",
                 message=f"warm-up of {model} failed: {exc}",
