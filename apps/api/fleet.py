@@ -270,7 +270,7 @@ def get_deployment(request: HttpRequest, deployment_id: int) -> dict[str, Any]:
     auth=can("fleet.operate_node", "deployment.set"),
 )
 def create_deployment(request: HttpRequest, body: DeploymentIn) -> Status[dict[str, Any]]:
-    """Desire a released version on a pool or a node; the reconciler loads it. Poll the
+    """Desire a published version on a pool or a node; the reconciler loads it. Poll the
     deployment until `converged`: nodes' indexes read back, never assumed."""
     if (body.pool is None) == (body.node is None):
         raise ApiError(422, "invalid_request", "name a pool or a node: exactly one of the two")

@@ -91,7 +91,7 @@ class ValidationOut(Schema):
 
 
 class StatusIn(Schema):
-    status: Literal["draft", "released", "deprecated"]
+    status: Literal["draft", "published", "deprecated"]
 
 
 class DiffRow(Schema):
@@ -251,7 +251,7 @@ def validate_config(request: HttpRequest, name: str, body: ConfigIn) -> dict[str
 def set_version_status(
     request: HttpRequest, name: str, version: int, body: StatusIn
 ) -> dict[str, Any]:
-    """Release (or deprecate) a version: only released versions deploy."""
+    """Publish (or deprecate) a version: only published versions deploy."""
     found = _version(name, version)
     try:
         version_set_status(version_id=found.pk, status=body.status, actor=current_user(request))

@@ -78,7 +78,7 @@ def seed_fleet(*, size: Size, prefix: str = "") -> None:
             model=by_name[name],
             version=v,
             config=_pipeline(name, steps[name], v) if name in steps else _standalone(name),
-            status=ModelVersion.Status.RELEASED,
+            status=ModelVersion.Status.PUBLISHED,
         )
         for name in names + pipes
         for v in range(1, size.versions + 1)

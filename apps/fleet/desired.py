@@ -68,7 +68,7 @@ class _Registry:
     """The registry versions a computation needs, each read and parsed once."""
 
     configs: dict[tuple[str, int], Any] = field(default_factory=dict)  # parsed ModelConfig
-    latest: dict[str, int] = field(default_factory=dict)  # newest released version
+    latest: dict[str, int] = field(default_factory=dict)  # newest published version
     known: set[str] = field(default_factory=set)  # model names that exist
 
     def fetch(self, wanted: Iterable[tuple[str, int]]) -> None:
@@ -90,10 +90,10 @@ class _Registry:
     def _read_latest(self, names: set[str]) -> None:
         names = (names & self.known) - set(self.latest)
         if names:
-            released = ModelVersion.objects.filter(
-                model__name__in=names, status=ModelVersion.Status.RELEASED
+            published = ModelVersion.objects.filter(
+                model__name__in=names, status=ModelVersion.Status.PUBLISHED
             )
-            newest = released.values("model__name").annotate(newest=Max("version"))
+            newest = published.values("model__name").annotate(newest=Max("version"))
             self.latest |= dict(newest.values_list("model__name", "newest"))
 
     def _read(self, pairs: set[tuple[str, int]]) -> list[tuple[str, int, dict[str, Any]]]:
@@ -116,7 +116,7 @@ class _Registry:
             return Resolved(self.configs[(name, number)], number)
         if name not in self.known:
             return Resolved(None, reason=f"model '{name}' is not in the registry")
-        wanted = "a released version" if version == LATEST else f"version v{version}"
+        wanted = "a published version" if version == LATEST else f"version v{version}"
         return Resolved(None, reason=f"model '{name}' has no {wanted}")
 
 
@@ -228,13 +228,13 @@ def targeting(node: Node) -> QuerySet[Deployment]:
 
 def desired_inputs(node: Node) -> tuple:
     """What a node's desired state is computed from, in two small queries: the deployments that
-    target it, each as of its last change, and a stamp of the registry's released versions (a
+    target it, each as of its last change, and a stamp of the registry's published versions (a
     step pinned to the latest). A registered version's config never changes, and a version only
-    moves forward (draft, released, deprecated), so the stamp grows with every change; the
+    moves forward (draft, published, deprecated), so the stamp grows with every change; the
     deployments' part can come back, which `node_desired` allows for."""
     deployments = targeting(node).order_by("id")
     stages = ModelVersion.objects.aggregate(
-        released=Count("id", filter=Q(status=ModelVersion.Status.RELEASED)),
+        published=Count("id", filter=Q(status=ModelVersion.Status.PUBLISHED)),
         deprecated=Count("id", filter=Q(status=ModelVersion.Status.DEPRECATED)),
     )
     return (
@@ -243,7 +243,7 @@ def desired_inputs(node: Node) -> tuple:
                 "id", "version", "baseline_version", "standby_version", "updated_at"
             )
         ),
-        stages["released"] + 2 * stages["deprecated"],
+        stages["published"] + 2 * stages["deprecated"],
     )
 
 

@@ -176,9 +176,9 @@ POOLS_PER_PAGE = 10
 
 
 def _release_options() -> str:
-    """The <option>s of a deploy form: every released version."""
-    released = ModelVersion.objects.filter(status=ModelVersion.Status.RELEASED)
-    releases = released.select_related("model").order_by("model__name", "version")
+    """The <option>s of a deploy form: every published version."""
+    published = ModelVersion.objects.filter(status=ModelVersion.Status.PUBLISHED)
+    releases = published.select_related("model").order_by("model__name", "version")
     return render_to_string("fleet/partials/release_options.html", {"releases": releases})
 
 

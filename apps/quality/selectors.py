@@ -99,8 +99,8 @@ class Scored:
         return f"v{self.version}: quality {self.score:.0%} ({self.set_name})"
 
 
-def released_versions(*, model_id: int) -> list[Scored]:
-    """The model's versions with status released, newest first, each with the score of its
+def published_versions(*, model_id: int) -> list[Scored]:
+    """The model's versions with status published, newest first, each with the score of its
     latest finished run of any set. One query."""
     latest = EvaluationRun.objects.filter(
         evaluation_set__model_id=model_id,
@@ -109,7 +109,7 @@ def released_versions(*, model_id: int) -> list[Scored]:
         score__isnull=False,
     ).order_by("-created_at", "-id")
     rows = (
-        ModelVersion.objects.filter(model_id=model_id, status=ModelVersion.Status.RELEASED)
+        ModelVersion.objects.filter(model_id=model_id, status=ModelVersion.Status.PUBLISHED)
         .annotate(
             score=Subquery(latest.values("score")[:1]),
             set_name=Subquery(latest.values("evaluation_set__name")[:1]),
@@ -227,10 +227,10 @@ def shown_rows(rows: Iterable[Row], *, judged_only: bool = False) -> list[Shown]
 
 
 def reference_version(model: Model) -> ModelVersion | None:
-    """The version whose config a set is checked against: the newest with status released,
+    """The version whose config a set is checked against: the newest with status published,
     else the newest."""
     versions = model.versions.order_by("-version")
-    return versions.filter(status=ModelVersion.Status.RELEASED).first() or versions.first()
+    return versions.filter(status=ModelVersion.Status.PUBLISHED).first() or versions.first()
 
 
 WARMUP_CASES = 20

@@ -2,7 +2,7 @@
 
 All models are validated together, each after the models of the import its ensembles use (as Triton
 orders its dependency graph): an ensemble may use any model of the same import, ensembles included,
-or one already registered. Valid models are stored as released versions; invalid ones are reported,
+or one already registered. Valid models are stored as published versions; invalid ones are reported,
 never stored.
 """
 
@@ -179,7 +179,7 @@ def _store(
                 actor=actor,
                 artifact=candidate.artifacts.get(version, ""),
                 checksum=candidate.checksums.get(version, ""),
-                status=ModelVersion.Status.RELEASED,
+                status=ModelVersion.Status.PUBLISHED,
                 resolve=registry_resolver(resolve_with),
             )
         except RegistryError as exc:

@@ -56,7 +56,7 @@ def _percent(share: float) -> str:
 class ModelVersion(models.Model):
     class Status(models.TextChoices):
         DRAFT = "draft"
-        RELEASED = "released"
+        PUBLISHED = "published"
         DEPRECATED = "deprecated"
 
     model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="versions")

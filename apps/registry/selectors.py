@@ -22,7 +22,7 @@ def model_list(*, search: str = "", kind: str = "", team: str = "") -> QuerySet[
 
 def registry_resolver(overrides: dict[str, dict[int, Any]] | None = None) -> Resolver:
     """Resolves a step pin to a config: from `overrides` (models being imported or edited) first,
-    then from the registry. -1 means the latest released version."""
+    then from the registry. -1 means the latest published version."""
     overrides = overrides or {}
 
     def resolve(name: str, version: int) -> Resolved:
@@ -37,7 +37,7 @@ def registry_resolver(overrides: dict[str, dict[int, Any]] | None = None) -> Res
         versions = ModelVersion.objects.filter(model__name=name)
         if version == LATEST:
             found = (
-                versions.filter(status=ModelVersion.Status.RELEASED).order_by("-version").first()
+                versions.filter(status=ModelVersion.Status.PUBLISHED).order_by("-version").first()
             )
         else:
             found = versions.filter(version=version).first()
@@ -46,7 +46,7 @@ def registry_resolver(overrides: dict[str, dict[int, Any]] | None = None) -> Res
         if not Model.objects.filter(name=name).exists():
             return Resolved(None, reason=f"model '{name}' is not in the registry")
         known = sorted(versions.values_list("version", flat=True))
-        wanted = "a released version" if version == LATEST else f"version v{version}"
+        wanted = "a published version" if version == LATEST else f"version v{version}"
         return Resolved(None, reason=f"model '{name}' has no {wanted} (it has {known})")
 
     return resolve

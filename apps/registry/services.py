@@ -138,8 +138,8 @@ def version_create(
 
 
 _TRANSITIONS = {
-    ModelVersion.Status.DRAFT: {ModelVersion.Status.RELEASED, ModelVersion.Status.DEPRECATED},
-    ModelVersion.Status.RELEASED: {ModelVersion.Status.DEPRECATED},
+    ModelVersion.Status.DRAFT: {ModelVersion.Status.PUBLISHED, ModelVersion.Status.DEPRECATED},
+    ModelVersion.Status.PUBLISHED: {ModelVersion.Status.DEPRECATED},
     ModelVersion.Status.DEPRECATED: set(),
 }
 
@@ -180,11 +180,11 @@ def model_set_budget(*, model_name: str, latency_budget_ms: int | None, actor: A
 
 @audited("model.set_fallback", _model_target, (RegistryError,))
 def model_set_fallback(*, model_name: str, version: int | None, actor: Actor) -> Model:
-    """The version on-call switches a pool to in a latency emergency; it must be released."""
+    """The version on-call switches a pool to in a latency emergency; it must be published."""
     model = _model_locked(model_name)
-    released = model.versions.filter(status=ModelVersion.Status.RELEASED)
-    if version is not None and not released.filter(version=version).exists():
-        problem = Problem("error", model_name, "fallback_version", f"v{version} is not released")
+    published = model.versions.filter(status=ModelVersion.Status.PUBLISHED)
+    if version is not None and not published.filter(version=version).exists():
+        problem = Problem("error", model_name, "fallback_version", f"v{version} is not published")
         raise RegistryError([problem])
     fields_set(model, {"fallback_version": version}, actor=actor, target=f"model:{model_name}")
     return model

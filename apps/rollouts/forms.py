@@ -4,7 +4,7 @@ from django import forms
 from django.urls import reverse_lazy
 
 from apps.fleet.models import NodePool
-from apps.quality.selectors import released_versions, set_names
+from apps.quality.selectors import published_versions, set_names
 from apps.registry.models import Model
 from apps.rollouts.models import Rollout
 from apps.rollouts.plans import Analysis
@@ -15,7 +15,7 @@ DEFAULTS = Analysis()
 
 
 class RolloutForm(forms.Form):
-    # Choosing a model fetches its released versions and evaluation sets (the page's
+    # Choosing a model fetches its published versions and evaluation sets (the page's
     # "model-fields" partial); without JavaScript, a preview does.
     model = forms.ModelChoiceField(
         Model.objects.all(),
@@ -33,7 +33,7 @@ class RolloutForm(forms.Form):
         coerce=int,
         label="Canary version",
         error_messages={
-            "invalid_choice": "v%(value)s is not a version of the model with status released."
+            "invalid_choice": "v%(value)s is not a version of the model with status published."
         },
     )
     strategy = forms.ChoiceField(
@@ -136,15 +136,15 @@ class RolloutForm(forms.Form):
         super().__init__(*args, **kwargs)
         name = (self.data if self.is_bound else self.initial).get("model") or ""
         model = Model.objects.filter(name=name).first() if name else None
-        self.versions = released_versions(model_id=model.pk) if model else []
+        self.versions = published_versions(model_id=model.pk) if model else []
         # Not "model": a select's label takes its chosen option's text, and "Model" must name
         # the model's select alone.
         if model is None:
             empty = "pick what to release first"
         elif self.versions:
-            empty = "choose a released version"
+            empty = "choose a published version"
         else:
-            empty = "none has status released"
+            empty = "none has status published"
         canary, quality = self.fields["canary_version"], self.fields["quality_set"]
         assert isinstance(canary, forms.ChoiceField) and isinstance(quality, forms.ChoiceField)
         canary.choices = [("", empty), *((v.version, v.label) for v in self.versions)]

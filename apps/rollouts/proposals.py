@@ -204,8 +204,8 @@ def _releasable(model_name: str, canary_version: int, pool: NodePool) -> tuple[M
     canary = model.versions.filter(version=canary_version).first()
     if canary is None:
         raise RolloutError(f"{model_name} v{canary_version} is not in the registry")
-    if canary.status != ModelVersion.Status.RELEASED:
-        raise RolloutError(f"{model_name} v{canary_version} is {canary.status}, not released")
+    if canary.status != ModelVersion.Status.PUBLISHED:
+        raise RolloutError(f"{model_name} v{canary_version} is {canary.status}, not published")
     if canary_version == deployed.version:
         raise RolloutError(f"pool {pool.name} already runs {model_name} v{canary_version}")
     try:

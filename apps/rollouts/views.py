@@ -56,7 +56,7 @@ def rollout_list(request: HttpRequest) -> HttpResponse:
 @require("rollouts.add_rollout", "rollout.start")
 def rollout_new(request: HtmxHttpRequest) -> HttpResponse:
     """The form; "Preview" shows what each step does to which nodes, "Start" starts it. A
-    model chosen (htmx) gets its released versions and evaluation sets."""
+    model chosen (htmx) gets its published versions and evaluation sets."""
     form = RolloutForm(request.POST or None, initial=request.GET.dict())
     context: dict[str, object] = {"form": form}
     if request.htmx and request.htmx.target == "canary-field":

@@ -1,6 +1,6 @@
 """The quality pages in a browser: a model's evaluation sets with a refused upload, a set, a
 run's changed answers side by side, a version's quality, a rollout rolled back by its quality
-gate, and the rollout form's released versions. Runs and answers are written straight to the
+gate, and the rollout form's published versions. Runs and answers are written straight to the
 database (rag_pipeline v7, whose reranker ranks the worst passage first, against v1): no Triton."""
 
 import pytest
@@ -203,7 +203,7 @@ def test_a_rollout_rolled_back_by_its_quality_gate_lists_the_failing_cases(
     assert page.console_errors == []  # type: ignore[attr-defined]
 
 
-def test_the_rollout_form_offers_the_models_released_versions_with_their_scores(
+def test_the_rollout_form_offers_the_models_published_versions_with_their_scores(
     page: Page, signed_in: str, faq: EvaluationSet
 ) -> None:
     trio()

@@ -79,7 +79,7 @@ def test_a_pipeline_releases_v2_through_the_api_only(
     assert checked["valid"], checked
     draft = api("POST", "/models/rag_pipeline/versions", 201, json={"pbtxt": pbtxt, "version": 2})
     assert draft["status"] == "draft"
-    api("POST", "/models/rag_pipeline/versions/2/status", json={"status": "released"})
+    api("POST", "/models/rag_pipeline/versions/2/status", json={"status": "published"})
 
     body = {"model": "rag_pipeline", "version": 1, "pool": "trio"}
     deployment = api("POST", "/deployments", 201, json=body)

@@ -57,7 +57,7 @@ def gpus(gpu_prometheus: str, settings: object) -> NodePool:
             version=version,
             config={"name": "llm"},
             memory_mb=gib * 1024,
-            status=ModelVersion.Status.RELEASED,
+            status=ModelVersion.Status.PUBLISHED,
         )
     return pool
 

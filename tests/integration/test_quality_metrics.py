@@ -81,7 +81,7 @@ def pool(answers_prometheus: str, settings: object) -> NodePool:
             model=model,
             version=version,
             config={"name": "rag", "backend": "python"},
-            status=ModelVersion.Status.RELEASED,
+            status=ModelVersion.Status.PUBLISHED,
         )
     pool = NodePool.objects.create(name="gpu")
     for name in NODES:

@@ -84,7 +84,7 @@ def test_a_config_triton_refuses_fails_with_its_words_and_the_old_version_serves
         config=parse_pbtxt(text),
         version=7,
         actor="system:test",
-        status="released",
+        status="published",
     )
     deployment_set(model_name="generator", version=7, pool=pool, actor="system:test")
     failed = Operation.objects.filter(node__pool=pool, model_name="generator", status="failed")
@@ -107,7 +107,7 @@ def test_a_version_missing_from_the_nodes_repository_fails_saying_where_to_look(
         config=parse_pbtxt(config),
         version=8,  # registered, but no embedder/8/ on the nodes
         actor="system:test",
-        status="released",
+        status="published",
     )
     node = pool.nodes.first()
     assert node is not None

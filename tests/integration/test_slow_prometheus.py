@@ -70,7 +70,7 @@ def test_an_abort_never_waits_behind_a_slow_prometheus(slow_prometheus: SlowProm
     if connection.vendor != "postgresql":
         pytest.skip("a tick and an abort at once need PostgreSQL's row locks")
     import_demo()
-    ModelVersion.objects.update(status=ModelVersion.Status.RELEASED)
+    ModelVersion.objects.update(status=ModelVersion.Status.PUBLISHED)
     pool = NodePool.objects.create(name="gpu")
     nodes = [
         Node.objects.create(name=f"gpu-{i}", pool=pool, http_url="http://127.0.0.1:1")

@@ -17,10 +17,10 @@ DEMO_SET = ROOT / "deploy" / "evaluations" / "rag_pipeline-faq.jsonl"
 
 
 def demo_faq() -> EvaluationSet:
-    """The demo repository, every rag_pipeline version with status released, and its set."""
+    """The demo repository, every rag_pipeline version with status published, and its set."""
     import_demo()
     ModelVersion.objects.filter(model__name="rag_pipeline").update(
-        status=ModelVersion.Status.RELEASED
+        status=ModelVersion.Status.PUBLISHED
     )
     return evaluation_set_import(
         model_name="rag_pipeline",

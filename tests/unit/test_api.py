@@ -143,7 +143,7 @@ def test_a_rollout_whose_percent_step_gets_more_than_twice_its_share_needs_conse
     assert started.status_code == 201 and started.json()["plan"][0] == {"percent": 5, "hold_s": 0}
 
 
-def test_a_version_is_validated_created_released_and_diffed(
+def test_a_version_is_validated_created_published_and_diffed(
     client: Client, admin_user: User
 ) -> None:
     headers = bearer(admin_user)
@@ -159,10 +159,10 @@ def test_a_version_is_validated_created_released_and_diffed(
     created = post(client, "/api/models/embedder/versions", {"config": config}, headers)
     assert created.status_code == 201
     number = created.json()["version"]
-    released = post(
-        client, f"/api/models/embedder/versions/{number}/status", {"status": "released"}, headers
+    published = post(
+        client, f"/api/models/embedder/versions/{number}/status", {"status": "published"}, headers
     )
-    assert released.json()["status"] == "released"
+    assert published.json()["status"] == "published"
     diff = client.get(f"/api/models/embedder/diff?left=1&right={number}", headers=headers).json()
     changed = [row for row in diff["rows"] if row["kind"] != "equal"]
     assert any("max_batch_size: 16" in row["right"] for row in changed)

@@ -49,7 +49,7 @@ CONTROLLER = "system:rollouts"
 @pytest.fixture
 def pool() -> NodePool:
     import_demo()
-    ModelVersion.objects.update(status=ModelVersion.Status.RELEASED)
+    ModelVersion.objects.update(status=ModelVersion.Status.PUBLISHED)
     pool = NodePool.objects.create(name="gpu")
     deployment_set(model_name="embedder", version=1, pool=pool, actor="system:test")
     call_command("set_pool_protected", "gpu", "on", stdout=None)
@@ -204,7 +204,7 @@ def test_an_abort_and_an_incident_rollback_at_once_both_go_through() -> None:
     if connection.vendor != "postgresql":
         pytest.skip("concurrent writers need PostgreSQL's row locks (SQLite locks the file)")
     import_demo()
-    ModelVersion.objects.update(status=ModelVersion.Status.RELEASED)
+    ModelVersion.objects.update(status=ModelVersion.Status.PUBLISHED)
     pool = NodePool.objects.create(name="gpu", protected=True)
     deployment_set(model_name="embedder", version=1, pool=pool, actor=CONTROLLER)
     rollout = canary_on(pool)

@@ -221,7 +221,7 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
     )
     model = Model.objects.create(name="rag")
     draft = ModelVersion.objects.create(model=model, version=1, config=CONFIG)
-    ModelVersion.objects.create(model=model, version=2, config=CONFIG, status="released")
+    ModelVersion.objects.create(model=model, version=2, config=CONFIG, status="published")
     tensor = {"data_type": "TYPE_FP32", "dims": [4]}
     good = from_dict(
         {
@@ -329,7 +329,7 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             "version.set_status",
             lambda: registry.version_set_status(version_id=draft.pk, status="draft", actor="ops"),
             lambda: registry.version_set_status(
-                version_id=draft.pk, status="released", actor="ops"
+                version_id=draft.pk, status="published", actor="ops"
             ),
         ),
         Case(

@@ -53,7 +53,7 @@ class World:
 def world() -> World:
     roles_sync()
     import_demo()
-    ModelVersion.objects.update(status=ModelVersion.Status.RELEASED)
+    ModelVersion.objects.update(status=ModelVersion.Status.PUBLISHED)
     a, b = NodePool.objects.create(name="a"), NodePool.objects.create(name="b")
     loaded = [{"model": "embedder", "version": 1, "state": "READY", "reason": ""}]
     node_a = Node.objects.create(name="a-1", pool=a, http_url="http://10.0.0.1:8000")
@@ -135,7 +135,7 @@ def changes() -> tuple[int, ...]:
         Deployment.objects.count(),
         Operation.objects.count(),
         Rollout.objects.exclude(state=Rollout.State.PAUSED).count() + Rollout.objects.count(),
-        ModelVersion.objects.exclude(status=ModelVersion.Status.RELEASED).count(),
+        ModelVersion.objects.exclude(status=ModelVersion.Status.PUBLISHED).count(),
         ApiToken.objects.filter(revoked_at__isnull=False).count(),
         Approval.objects.exclude(status=Approval.Status.PENDING).count(),
         AuditEvent.objects.exclude(result=AuditEvent.Result.DENIED).count(),

@@ -64,7 +64,7 @@ def nodes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Nodes]:
     """The demo registry on a pool of three nodes serving rag_pipeline v1, and the retriever's
     evaluation set."""
     import_demo()
-    ModelVersion.objects.update(status=ModelVersion.Status.RELEASED)
+    ModelVersion.objects.update(status=ModelVersion.Status.PUBLISHED)
     evaluation_set_import(
         model_name="retriever", name="faq", text=STEP_SET.read_text(), actor="release-manager"
     )
@@ -182,7 +182,7 @@ def test_a_release_that_changes_no_step_has_nothing_to_stand_by(nodes: Nodes) ->
         model=ModelVersion.objects.get(model__name="rag_pipeline", version=8).model,
         version=10,
         config=config | {"version_policy": {"specific": {"versions": ["10"]}}},
-        status=ModelVersion.Status.RELEASED,
+        status=ModelVersion.Status.PUBLISHED,
     )
     with pytest.raises(RolloutError, match="pins the same step versions as v8"):
         start(10)

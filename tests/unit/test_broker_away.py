@@ -27,7 +27,7 @@ def test_a_deployment_commits_and_answers_though_the_broker_is_away(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import_demo()
-    ModelVersion.objects.update(status=ModelVersion.Status.RELEASED)
+    ModelVersion.objects.update(status=ModelVersion.Status.PUBLISHED)
     pool = NodePool.objects.create(name="gpu")
     Node.objects.create(name="gpu-1", pool=pool, http_url="http://127.0.0.1:1")
     monkeypatch.setattr(deployments, "send_per_node", broker_away)

@@ -111,9 +111,9 @@ def test_a_pools_nodes_share_one_desired_state_computed_again_on_every_change(
     assert len(computed) == 3
     # A step pinned to the latest follows the registry: every release or deprecation counts.
     before = desired.desired_inputs(node)
-    released = ModelVersion.objects.filter(status=ModelVersion.Status.RELEASED).first()
-    assert released is not None
-    version_set_status(version_id=released.pk, status="deprecated", actor="system:test")
+    published = ModelVersion.objects.filter(status=ModelVersion.Status.PUBLISHED).first()
+    assert published is not None
+    version_set_status(version_id=published.pk, status="deprecated", actor="system:test")
     assert desired.desired_inputs(node) != before
 
 

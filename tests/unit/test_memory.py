@@ -197,7 +197,7 @@ def test_limits_and_estimates_are_set_audited_and_checked(node: Node) -> None:
 @pytest.fixture
 def tight(node: Node) -> Node:
     """cpu-1 serving step v1 (300 MiB measured) in 400 MiB; cpu-2 beside it, with no limit."""
-    ModelVersion.objects.filter(model__name="step").update(status=ModelVersion.Status.RELEASED)
+    ModelVersion.objects.filter(model__name="step").update(status=ModelVersion.Status.PUBLISHED)
     node_set_memory(node_name="cpu-1", limit_mb=400, actor="sre")
     Node.objects.filter(pk=node.pk).update(
         index=[{"model": "step", "version": "1", "state": "READY", "reason": ""}]
@@ -230,7 +230,7 @@ def test_the_capacity_warning_covers_the_whole_pool_not_one_page(
     from apps.fleet import views
 
     monkeypatch.setattr(views, "CAPACITY_PER_PAGE", 2)
-    ModelVersion.objects.filter(model__name="step").update(status=ModelVersion.Status.RELEASED)
+    ModelVersion.objects.filter(model__name="step").update(status=ModelVersion.Status.PUBLISHED)
     for n in range(2, 9):  # cpu-1 (no limit) and cpu-2 on the first page; 7 short nodes
         Node.objects.create(
             name=f"cpu-{n}", pool=node.pool, http_url="http://x:8000", memory_limit_mb=100

@@ -394,7 +394,7 @@ def test_the_rollout_chart_spans_the_rollout_not_the_last_15_minutes(
     )
 
 
-def test_the_rollout_form_offers_released_versions_with_their_score_and_the_models_sets(
+def test_the_rollout_form_offers_published_versions_with_their_score_and_the_models_sets(
     client: Client, faq: EvaluationSet, release_manager: User
 ) -> None:
     wrong_answers(faq)
@@ -407,7 +407,7 @@ def test_the_rollout_form_offers_released_versions_with_their_score_and_the_mode
     body = client.get("/rollouts/new/?model=rag_pipeline").content.decode()
     assert '<option value="7">v7: quality 0% (faq)</option>' in body
     assert '<option value="2">v2: no evaluation yet</option>' in body
-    assert '<option value="3">' not in body  # a draft is not released
+    assert '<option value="3">' not in body  # a draft is not published
     assert body.index('<option value="7">') < body.index('<option value="1">')
     assert '<option value="faq">faq</option>' in body
     fields = client.get(
@@ -433,7 +433,7 @@ def test_the_rollout_forms_quality_gate_passes_through_the_analysis(
     refused = RolloutForm(data | {"canary_version": "99", "quality_set": "nope"})
     assert not refused.is_valid()
     assert refused.errors["canary_version"] == [
-        "v99 is not a version of the model with status released."
+        "v99 is not a version of the model with status published."
     ]
     assert "quality_set" in refused.errors
     zero = RolloutForm(data | {"quality_min_score": "0"})

@@ -52,7 +52,7 @@ def test_import_repository_json_says_ok_for_every_demo_model(
     assert ModelVersion.objects.count() == 23
     assert Model.objects.get(name="rag_pipeline").kind == Model.Kind.ENSEMBLE
     v4 = ModelVersion.objects.get(model__name="rag_pipeline", version=4)
-    assert v4.status == "released" and v4.artifact.endswith("deploy/models/rag_pipeline/4")
+    assert v4.status == "published" and v4.artifact.endswith("deploy/models/rag_pipeline/4")
     assert ModelVersion.objects.get(model__name="reranker", version=3).checksum.startswith(
         "sha256:"
     )
@@ -131,10 +131,10 @@ def test_a_refused_version_stores_nothing_and_says_where() -> None:
     assert ModelVersion.objects.filter(model__name="embedder").count() == 2
 
 
-def test_released_versions_only_move_forward() -> None:
+def test_published_versions_only_move_forward() -> None:
     import_demo()
     version = ModelVersion.objects.get(model__name="embedder", version=1)
-    with pytest.raises(RegistryError, match="cannot go from released to draft"):
+    with pytest.raises(RegistryError, match="cannot go from published to draft"):
         version_set_status(version_id=version.id, status="draft", actor="system:test")
     version_set_status(version_id=version.id, status="deprecated", actor="system:test")
     assert AuditEvent.objects.filter(action="version.set_status", result="ok").count() == 1

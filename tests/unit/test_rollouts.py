@@ -164,7 +164,7 @@ def fleet(db: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
             model=model,
             version=number,
             config={"name": "rag", "backend": "python"},
-            status=ModelVersion.Status.RELEASED,
+            status=ModelVersion.Status.PUBLISHED,
         )
     pool = NodePool.objects.create(name="gpu")
     for name in ("gpu-1", "gpu-2", "gpu-3"):
@@ -345,7 +345,7 @@ def embedder(fleet: Fleet) -> Model:
             model=model,
             version=number,
             config={"name": "embedder", "backend": "python"},
-            status=ModelVersion.Status.RELEASED,
+            status=ModelVersion.Status.PUBLISHED,
         )
     deployment_set(model_name="embedder", version=1, pool=fleet.pool, actor="ops")
     fleet.converge()
@@ -466,7 +466,7 @@ def test_start_refuses_what_cannot_roll_out(fleet: Fleet) -> None:
     with pytest.raises(RolloutError, match="rag v9 is not in the registry"):
         start(canary=9)
     ModelVersion.objects.filter(version=3).update(status=ModelVersion.Status.DRAFT)
-    with pytest.raises(RolloutError, match="rag v3 is draft, not released"):
+    with pytest.raises(RolloutError, match="rag v3 is draft, not published"):
         start(canary=3)
     with pytest.raises(PlanError, match="step 2: 1 canary nodes after 2"):
         start(plan="2 nodes\n1 node")

@@ -223,7 +223,7 @@ def test_the_quality_pages_cost_the_same_queries_as_sets_cases_and_runs_grow(
     settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
     client.force_login(admin_user)
     import_demo()
-    ModelVersion.objects.update(status=ModelVersion.Status.RELEASED)
+    ModelVersion.objects.update(status=ModelVersion.Status.PUBLISHED)
     model = Model.objects.get(name="rag_pipeline")
     found = EvaluationSet.objects.create(model=model, name="faq", version=1, created_by="ops")
     run = evaluation(found, cases=2, runs=1, prefix="a-")

@@ -68,9 +68,9 @@ def deployment_set(
     )
     if found is None:
         raise FleetError(f"{model_name} v{version} is not in the registry")
-    if found.status != ModelVersion.Status.RELEASED:
+    if found.status != ModelVersion.Status.PUBLISHED:
         raise FleetError(
-            f"{model_name} v{version} is {found.status}; only released versions deploy"
+            f"{model_name} v{version} is {found.status}; only published versions deploy"
         )
     if pool is not None and isinstance(actor, User) and not MOVING_BACK.get():
         # What a whole pool runs is a release manager's to change; on-call moves it back only.
