@@ -43,9 +43,11 @@ class AuditEvent(models.Model):
     action = models.CharField(max_length=80, db_index=True)
     target = models.CharField(max_length=200, db_index=True)
     # The target's parts (target_parts): what the charts, suspects and timeline select by.
-    target_type = models.CharField(max_length=30, blank=True)
-    target_name = models.CharField(max_length=200, blank=True)
-    target_model = models.CharField(max_length=150, blank=True, db_index=True)
+    # A database default too: an insert that names none of them (an older release of the app
+    # during a rolling deploy) still goes in.
+    target_type = models.CharField(max_length=30, blank=True, db_default="")
+    target_name = models.CharField(max_length=200, blank=True, db_default="")
+    target_model = models.CharField(max_length=150, blank=True, db_index=True, db_default="")
     before = models.JSONField(default=dict, blank=True)
     after = models.JSONField(default=dict, blank=True)
     result = models.CharField(max_length=10, choices=Result.choices, default=Result.OK)

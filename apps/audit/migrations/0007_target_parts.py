@@ -67,17 +67,17 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name="auditevent",
             name="target_model",
-            field=models.CharField(blank=True, db_index=True, max_length=150),
+            field=models.CharField(blank=True, db_default="", db_index=True, max_length=150),
         ),
         migrations.AddField(
             model_name="auditevent",
             name="target_name",
-            field=models.CharField(blank=True, max_length=200),
+            field=models.CharField(blank=True, db_default="", max_length=200),
         ),
         migrations.AddField(
             model_name="auditevent",
             name="target_type",
-            field=models.CharField(blank=True, max_length=30),
+            field=models.CharField(blank=True, db_default="", max_length=30),
         ),
         migrations.AddIndex(
             model_name="auditevent",
