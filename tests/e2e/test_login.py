@@ -1,10 +1,14 @@
 import re
 
 import pytest
+from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
-from apps.fleet.models import Node, NodePool
+from apps.fleet.models import Deployment, Node, NodePool
+from apps.registry.imports import repository_import
+from apps.registry.models import Model
+from tests.support import REPOSITORY
 from tests.support.browser import screenshot, sign_in
 from tests.support.users import make_user
 
@@ -26,9 +30,12 @@ def test_signed_in_user_sees_the_navigation_and_every_page(
 ) -> None:
     settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
     user = make_user(Role.OPERATOR)
+    # The demo fleet as the README shows it: rag_pipeline v1 deployed, loaded and read back.
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor="system:test"))
     pool = NodePool.objects.create(name="demo")
+    Deployment.objects.create(pool=pool, model=Model.objects.get(name="rag_pipeline"), version=1)
     steps = ["embedder", "retriever", "reranker", "generator", "rag_pipeline"]
-    for i in range(1, 4):  # the demo fleet, as the README shows it
+    for i in range(1, 4):
         Node.objects.create(
             name=f"demo-{i}",
             pool=pool,
@@ -36,6 +43,8 @@ def test_signed_in_user_sees_the_navigation_and_every_page(
             health=Node.Health.READY,
             triton_version="2.51.0",
             index=[{"model": m, "version": 1, "state": "READY", "reason": ""} for m in steps],
+            owned=steps,
+            last_seen=timezone.now(),
         )
     sign_in(page, str(live_server), user.username)
     nav = page.get_by_role("navigation", name="Main")

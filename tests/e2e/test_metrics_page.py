@@ -3,6 +3,7 @@
 import threading
 
 import pytest
+from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
@@ -37,6 +38,7 @@ def test_p99_chart_draws_redraws_and_marks_a_deployment_made_in_the_product(
         args=(clients,),
         kwargs={"model": "rag_pipeline", "rps": 10, "seconds": 40},
     )
+    began = timezone.now()
     traffic.start()
     sign_in(page, str(live_server), make_user(Role.RELEASE_MANAGER).username)
 
@@ -59,12 +61,18 @@ def test_p99_chart_draws_redraws_and_marks_a_deployment_made_in_the_product(
     page.get_by_label("Auto-refresh").check()
     expect(chart).to_have_attribute("hx-trigger", "every 15s")
     expect(chart.locator("svg.main-svg").first).to_be_visible(timeout=20_000)
-    screenshot(page, "metrics-p99")
+    screenshot(page, "metrics-p99-1h")
 
     page.goto(f"{live_server}/")
     tiles = page.locator("#live-tiles")
     expect(tiles).to_contain_text("req/s", timeout=20_000)
     expect(tiles).to_contain_text("budget")
     screenshot(page, "overview")
-    assert page.console_errors == []  # type: ignore[attr-defined]
     traffic.join()
+
+    # The whole traffic, every step of the pipeline, in a custom window around it.
+    window = f"start={began:%Y-%m-%dT%H:%M:%S}&end={timezone.now():%Y-%m-%dT%H:%M:%S}"
+    page.goto(f"{live_server}/metrics/?metric=p99&range=custom&{window}")
+    expect(chart.locator("g.legend")).to_contain_text("reranker v1", timeout=20_000)
+    screenshot(page, "metrics-p99")
+    assert page.console_errors == []  # type: ignore[attr-defined]
