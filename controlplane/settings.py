@@ -80,6 +80,7 @@ INSTALLED_APPS = [
     "apps.observability",
     "apps.rollouts",
     "apps.approvals",
+    "apps.degradation",
     "apps.incidents",
     "apps.api",
     "apps.retention",

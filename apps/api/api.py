@@ -13,7 +13,17 @@ from ninja import NinjaAPI
 from apps.accounts.models import ApiToken
 from apps.accounts.permissions import ANY_ROLE
 from apps.accounts.services import token_authenticate
-from apps.api import approvals, audit, errors, fleet, incidents, quality, registry, rollouts
+from apps.api import (
+    approvals,
+    audit,
+    degradation,
+    errors,
+    fleet,
+    incidents,
+    quality,
+    registry,
+    rollouts,
+)
 from apps.api.auth import ALERTS_ONLY
 
 
@@ -53,7 +63,7 @@ api = NinjaAPI(
     docs_decorator=signed_in,
 )
 errors.install(api)
-for module in (registry, fleet, rollouts, approvals, audit, incidents, quality):
+for module in (registry, fleet, rollouts, degradation, approvals, audit, incidents, quality):
     api.add_router("", module.router)
 
 

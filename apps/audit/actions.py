@@ -45,6 +45,7 @@ _BY_KIND: dict[Kind, list[str]] = {
         "rollout.rolled_back",
         "release.rollback",
         "release.fallback",
+        "pool.pin_tier",
     ],
     # A person's commands (`rollout.pause`...) are named for their refusals; what they did is
     # the transition they made (`rollout.paused`...).
@@ -91,6 +92,8 @@ _BY_KIND: dict[Kind, list[str]] = {
         "pool.set_queue",
         "pool.set_rollback_window",
         "pool.set_traffic",
+        "pool.set_tiers",
+        "pool.unpin_tier",
         "registry.import",
         "version.set_memory",
         "model.set_slo",

@@ -279,7 +279,8 @@ def _label(event: _Event) -> str:
     if event.action in SYNTHETIC:
         nodes = ", ".join(event.after.get("nodes", []))
         return f"synthetic {event.after.get('rps', 0):g} req/s to {nodes}"
-    verb = {"deployment.set": "deploy", "deployment.remove": "remove"}.get(event.action)
+    verbs = {"deployment.set": "deploy", "deployment.remove": "remove", "pool.pin_tier": "pin"}
+    verb = verbs.get(event.action)
     verb = verb or event.action.split(".", 1)[-1]
     versions = event.after.get("versions") or [event.after.get("version")]
     subject = event.target_model or event.target_name

@@ -10,7 +10,7 @@ from apps.accounts.permissions import authorize, moving_back, second_person
 from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, NodePool, Release
-from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.deployments import POOL_OWNERS, deployment_set
 from apps.registry.models import Model
 from apps.rollouts import transitions
 from apps.rollouts.models import AnalysisTemplate, Rollout
@@ -140,6 +140,10 @@ def rollout_start(
                 raise RolloutError(
                     f"rollout #{running.pk} of {running.moves} on {pool_name} is {running.state}"
                 )
+            # Any other owner of what the pool serves (a person's pin on a degradation tier).
+            for owner in POOL_OWNERS:
+                if owner is not rollout_owning and (busy := owner(proposal.pool, proposal.model)):
+                    raise RolloutError(busy)
             rollout = Rollout.objects.create(
                 model=proposal.model,
                 pool=proposal.pool,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from apps.audit.models import AuditEvent
+from apps.degradation.services import tier_pin, tier_unpin, tiers_set
 from apps.rollouts.services import (
     release_fallback,
     release_rollback,
@@ -32,6 +33,9 @@ ROLLOUT_SERVICES = {
     release_fallback,
     template_save,
 }
+
+# Their table is in tests/unit/test_degradation.py.
+DEGRADATION_SERVICES = {tiers_set, tier_pin, tier_unpin}
 
 
 @dataclass(frozen=True)

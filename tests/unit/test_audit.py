@@ -32,7 +32,12 @@ from apps.registry import imports
 from apps.registry import services as registry
 from apps.registry.models import Model, ModelVersion
 from tests.support import REPOSITORY
-from tests.support.audit import ROLLOUT_SERVICES, Case, assert_one_event_each
+from tests.support.audit import (
+    DEGRADATION_SERVICES,
+    ROLLOUT_SERVICES,
+    Case,
+    assert_one_event_each,
+)
 
 CONFIG = {"name": "rag", "backend": "python", "max_batch_size": 8}
 
@@ -151,6 +156,7 @@ NOT_ACTIONS = {
     "node_target": "names an event's target",
     "actor_name": "the trail itself",
     "audit_record": "the trail itself",
+    "pin_owning": "a read: why a person's change of a pinned pool must wait",
     "fields_set": "the trail itself: a service's change of settings, recorded as its action",
     "audited": "the trail itself",
     "reference_version": "a read: which config a set is checked against",
@@ -166,13 +172,16 @@ def test_every_service_is_an_audited_action_and_is_in_a_table() -> None:
             if hasattr(function, "audited"):
                 actions[name] = function
     assert len(actions) >= 15
-    assert set(actions.values()) == FLEET_REGISTRY_SERVICES | ROLLOUT_SERVICES
+    assert (
+        set(actions.values()) == FLEET_REGISTRY_SERVICES | ROLLOUT_SERVICES | DEGRADATION_SERVICES
+    )
 
 
 SERVICE_MODULES = [
     *(f"apps.{app}.services" for app in ("accounts", "audit", "quality", "registry", "rollouts")),
     *(f"apps.fleet.services.{part}" for part in ("deployments", "nodes", "pools")),
     "apps.approvals.services",
+    "apps.degradation.services",
     "apps.fleet.polling",
     "apps.registry.imports",
     "apps.fleet.imports",

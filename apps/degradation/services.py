@@ -1,0 +1,163 @@
+"""Setting a pool's degradation tiers of a model, and a person's pin on one: validated,
+authorized and audited; a pin switches the pool at once and holds every other owner off."""
+
+from datetime import timedelta
+from typing import Any
+
+from django.utils import timezone
+
+from apps.accounts.permissions import authorize, moving_back
+from apps.audit.services import Actor, actor_name, audit_record, audited
+from apps.degradation.models import Tiers
+from apps.fleet.errors import FleetError
+from apps.fleet.models import NodePool
+from apps.fleet.services.deployments import deployment_set
+from apps.registry.models import Model, ModelVersion
+from apps.rollouts.services import rollout_owning
+
+MAX_PIN = timedelta(days=7)
+
+
+class TierError(Exception):
+    pass
+
+
+def _target(*, pool_name: str, model_name: str, **_: object) -> str:
+    return f"pool:{pool_name}:{model_name}"
+
+
+def _interface(config: dict[str, Any]) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
+    """A config's inputs and outputs: what a caller of the model sees."""
+    return {
+        kind: sorted(
+            (t["name"], t.get("data_type", ""), tuple(int(d) for d in t.get("dims", [])))
+            for t in config.get(kind, [])
+        )
+        for kind in ("input", "output")
+    }
+
+
+def _model_and_pool(model_name: str, pool_name: str) -> tuple[Model, NodePool]:
+    model = Model.objects.filter(name=model_name).first()
+    pool = NodePool.objects.filter(name=pool_name).first()
+    if model is None or pool is None:
+        raise TierError(f"no {'model ' + model_name if model is None else 'pool ' + pool_name}")
+    return model, pool
+
+
+@audited("pool.set_tiers", _target, (TierError,))
+def tiers_set(*, pool_name: str, model_name: str, versions: list[int], actor: Actor) -> Tiers:
+    """The pool's tiers of the model, the primary first: two or more distinct published
+    versions, each answering with the same inputs and outputs as the primary (a caller must not
+    notice a switch but in speed and quality). A release manager's to set."""
+    model, pool = _model_and_pool(model_name, pool_name)
+    authorize(actor, "rollouts.add_rollout", pool)
+    if len(versions) < 2 or len(set(versions)) != len(versions):
+        raise TierError(f"tiers: two or more distinct versions, the primary first, not {versions}")
+    found = {v.version: v for v in model.versions.filter(version__in=versions)}
+    for number in versions:
+        version = found.get(number)
+        if version is None:
+            raise TierError(f"tiers: {model_name} has no v{number}")
+        if version.status != ModelVersion.Status.PUBLISHED:
+            raise TierError(f"tiers: {model_name} v{number} is {version.status}, not published")
+    primary = _interface(found[versions[0]].config)
+    for number in versions[1:]:
+        other = _interface(found[number].config)
+        for kind in ("input", "output"):
+            if other[kind] != primary[kind]:
+                names = ", ".join(name for name, *_ in other[kind]) or "none"
+                raise TierError(
+                    f"tiers: {model_name} v{number}'s {kind}s ({names}) differ from the primary "
+                    f"v{versions[0]}'s: a caller would notice the switch"
+                )
+    tiers = Tiers.objects.select_for_update().filter(pool=pool, model=model).first()
+    if tiers is not None and tiers.pin_holds():
+        raise TierError(f"{_pinned(tiers)}: unpin it before changing its tiers")
+    before = list(tiers.versions) if tiers else []
+    tiers = tiers or Tiers(pool=pool, model=model)
+    tiers.versions = versions
+    tiers.save()
+    if before != versions:
+        where = f"pool:{pool_name}:{model_name}"
+        audit_record(
+            actor=actor, target=where, before={"versions": before}, after={"versions": versions}
+        )
+    return tiers
+
+
+def _pinned(tiers: Tiers) -> str:
+    position = tiers.pinned or 0
+    until = f"{tiers.pinned_until:%Y-%m-%d %H:%M} UTC" if tiers.pinned_until else ""
+    return (
+        f"{tiers.model.name} on {tiers.pool.name} is pinned to tier {position} "
+        f"(v{tiers.versions[position]}) by {tiers.pinned_by} until {until}"
+    )
+
+
+def pin_owning(pool: NodePool, model: Model) -> str:
+    """Why a person may not move `pool`'s release of `model` by hand: a pin holds it there
+    (apps.fleet.services.deployments.POOL_OWNERS)."""
+    tiers = Tiers.objects.filter(pool=pool, model=model).select_related("pool", "model").first()
+    if tiers is None or not tiers.pin_holds():
+        return ""
+    return f"{_pinned(tiers)}: unpin it before changing the release by hand"
+
+
+@audited("pool.pin_tier", _target, (TierError,))
+def tier_pin(
+    *, pool_name: str, model_name: str, tier: int, reason: str, hours: float, actor: Actor
+) -> Tiers:
+    """On-call's pin: the pool serves tier `tier` (0, the primary, holds it at full quality)
+    now, and nothing else moves it until the pin expires (at most MAX_PIN) or is lifted. A
+    rollout of the model there owns the pool until it ends: it is refused meanwhile."""
+    model, pool = _model_and_pool(model_name, pool_name)
+    authorize(actor, "rollouts.rollback_release", pool)
+    tiers = Tiers.objects.select_for_update().filter(pool=pool, model=model).first()
+    if tiers is None:
+        raise TierError(f"{model_name} on {pool_name} has no tiers: set them first")
+    if not 0 <= tier < len(tiers.versions):
+        raise TierError(
+            f"tier {tier}: {model_name} on {pool_name} has tiers 0 to {len(tiers.versions) - 1}"
+        )
+    if not reason.strip():
+        raise TierError("a pin needs a reason: it is what the next person reads")
+    if not 0 < hours <= MAX_PIN / timedelta(hours=1):
+        raise TierError(
+            f"a pin lasts more than 0 and at most {MAX_PIN.days * 24} hours, not {hours:g}"
+        )
+    if busy := rollout_owning(pool, model):
+        raise TierError(busy)
+    version = tiers.versions[tier]
+    before = {"pinned": tiers.pinned if tiers.pin_holds() else None}
+    tiers.pinned, tiers.pinned_by, tiers.pinned_reason = tier, actor_name(actor), reason.strip()
+    tiers.pinned_until = timezone.now() + timedelta(hours=hours)
+    tiers.save()
+    with moving_back():  # on-call's to do alone, even on a protected pool
+        try:
+            deployment_set(model_name=model_name, version=version, pool=pool, actor=actor)
+        except FleetError as exc:
+            raise TierError(str(exc)) from exc
+    audit_record(
+        actor=actor,
+        target=f"pool:{pool_name}:{model_name}",
+        before=before,
+        after={"pinned": tier, "version": version, "until": tiers.pinned_until.isoformat()},
+        message=reason.strip(),
+    )
+    return tiers
+
+
+@audited("pool.unpin_tier", _target, (TierError,))
+def tier_unpin(*, pool_name: str, model_name: str, actor: Actor) -> Tiers:
+    """Lift the pin: the pool keeps serving what it serves, and is anyone's to move again."""
+    model, pool = _model_and_pool(model_name, pool_name)
+    authorize(actor, "rollouts.rollback_release", pool)
+    tiers = Tiers.objects.select_for_update().filter(pool=pool, model=model).first()
+    if tiers is None or tiers.pinned is None:
+        raise TierError(f"{model_name} on {pool_name} is not pinned")
+    before = {"pinned": tiers.pinned, "by": tiers.pinned_by, "reason": tiers.pinned_reason}
+    tiers.pinned, tiers.pinned_by, tiers.pinned_reason, tiers.pinned_until = None, "", "", None
+    tiers.save()
+    audit_record(actor=actor, target=f"pool:{pool_name}:{model_name}", before=before)
+    return tiers

@@ -1,0 +1,198 @@
+"""Degradation tiers set by hand, and a person's pin on one: validated, audited, and one owner
+of what a pool serves at a time (a pin holds a person's deployments and rollouts off; a running
+rollout holds a pin off)."""
+
+import copy
+import json
+import re
+from datetime import timedelta
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.test import Client
+from django.utils import timezone
+
+from apps.accounts.roles import Role
+from apps.audit.models import AuditEvent
+from apps.degradation.models import Tiers
+from apps.degradation.services import TierError, pin_owning, tier_pin, tier_unpin, tiers_set
+from apps.fleet.errors import FleetError
+from apps.fleet.models import Deployment, Node, NodePool
+from apps.fleet.services.deployments import deployment_set
+from apps.registry.models import Model, ModelVersion
+from apps.rollouts.services import RolloutError, rollout_start
+from tests.support.audit import DEGRADATION_SERVICES, Case, assert_one_event_each
+from tests.support.registry import import_demo
+from tests.support.users import bearer, make_user
+
+pytestmark = pytest.mark.django_db
+PIPELINE = "rag_pipeline"
+
+
+@pytest.fixture
+def pool() -> NodePool:
+    """Pool demo serving rag_pipeline v1, the demo repository imported (v4: no reranker)."""
+    import_demo()
+    pool = NodePool.objects.create(name="demo")
+    for i in range(2):
+        Node.objects.create(name=f"demo-{i}", pool=pool, http_url="http://127.0.0.1:1")
+    deployment_set(model_name=PIPELINE, version=1, pool=pool, actor="system:test")
+    return pool
+
+
+def serving(pool: NodePool) -> int:
+    return Deployment.objects.get(pool=pool, model__name=PIPELINE).version
+
+
+def pin(tier: int = 1, **changes: object) -> Tiers:
+    args = {"reason": "P99 over budget, rerank skipped", "hours": 2.0, "actor": "oncall"}
+    return tier_pin(pool_name="demo", model_name=PIPELINE, tier=tier, **(args | changes))
+
+
+def test_tiers_are_published_versions_answering_as_the_primary_does(pool: NodePool) -> None:
+    model = Model.objects.get(name=PIPELINE)
+    config = copy.deepcopy(model.versions.get(version=1).config)
+    config["output"][0]["name"] = "REPLY"
+    ModelVersion.objects.create(model=model, version=20, config=config, status="published")
+    ModelVersion.objects.create(model=model, version=21, config=config)  # a draft
+    refusals = {
+        (1,): "two or more distinct versions",
+        (1, 1): "two or more distinct versions",
+        (1, 99): "rag_pipeline has no v99",
+        (1, 21): "rag_pipeline v21 is draft, not published",
+        (1, 20): "v20's outputs (REPLY, SOURCE) differ from the primary v1's",
+    }
+    for versions, message in refusals.items():
+        with pytest.raises(TierError, match=re.escape(message)):
+            tiers_set(pool_name="demo", model_name=PIPELINE, versions=list(versions), actor="rm")
+    tiers = tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4], actor="rm")
+    assert tiers.versions == [1, 4] and not tiers.pin_holds()
+    event = AuditEvent.objects.filter(action="pool.set_tiers", result="ok").get()
+    assert (event.target, event.before, event.after) == (
+        "pool:demo:rag_pipeline",
+        {"versions": []},
+        {"versions": [1, 4]},
+    )
+    assert serving(pool) == 1  # setting tiers switches nothing
+
+
+def test_a_pin_switches_the_pool_now_and_holds_every_other_owner_off(pool: NodePool) -> None:
+    tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4], actor="rm")
+    tiers = pin(1)
+    assert serving(pool) == 4 and tiers.pin_holds()
+    event = AuditEvent.objects.get(action="pool.pin_tier")
+    assert event.message == "P99 over budget, rerank skipped"
+    assert [part["action"] for part in event.parts] == ["deployment.set"]
+    held = "rag_pipeline on demo is pinned to tier 1 (v4) by oncall until"
+    assert pin_owning(pool, tiers.model).startswith(held)
+    release_manager = make_user(Role.RELEASE_MANAGER)
+    with pytest.raises(FleetError, match=re.escape(held)):
+        deployment_set(model_name=PIPELINE, version=2, pool=pool, actor=release_manager)
+    with pytest.raises(RolloutError, match=re.escape(held)):
+        rollout_start(
+            model_name=PIPELINE,
+            pool_name="demo",
+            canary_version=2,
+            plan="50%\n100%",
+            analysis=None,
+            actor=release_manager,
+        )
+    with pytest.raises(TierError, match=re.escape(held)):
+        tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4, 2], actor="rm")
+    tier_unpin(pool_name="demo", model_name=PIPELINE, actor="oncall")
+    assert serving(pool) == 4  # lifting a pin moves nothing...
+    deployment_set(model_name=PIPELINE, version=2, pool=pool, actor=release_manager)
+    assert serving(pool) == 2  # ...and the pool is anyone's again
+
+
+def test_a_pin_says_why_for_how_long_and_waits_for_a_running_rollout(pool: NodePool) -> None:
+    with pytest.raises(TierError, match="has no tiers: set them first"):
+        pin(1)
+    tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4], actor="rm")
+    for changes, message in [
+        ({"tier": 2}, "tier 2: rag_pipeline on demo has tiers 0 to 1"),
+        ({"reason": "  "}, "a pin needs a reason"),
+        ({"hours": 0}, "at most 168 hours, not 0"),
+        ({"hours": 169}, "at most 168 hours, not 169"),
+    ]:
+        with pytest.raises(TierError, match=message):
+            pin(**changes)
+    rollout_start(
+        model_name=PIPELINE,
+        pool_name="demo",
+        canary_version=2,
+        plan="50%\n100%",
+        analysis=None,
+        actor="system:test",
+    )
+    with pytest.raises(TierError, match="abort it, or roll the pool back"):
+        pin(1)
+    assert serving(pool) == 1
+
+
+def test_an_expired_pin_holds_nothing(pool: NodePool) -> None:
+    tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4], actor="rm")
+    tiers = pin(1)
+    Tiers.objects.filter(pk=tiers.pk).update(pinned_until=timezone.now() - timedelta(seconds=1))
+    assert pin_owning(pool, tiers.model) == ""
+    deployment_set(model_name=PIPELINE, version=2, pool=pool, actor=make_user(Role.RELEASE_MANAGER))
+    assert serving(pool) == 2
+
+
+def test_each_service_records_one_event_refused_or_done(pool: NodePool) -> None:
+    cases = [
+        Case(
+            tiers_set,
+            "pool.set_tiers",
+            lambda: tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1], actor="rm"),
+            lambda: tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4], actor="rm"),
+        ),
+        Case(tier_pin, "pool.pin_tier", lambda: pin(5), lambda: pin(1)),
+        Case(
+            tier_unpin,
+            "pool.unpin_tier",
+            lambda: tier_unpin(pool_name="nowhere", model_name=PIPELINE, actor="oncall"),
+            lambda: tier_unpin(pool_name="demo", model_name=PIPELINE, actor="oncall"),
+        ),
+    ]
+    assert {case.service for case in cases} == DEGRADATION_SERVICES
+    assert_one_event_each(cases)
+
+
+def test_the_commands_set_pin_and_unpin(pool: NodePool) -> None:
+    call_command("set_tiers", "demo", PIPELINE, "v1,v4")
+    call_command("pin_tier", "demo", PIPELINE, "1", "--reason", "drill", "--hours", "1")
+    assert serving(pool) == 4
+    call_command("pin_tier", "demo", PIPELINE, "--unpin")
+    assert not Tiers.objects.get().pin_holds()
+    with pytest.raises(CommandError, match="numbers separated by commas"):
+        call_command("set_tiers", "demo", PIPELINE, "one,four")
+    with pytest.raises(CommandError, match="a pin needs a reason"):
+        call_command("pin_tier", "demo", PIPELINE, "1")
+    actors = set(AuditEvent.objects.values_list("actor", flat=True))
+    assert {"system:set_tiers", "system:pin_tier"} <= actors
+
+
+def test_the_api_reads_sets_pins_and_unpins(client: Client, pool: NodePool) -> None:
+    url = f"/api/pools/demo/models/{PIPELINE}/tiers"
+    manager, oncall = bearer(make_user(Role.RELEASE_MANAGER)), bearer(make_user(Role.OPERATOR))
+    assert client.get(url, headers=oncall).status_code == 404
+    body = json.dumps({"versions": [1, 4]})
+    put = client.put(url, body, content_type="application/json", headers=manager)
+    assert put.status_code == 200 and put.json()["versions"] == [1, 4]
+    assert client.put(url, body, content_type="application/json", headers=oncall).status_code == 403
+    pinned = client.post(
+        url + "/pin",
+        {"tier": 1, "reason": "drill", "hours": 1},
+        content_type="application/json",
+        headers=oncall,
+    )
+    assert pinned.status_code == 200, pinned.content
+    found = client.get(url, headers=oncall).json()
+    assert (found["serving"], found["pinned"], found["pinned_by"]) == (4, 1, "operator-user")
+    refused = client.put(
+        url, json.dumps({"versions": [1, 2]}), content_type="application/json", headers=manager
+    )
+    assert refused.status_code == 409 and "unpin it" in refused.json()["error"]["message"]
+    unpinned = client.delete(url + "/pin", headers=oncall)
+    assert unpinned.status_code == 200 and unpinned.json()["pinned"] is None
