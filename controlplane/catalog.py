@@ -152,6 +152,19 @@ def canary_queries(*, model: str, pool: str, window_s: int) -> dict[str, str]:
     }
 
 
+def budget_queries(*, model: str, pool: str, window_s: int) -> dict[str, str]:
+    """The pool's requests of the model in the window, those that failed, and its worst node's
+    P99 (ms) averaged over the window: what a degradation trigger judges, one window at a
+    time."""
+    selector, window = _selector(model=model, pool=pool), f"{window_s}s"
+    return {
+        "ok": f"sum(increase(nv_inference_request_success{{{selector}}}[{window}]))",
+        "failed": f"sum(increase(nv_inference_request_failure{{{selector}}}[{window}]))",
+        "p99": "max(avg_over_time(nv_inference_request_summary_us"
+        f'{{quantile="0.99",{selector}}}[{window}])) / 1000',
+    }
+
+
 def quantiles_query(*, model: str, pool: str, window_s: int) -> str:
     """Each quantile of Triton's request-duration summary averaged over the window (us), by
     node and quantile."""

@@ -228,6 +228,13 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 FLEET_POLL_INTERVAL_S = env_float("FLEET_POLL_INTERVAL_S", 5.0)
 FLEET_RECONCILE_INTERVAL_S = env_float("FLEET_RECONCILE_INTERVAL_S", 10.0)
 ROLLOUT_TICK_S = env_float("ROLLOUT_TICK_S", 2.0)
+# Degradation tiers (apps/degradation): judged every DEGRADATION_TICK_S over a short and a long
+# window, each with at least DEGRADATION_MIN_REQUESTS; more switches than this an hour freeze it.
+DEGRADATION_TICK_S = env_float("DEGRADATION_TICK_S", 5.0)
+DEGRADATION_SHORT_S = env_int("DEGRADATION_SHORT_S", 30)
+DEGRADATION_LONG_S = env_int("DEGRADATION_LONG_S", 120)
+DEGRADATION_MIN_REQUESTS = env_int("DEGRADATION_MIN_REQUESTS", 20)
+DEGRADATION_MAX_SWITCHES_PER_HOUR = env_int("DEGRADATION_MAX_SWITCHES_PER_HOUR", 2)
 # /readyz wants a heartbeat that went from beat through a worker to the database this recently.
 HEARTBEAT_INTERVAL_S = 10.0
 READY_HEARTBEAT_MAX_AGE_S = env_float("READY_HEARTBEAT_MAX_AGE_S", 60.0)
@@ -236,6 +243,7 @@ CELERY_BEAT_SCHEDULE = {
     "poll-nodes": {"task": "fleet.poll_nodes", "schedule": FLEET_POLL_INTERVAL_S},
     "reconcile": {"task": "fleet.reconcile_all", "schedule": FLEET_RECONCILE_INTERVAL_S},
     "rollouts": {"task": "rollouts.advance_all", "schedule": ROLLOUT_TICK_S},
+    "degradation": {"task": "degradation.tick_all", "schedule": DEGRADATION_TICK_S},
     "retention": {"task": "retention.prune", "schedule": 3600.0},
     "lost-notifications": {"task": "rollouts.deliver_lost", "schedule": 60.0},
 }

@@ -46,6 +46,7 @@ _BY_KIND: dict[Kind, list[str]] = {
         "release.rollback",
         "release.fallback",
         "pool.pin_tier",
+        "pool.degrade",
     ],
     # A person's commands (`rollout.pause`...) are named for their refusals; what they did is
     # the transition they made (`rollout.paused`...).
@@ -83,6 +84,7 @@ _BY_KIND: dict[Kind, list[str]] = {
         "pool.set_weights",
         "pool.traffic_drift",
         "deployment.close_window",
+        "pool.freeze_tiers",
     ],
     Kind.SETTING: [
         "node.register",

@@ -21,6 +21,11 @@ class Tiers(models.Model):
     pinned_by = models.CharField(max_length=150, blank=True)
     pinned_reason = models.TextField(blank=True)
     pinned_until = models.DateTimeField(null=True, blank=True)
+    # The automation's own record: when it switched (the last hour's), and when it stopped
+    # itself for switching too often, until a person sets the tiers again.
+    switched_at = models.JSONField(default=list, blank=True, help_text="ISO times, newest last")
+    frozen_at = models.DateTimeField(null=True, blank=True)
+    frozen_reason = models.TextField(blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

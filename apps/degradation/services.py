@@ -77,6 +77,7 @@ def tiers_set(*, pool_name: str, model_name: str, versions: list[int], actor: Ac
     before = list(tiers.versions) if tiers else []
     tiers = tiers or Tiers(pool=pool, model=model)
     tiers.versions = versions
+    tiers.frozen_at, tiers.frozen_reason = None, ""  # set again: the automation starts afresh
     tiers.save()
     if before != versions:
         where = f"pool:{pool_name}:{model_name}"

@@ -1,0 +1,70 @@
+"""When a pool's pipeline has broken its latency budget or its error objective, judged from
+Triton's own series over a short and a long window, burn-rate style: both must agree, so that
+one slow scrape never decides, and each needs a minimum of requests. Missing data decides
+nothing: it is said, and the pool stays where it is."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One window's figures: requests served and failed in it, the worst node's P99 (ms)."""
+
+    window_s: int
+    ok: float | None
+    failed: float | None
+    p99_ms: float | None
+
+    @property
+    def requests(self) -> float:
+        return (self.ok or 0.0) + (self.failed or 0.0)
+
+    @property
+    def error_ratio(self) -> float:
+        return (self.failed or 0.0) / self.requests if self.requests else 0.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    budget_ms: float | None  # the model's latency budget
+    max_error_ratio: float | None  # 1 - its availability objective
+    min_requests: int
+
+
+@dataclass(frozen=True)
+class Finding:
+    breached: bool
+    evidence: str  # what was measured, in words: why it breached, or why nothing is decided
+
+
+def judge(short: Reading, long: Reading, limits: Limits) -> Finding:
+    """Breached when the P99 is over the budget, or the error ratio over the objective, in both
+    windows, each with enough requests."""
+    for reading in (short, long):
+        if reading.ok is None or reading.p99_ms is None:
+            return Finding(False, f"no data over {reading.window_s} s: nothing is decided")
+        if reading.requests < limits.min_requests:
+            return Finding(
+                False,
+                f"{reading.requests:.0f} requests over {reading.window_s} s, "
+                f"{limits.min_requests} needed: nothing is decided",
+            )
+    found = []
+    if limits.budget_ms is not None and min(short.p99_ms or 0, long.p99_ms or 0) > limits.budget_ms:
+        found.append(
+            f"P99 {short.p99_ms:.0f} ms over {short.window_s} s and {long.p99_ms:.0f} ms over "
+            f"{long.window_s} s, budget {limits.budget_ms:.0f} ms"
+        )
+    ratios = (short.error_ratio, long.error_ratio)
+    if limits.max_error_ratio is not None and min(ratios) > limits.max_error_ratio:
+        found.append(
+            f"errors {ratios[0]:.2%} over {short.window_s} s and {ratios[1]:.2%} over "
+            f"{long.window_s} s, objective at most {limits.max_error_ratio:.2%}"
+        )
+    if found:
+        return Finding(True, "; ".join(found))
+    return Finding(
+        False,
+        f"within budget: P99 {short.p99_ms:.0f} ms over {short.window_s} s, "
+        f"{long.p99_ms:.0f} ms over {long.window_s} s",
+    )

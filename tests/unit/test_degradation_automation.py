@@ -1,0 +1,178 @@
+"""The automation that steps a pool down its tiers on its own: when the pipeline breaks its
+budget in both windows with enough requests, one tier at once, audited as the system with its
+evidence; never on one window, too few requests or missing data; never while a pin or a rollout
+owns the pool; and frozen, with an incident, when it would switch too often. Prometheus is
+stubbed at its client (tests/integration has real ones)."""
+
+from collections.abc import Callable
+
+import pytest
+from django.utils import timezone
+
+from apps.audit.models import AuditEvent
+from apps.degradation import automation
+from apps.degradation.models import Tiers
+from apps.degradation.services import tier_pin, tiers_set
+from apps.fleet.models import Deployment, Node, NodePool
+from apps.fleet.services.deployments import deployment_set
+from apps.incidents.models import Incident
+from apps.registry.services import model_set_budget, model_set_slo
+from apps.rollouts.services import rollout_start
+from controlplane.prometheus import PrometheusUnavailable
+from tests.support.registry import import_demo
+
+pytestmark = pytest.mark.django_db
+PIPELINE = "rag_pipeline"
+Figures = dict[int, tuple[float | None, float, float]]  # window: (P99 ms, ok, failed)
+
+
+@pytest.fixture
+def pool(settings: object) -> NodePool:
+    """Pool demo serving rag_pipeline v1 with tiers v1 > v4 > v5, a 3 s budget and a 99.9 %
+    availability objective; windows of 30 s and 120 s, 20 requests at least."""
+    settings.DEGRADATION_SHORT_S, settings.DEGRADATION_LONG_S = 30, 120  # type: ignore[attr-defined]
+    settings.DEGRADATION_MIN_REQUESTS = 20  # type: ignore[attr-defined]
+    settings.DEGRADATION_MAX_SWITCHES_PER_HOUR = 2  # type: ignore[attr-defined]
+    import_demo()
+    pool = NodePool.objects.create(name="demo")
+    Node.objects.create(name="demo-1", pool=pool, http_url="http://127.0.0.1:1")
+    model_set_budget(model_name=PIPELINE, latency_budget_ms=3000, actor="sre")
+    model_set_slo(model_name=PIPELINE, availability=0.999, latency=None, actor="sre")
+    deployment_set(model_name=PIPELINE, version=1, pool=pool, actor="system:test")
+    tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4, 5], actor="rm")
+    return pool
+
+
+@pytest.fixture
+def prometheus(monkeypatch: pytest.MonkeyPatch) -> Callable[[Figures], None]:
+    """Answers the automation's queries with the figures given per window."""
+
+    def answering(figures: Figures) -> None:
+        def instant_query(query: str) -> list[tuple[dict[str, str], float]]:
+            window = next(w for w in figures if f"[{w}s]" in query)
+            p99, ok, failed = figures[window]
+            value = p99 if "summary" in query else failed if "failure" in query else ok
+            return [] if value is None else [({}, value)]
+
+        monkeypatch.setattr(automation, "instant_query", instant_query)
+
+    return answering
+
+
+def serving(pool: NodePool) -> int:
+    return Deployment.objects.get(pool=pool, model__name=PIPELINE).version
+
+
+def tick() -> str:
+    (done,) = automation.tick_all()
+    return done
+
+
+SLOW = {30: (3500.0, 100.0, 0.0), 120: (3200.0, 400.0, 0.0)}
+FINE = {30: (800.0, 100.0, 0.0), 120: (900.0, 400.0, 0.0)}
+
+
+def test_a_breach_in_both_windows_steps_down_one_tier_at_once(
+    pool: NodePool, prometheus: Callable[[Figures], None]
+) -> None:
+    prometheus(FINE)
+    assert tick() == "rag_pipeline on demo: within budget: P99 800 ms over 30 s, 900 ms over 120 s"
+    prometheus(SLOW)
+    evidence = "P99 3500 ms over 30 s and 3200 ms over 120 s, budget 3000 ms"
+    assert tick() == f"rag_pipeline on demo: v1 → v4: {evidence}"
+    assert serving(pool) == 4
+    event = AuditEvent.objects.get(action="pool.degrade")
+    assert (event.actor, event.message, event.before, event.outcome) == (
+        "system:degradation",
+        evidence,
+        {"version": 1, "tier": 0},
+        {"version": 4, "tier": 1},
+    )
+    assert [part["action"] for part in event.parts] == ["deployment.set"]
+    tick()
+    assert serving(pool) == 5  # one tier a tick, while the budget stays broken
+    assert tick() == "rag_pipeline on demo: at its lowest tier"
+
+
+def test_errors_over_the_objective_in_both_windows_step_down_too(
+    pool: NodePool, prometheus: Callable[[Figures], None]
+) -> None:
+    prometheus({30: (800.0, 95.0, 5.0), 120: (900.0, 390.0, 10.0)})
+    assert "errors 5.00% over 30 s and 2.50% over 120 s, objective at most 0.10%" in tick()
+    assert serving(pool) == 4
+
+
+@pytest.mark.parametrize(
+    ("figures", "said"),
+    [
+        ({30: (3500.0, 100.0, 0.0), 120: (2500.0, 400.0, 0.0)}, "within budget"),  # one window
+        ({30: (2500.0, 100.0, 0.0), 120: (3500.0, 400.0, 0.0)}, "within budget"),
+        ({30: (3500.0, 10.0, 0.0), 120: (3200.0, 400.0, 0.0)}, "10 requests over 30 s, 20 needed"),
+        ({30: (None, 100.0, 0.0), 120: (3200.0, 400.0, 0.0)}, "no data over 30 s"),
+    ],
+)
+def test_one_window_too_few_requests_or_no_data_decide_nothing(
+    pool: NodePool, prometheus: Callable[[Figures], None], figures: Figures, said: str
+) -> None:
+    prometheus(figures)
+    assert said in tick()
+    assert serving(pool) == 1 and not AuditEvent.objects.filter(action="pool.degrade").exists()
+
+
+def test_prometheus_away_decides_nothing_and_says_so(
+    pool: NodePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def away(query: str) -> list[tuple[dict[str, str], float]]:
+        raise PrometheusUnavailable("Prometheus at http://127.0.0.1:1 did not answer")
+
+    monkeypatch.setattr(automation, "instant_query", away)
+    assert tick() == "rag_pipeline on demo: Prometheus at http://127.0.0.1:1 did not answer"
+    assert serving(pool) == 1
+
+
+def test_a_pin_or_a_running_rollout_holds_the_automation(
+    pool: NodePool, prometheus: Callable[[Figures], None]
+) -> None:
+    prometheus(SLOW)
+    tier_pin(pool_name="demo", model_name=PIPELINE, tier=0, reason="hold", hours=1, actor="oncall")
+    assert tick() == "rag_pipeline on demo: pinned by oncall"
+    Tiers.objects.update(pinned=None, pinned_until=None)
+    rollout_start(
+        model_name=PIPELINE,
+        pool_name="demo",
+        canary_version=2,
+        plan="50%\n100%",
+        analysis=None,
+        actor="system:test",
+    )
+    assert "abort it, or roll the pool back" in tick()
+    assert serving(pool) == 1
+
+
+def test_switching_too_often_freezes_it_and_opens_an_incident(
+    pool: NodePool, prometheus: Callable[[Figures], None]
+) -> None:
+    """A flapping fault: each time a person puts the primary back, the budget breaks again."""
+    prometheus(SLOW)
+    for _ in range(2):
+        tick()
+        assert serving(pool) == 4
+        deployment_set(model_name=PIPELINE, version=1, pool=pool, actor="system:test")
+    said = tick()
+    assert said.startswith("rag_pipeline on demo: frozen: 2 switches in the last hour")
+    assert serving(pool) == 1  # frozen: a person decides now
+    assert AuditEvent.objects.filter(action="pool.degrade").count() == 2
+    frozen = AuditEvent.objects.get(action="pool.freeze_tiers")
+    assert frozen.actor == "system:degradation" and "budget broken again" in frozen.message
+    incident = Incident.objects.get()
+    assert (incident.pool.name, incident.model.name, incident.severity) == (
+        "demo",
+        PIPELINE,
+        "critical",
+    )
+    assert tick().startswith("rag_pipeline on demo: frozen since")
+    tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4, 5], actor="rm")
+    assert Tiers.objects.get().frozen_at is None  # set again by a person: it starts afresh
+    Tiers.objects.update(switched_at=[timezone.now().isoformat()])
+    tick()
+    assert serving(pool) == 4
