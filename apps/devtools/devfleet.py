@@ -371,6 +371,19 @@ class Devfleet:
 
     # -- models ----------------------------------------------------------------------------------
 
+    def fault(self, model: str, *, delay_ms: float = 0.0, error_rate: float = 0.0) -> None:
+        """The demo models' runtime knob (deploy/ragkit): every version of `model`, on every node
+        serving this repository, takes `delay_ms` more and fails `error_rate` more of its
+        requests from its next request on, without a reload; zeros remove the fault."""
+        path = self.repository.parent / "faults.json"
+        faults = json.loads(path.read_text()) if path.exists() else {}
+        faults.pop(model, None)
+        if delay_ms or error_rate:
+            faults[model] = {"delay_ms": delay_ms, "error_rate": error_rate}
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(faults))
+        partial.replace(path)  # whole, never half-written, for the models that read it
+
     def load_release(self, client: TritonClient, model: str, version: int) -> None:
         """Load `model` at `version` from the repository; for an ensemble, its pinned steps first.
         Succeeds only when the repository index shows every loaded version READY."""

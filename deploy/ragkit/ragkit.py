@@ -3,6 +3,9 @@
 Each model version's `model.py` names one class from here; all subclass `StepModel`, which reads
 the `delay_ms` and `error_rate` config parameters so drills can slow a model down or make it fail,
 and `alloc_mb`, memory it holds while loaded (a footprint for memory-aware loads to measure).
+At runtime, without a reload, `faults.json` beside the repository (`{"reranker": {"delay_ms":
+300, "error_rate": 0.1}}`, written by `manage.py devfleet fault`) adds to them, for every
+version of the models it names.
 """
 
 import hashlib
@@ -91,13 +94,45 @@ def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+# Beside the repository the model was loaded from (not resolved: the demo links ragkit in).
+FAULTS = Path(__file__).absolute().parent.parent / "faults.json"
+
+
+class Faults:
+    """The runtime knob: `faults.json` read again whenever it changes (a stat a request)."""
+
+    def __init__(self) -> None:
+        self.seen: tuple[int, int, int] | None = None
+        self.by_model: dict[str, dict[str, float]] = {}
+
+    def of(self, model: str) -> tuple[float, float]:
+        """(added delay in seconds, added error rate) for `model` now."""
+        try:
+            stat = FAULTS.stat()
+            # Each write replaces the file: a new inode, even within one tick of a coarse clock.
+            changed = (stat.st_mtime_ns, stat.st_ino, stat.st_size)
+        except FileNotFoundError:
+            self.seen, self.by_model = None, {}
+            return 0.0, 0.0
+        if changed != self.seen:
+            try:
+                self.by_model, self.seen = json.loads(FAULTS.read_text()), changed
+            except ValueError:  # caught half-written: read it again at the next request
+                return 0.0, 0.0
+        fault = self.by_model.get(model, {})
+        return float(fault.get("delay_ms", 0)) / 1000, float(fault.get("error_rate", 0))
+
+
 class StepModel:
-    """Runs `infer` per request; `delay_ms` and `error_rate` come from the model config."""
+    """Runs `infer` per request; `delay_ms` and `error_rate` come from the model config, and
+    from the runtime knob (Faults) on top."""
 
     inputs: tuple[str, ...] = ()
 
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
+        self.name = config.get("name", "")
+        self.faults = Faults()
         parameters = config.get("parameters", {})
         self.delay_s = float(parameters.get("delay_ms", {}).get("string_value", "0")) / 1000
         self.error_rate = float(parameters.get("error_rate", {}).get("string_value", "0"))
@@ -108,11 +143,13 @@ class StepModel:
         import triton_python_backend_utils as pb_utils  # only importable inside Triton's stub
 
         responses = []
+        delay_s, error_rate = self.faults.of(self.name)
+        delay_s, error_rate = delay_s + self.delay_s, error_rate + self.error_rate
         for request in requests:
-            if self.delay_s:
-                time.sleep(self.delay_s)
-            if random.random() < self.error_rate:
-                error = pb_utils.TritonError(f"injected failure (error_rate={self.error_rate})")
+            if delay_s:
+                time.sleep(delay_s)
+            if random.random() < error_rate:
+                error = pb_utils.TritonError(f"injected failure (error_rate={error_rate})")
                 responses.append(pb_utils.InferenceResponse(error=error))
                 continue
             arrays = {

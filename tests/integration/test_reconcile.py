@@ -23,7 +23,7 @@ from apps.fleet.tasks import reconcile_node
 from apps.fleet.triton import TritonClient
 from apps.registry.codec import parse_pbtxt
 from apps.registry.services import version_create
-from tests.support.fleet import STEPS_V1, STEPS_V2, converged, ready_on, wait_for
+from tests.support.fleet import STEPS_V1, STEPS_V2, STEPS_V4, converged, ready_on, wait_for
 from tests.support.services import Celery
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -183,9 +183,6 @@ def test_a_worker_killed_mid_deployment_loads_nothing_twice(
         assert set(received) == set(sent)
     unknown = Operation.objects.filter(node__pool=pool, status="unknown")
     assert set(unknown.values_list("node__name", "model_name")) == set(killed_mid)
-
-
-STEPS_V4 = {("embedder", 2), ("retriever", 2), ("generator", 2), ("rag_pipeline", 4)}
 
 
 def unload_everything(nodes: list[Node]) -> None:

@@ -60,6 +60,8 @@ STEPS_V2 = {
     ("generator", 2),
     ("rag_pipeline", 2),
 }
+# v2 without its reranker: the degraded chain.
+STEPS_V4 = {("embedder", 2), ("retriever", 2), ("generator", 2), ("rag_pipeline", 4)}
 
 
 def ready_on(node: Node) -> set[tuple[str, int]]:

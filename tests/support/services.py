@@ -109,6 +109,11 @@ class Celery:
             # A killed worker's load is taken over once it has timed out: the demo's take seconds.
             "FLEET_LOAD_TIMEOUT_S": "30",
             "ROLLOUT_TICK_S": "1",
+            # Degradation tiers judged every second over 4 s and 10 s, 5 requests at least.
+            "DEGRADATION_TICK_S": "1",
+            "DEGRADATION_SHORT_S": "4",
+            "DEGRADATION_LONG_S": "10",
+            "DEGRADATION_MIN_REQUESTS": "5",
             "ROLLOUT_WEBHOOK_URL": webhook_url,
         }
         self.worker: subprocess.Popen[bytes] | None = None

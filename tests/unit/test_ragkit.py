@@ -68,3 +68,21 @@ def test_drill_parameters_come_from_the_model_config() -> None:
 def test_candidates_survive_the_string_tensor_encoding() -> None:
     candidates = ragkit.retrieve(ragkit.embed("refund", refined=False), refined=False, k=4)
     assert ragkit.decode(ragkit.encode(candidates)) == candidates
+
+
+def test_the_runtime_fault_knob_is_read_again_whenever_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `devfleet fault` writes, each demo model reads at its next request, no reload."""
+    from apps.devtools.devfleet import Devfleet
+
+    (tmp_path / "models").mkdir()
+    fleet = Devfleet(home=tmp_path / "home", repository=tmp_path / "models")
+    monkeypatch.setattr(ragkit, "FAULTS", tmp_path / "faults.json")
+    faults = ragkit.Faults()
+    assert faults.of("reranker") == (0.0, 0.0)  # no file: no fault
+    fleet.fault("reranker", delay_ms=400)
+    fleet.fault("generator", error_rate=0.2)
+    assert (faults.of("reranker"), faults.of("generator")) == ((0.4, 0.0), (0.0, 0.2))
+    fleet.fault("reranker")  # healed; the generator's stays
+    assert (faults.of("reranker"), faults.of("generator")) == ((0.0, 0.0), (0.0, 0.2))

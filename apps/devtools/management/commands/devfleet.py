@@ -78,6 +78,13 @@ class Command(BaseCommand):
             ("restart", "start a killed node (or prometheus) again"),
         ):
             sub.add_parser(action, help=text).add_argument("node")
+        fault = sub.add_parser(
+            "fault",
+            help="slow a demo model down or make it fail, at runtime on every node (0 0: heal)",
+        )
+        fault.add_argument("model")
+        fault.add_argument("--delay-ms", type=float, default=0.0)
+        fault.add_argument("--error-rate", type=float, default=0.0)
         traffic = sub.add_parser(
             "traffic",
             help="send real inference requests: through HAProxy if it runs, else round-robin",
@@ -196,6 +203,14 @@ class Command(BaseCommand):
     def _restart(self, fleet: Devfleet, *, node: str, **options: object) -> None:
         proc = fleet.restart(node)
         self.stdout.write(f"{node}: running again (pid {proc.pid})")
+
+    def _fault(
+        self, fleet: Devfleet, *, model: str, delay_ms: float, error_rate: float, **_: object
+    ) -> None:
+        fleet.fault(model, delay_ms=delay_ms, error_rate=error_rate)
+        healed = not (delay_ms or error_rate)
+        what = "no fault" if healed else f"+{delay_ms:g} ms, {error_rate:.0%} failing"
+        self.stdout.write(f"{model}: {what}, from its next request on every node")
 
     def _status(self, fleet: Devfleet, **options: object) -> None:
         state = fleet.state()
