@@ -12,6 +12,7 @@ urlpatterns = [
     # otherwise redirect a scrape to the login-protected page).
     path("metrics", metrics, name="self-metrics"),
     path("", include("apps.fleet.urls")),
+    path("", include("apps.degradation.urls")),  # a pool's tiers: pools/<pool>/tiers/
     path("accounts/", include("apps.accounts.urls")),
     path("models/", include("apps.registry.urls")),
     path("", include("apps.quality.urls")),  # a model's evaluations, a version's quality, runs

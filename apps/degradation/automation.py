@@ -26,8 +26,15 @@ HOUR = timedelta(hours=1)
 
 
 def tick_all() -> list[str]:
-    """Every pool's tiers judged once: what each did, in words."""
-    return [tick(tiers) for tiers in Tiers.objects.select_related("pool", "model")]
+    """Every pool's tiers judged once: what each did, in words, kept on its row when it
+    changed (the page's "why")."""
+    said = []
+    for tiers in Tiers.objects.select_related("pool", "model"):
+        text = tick(tiers)
+        changed = Tiers.objects.filter(pk=tiers.pk).exclude(said=text)
+        changed.update(said=text, said_at=timezone.now())
+        said.append(text)
+    return said
 
 
 def tick(tiers: Tiers) -> str:

@@ -26,6 +26,9 @@ class Tiers(models.Model):
     switched_at = models.JSONField(default=list, blank=True, help_text="ISO times, newest last")
     frozen_at = models.DateTimeField(null=True, blank=True)
     frozen_reason = models.TextField(blank=True)
+    # What the automation last found, in words, and since when: why the pool is where it is.
+    said = models.TextField(blank=True)
+    said_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -20,6 +20,7 @@ from apps.accounts.roles import Role
 from apps.accounts.services import roles_sync, token_create
 from apps.approvals.models import Approval
 from apps.audit.models import AuditEvent
+from apps.degradation.models import Tiers
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.services.pools import pool_role_set
 from apps.quality.models import EvaluationRun, EvaluationSet
@@ -81,6 +82,7 @@ def world() -> World:
         expires_at=timezone.now() + timedelta(hours=1),
     )
     deployment_b = Deployment.objects.get(pool=b)
+    Tiers.objects.create(pool=b, model=model, versions=[1, 2])
     return World(b, node_b, deployment_b, rollout_b, node_a, token.pk, approval_b)
 
 
@@ -91,6 +93,7 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         name: field.initial for name, field in RolloutForm().fields.items() if field.initial
     } | {"model": "embedder", "pool": "b", "canary_version": 2, "start": "1"}
     node, version = {"name": "b-1"}, {"name": "embedder", "version": 1}
+    pool_model = {"pool": "b", "model": "embedder"}
     return {
         "fleet:node_load": (node, {"model_version": "embedder:2"}),
         "fleet:node_operate": (node, {"kind": "reload", "model": "embedder"}),
@@ -106,6 +109,8 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "accounts:token_revoke": ({"token_id": world.token_id}, {}),
         "quality:set_import": ({"name": "embedder"}, {"name": "x", "text": "{}"}),
         "quality:run_start": ({"name": "embedder", "set_name": "x", "version": 1}, {"version": 1}),
+        "degradation:pin": (pool_model, {"tier": "0", "reason": "drill", "hours": "1"}),
+        "degradation:unpin": (pool_model, {}),
     }
 
 
@@ -141,6 +146,7 @@ def changes() -> tuple[int, ...]:
         AuditEvent.objects.exclude(result=AuditEvent.Result.DENIED).count(),
         EvaluationSet.objects.count(),
         EvaluationRun.objects.count(),
+        Tiers.objects.filter(pinned__isnull=False).count(),
     )
 
 
@@ -245,6 +251,8 @@ API_BODIES: dict[tuple[str, str], dict[str, Any]] = {
         "plan": "100%",
     },
     ("post", "/api/rollouts/{rollout_id}/promote"): {"reason": "tested"},
+    ("put", "/api/pools/{pool}/models/{model}/tiers"): {"versions": [1, 2]},
+    ("post", "/api/pools/{pool}/models/{model}/tiers/pin"): {"tier": 0, "reason": "drill"},
 }
 
 

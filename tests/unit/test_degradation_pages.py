@@ -1,0 +1,83 @@
+"""A pool's tiers page: which tier each model serves and why, on-call's pin and unpin from it,
+and as many queries for twelve models as for two."""
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from apps.accounts.roles import Role
+from apps.degradation.models import Tiers
+from apps.degradation.services import tiers_set
+from apps.fleet.models import Deployment, Node, NodePool
+from apps.fleet.services.deployments import deployment_set
+from apps.registry.models import Model, ModelVersion
+from tests.support.registry import import_demo
+from tests.support.users import make_user
+
+pytestmark = pytest.mark.django_db
+URL = "/pools/demo/tiers/"
+
+
+@pytest.fixture
+def pool() -> NodePool:
+    import_demo()
+    pool = NodePool.objects.create(name="demo")
+    Node.objects.create(name="demo-1", pool=pool, http_url="http://127.0.0.1:1")
+    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
+    tiers_set(pool_name="demo", model_name="rag_pipeline", versions=[1, 4], actor="rm")
+    Tiers.objects.update(said="rag_pipeline on demo: within budget", said_at=timezone.now())
+    return pool
+
+
+def test_the_page_says_what_each_model_serves_and_why(
+    client: Client, pool: NodePool, viewer: User
+) -> None:
+    client.force_login(viewer)
+    page = client.get(URL).content.decode()
+    assert 'id="tiers-rag_pipeline"' in page
+    assert "primary" in page and "serving" in page and "rag_pipeline on demo: within budget" in page
+    assert "<button>Pin</button>" not in page  # a viewer pins nothing
+    assert client.post(f"{URL}rag_pipeline/pin/", {"tier": 1}).status_code == 403
+
+
+def test_on_call_pins_and_unpins_from_the_page(client: Client, pool: NodePool) -> None:
+    client.force_login(make_user(Role.OPERATOR))
+    assert "<button>Pin</button>" in client.get(URL).content.decode()
+    form = {"tier": "1", "reason": "P99 over budget", "hours": "2"}
+    done = client.post(f"{URL}rag_pipeline/pin/", form, follow=True).content.decode()
+    assert "rag_pipeline on demo: pinned to tier 1 (v4)" in done
+    assert "to tier 1 by operator-user until" in done and "P99 over budget" in done
+    assert Deployment.objects.get(pool=pool).version == 4
+    bad = client.post(f"{URL}rag_pipeline/pin/", form | {"hours": "two"}, follow=True)
+    assert "tier and hours: numbers" in bad.content.decode()
+    refused = client.post(f"{URL}rag_pipeline/pin/", form | {"reason": ""}, follow=True)
+    assert "a pin needs a reason" in refused.content.decode()
+    unpinned = client.post(f"{URL}rag_pipeline/unpin/", follow=True).content.decode()
+    assert "rag_pipeline on demo: unpinned" in unpinned
+    assert not Tiers.objects.get().pin_holds()
+
+
+def test_the_page_costs_the_same_queries_for_twelve_models_as_for_two(
+    client: Client, pool: NodePool, viewer: User
+) -> None:
+    client.force_login(viewer)
+
+    def models(count: int) -> None:
+        config = ModelVersion.objects.get(model__name="embedder", version=1).config
+        for i in range(Tiers.objects.count(), count):
+            model = Model.objects.create(name=f"m{i}")
+            for number in (1, 2):
+                ModelVersion.objects.create(model=model, version=number, config=config)
+            Tiers.objects.create(pool=pool, model=model, versions=[1, 2])
+            Deployment.objects.create(pool=pool, model=model, version=1)
+
+    counts = []
+    for count in (2, 12):
+        models(count)
+        with CaptureQueriesContext(connection) as seen:
+            assert client.get(URL).status_code == 200
+        counts.append(len(seen))
+    assert counts[0] == counts[1], counts
