@@ -16,7 +16,8 @@ from apps.degradation.models import Tiers
 from apps.degradation.triggers import Finding, Limits, Reading, judge
 from apps.fleet.models import Deployment
 from apps.fleet.services.deployments import deployment_set
-from apps.incidents.services import incident_open
+from apps.incidents.models import Incident
+from apps.incidents.services import incident_open, incident_update
 from apps.rollouts.services import rollout_owning
 from controlplane.catalog import budget_queries
 from controlplane.prometheus import PrometheusUnavailable, instant_query
@@ -123,15 +124,43 @@ def _degrade(
     evidence: str,
     actor: str,
 ) -> None:
-    """One tier down, now: the pool's deployment names the lower tier's version."""
+    """One tier down, now: the pool's deployment names the lower tier's version; the switch is
+    told in the open incident of the pool and model, or opens one."""
     deployment_set(model_name=model_name, version=lower, pool=tiers.pool, actor=actor)
+    incident = _attach(tiers, f"stepped down v{serving} → v{lower}: {evidence}")
     audit_record(
         actor=actor,
         target=f"pool:{pool_name}:{model_name}",
         before={"version": serving, "tier": tiers.versions.index(serving)},
-        after={"version": lower, "tier": tiers.versions.index(lower)},
+        after={"version": lower, "tier": tiers.versions.index(lower), "incident": incident.pk},
         message=evidence,
     )
+
+
+def _attach(tiers: Tiers, what: str, severity: str = Incident.Severity.WARNING) -> Incident:
+    """The open (or mitigated) incident of the pool and model with `what` added to its notes,
+    at least as severe as `severity`; a new one when there is none."""
+    incident = (
+        Incident.objects.select_for_update()
+        .filter(pool=tiers.pool, model=tiers.model)
+        .exclude(status=Incident.Status.RESOLVED)
+        .order_by("-started_at")
+        .first()
+    )
+    line = f"{timezone.now():%H:%M:%S} {ACTOR} {what}"
+    if incident is None:
+        incident = incident_open(
+            title=f"{tiers.model.name} on {tiers.pool.name} degraded by itself",
+            severity=severity,
+            start=timezone.now(),
+            actor=ACTOR,
+            pool=tiers.pool.name,
+            model=tiers.model.name,
+        )
+    elif severity == Incident.Severity.CRITICAL != incident.severity:
+        Incident.objects.filter(pk=incident.pk).update(severity=severity)  # the freeze's event says
+    notes = f"{incident.notes}\n{line}" if incident.notes else line
+    return incident_update(incident_id=incident.pk, notes=notes, actor=ACTOR)
 
 
 def _freeze(tiers: Tiers, recent: list[str], finding: Finding, now: datetime) -> str:
@@ -141,19 +170,12 @@ def _freeze(tiers: Tiers, recent: list[str], finding: Finding, now: datetime) ->
     )
     tiers.frozen_at, tiers.frozen_reason = now, why
     tiers.save(update_fields=["frozen_at", "frozen_reason", "updated_at"])
+    incident = _attach(tiers, f"froze: {why}", Incident.Severity.CRITICAL)
     audit_record(
         actor=ACTOR,
         action="pool.freeze_tiers",
         target=f"pool:{tiers.pool.name}:{tiers.model.name}",
-        after={"switched_at": recent},
+        after={"switched_at": recent, "incident": incident.pk, "severity": incident.severity},
         message=why,
-    )
-    incident_open(
-        title=f"Degradation of {where} frozen: it switched too often",
-        severity="critical",
-        start=datetime.fromisoformat(recent[0]),
-        actor=ACTOR,
-        pool=tiers.pool.name,
-        model=tiers.model.name,
     )
     return f"{where}: frozen: {why}"

@@ -82,16 +82,26 @@ def test_a_breach_in_both_windows_steps_down_one_tier_at_once(
     assert tick() == f"rag_pipeline on demo: v1 → v4: {evidence}"
     assert serving(pool) == 4
     event = AuditEvent.objects.get(action="pool.degrade")
+    incident = Incident.objects.get()  # the switch opened one: a person is told
     assert (event.actor, event.message, event.before, event.outcome) == (
         "system:degradation",
         evidence,
         {"version": 1, "tier": 0},
-        {"version": 4, "tier": 1},
+        {"version": 4, "tier": 1, "incident": incident.pk},
     )
-    assert [part["action"] for part in event.parts] == ["deployment.set"]
+    parts = [part["action"] for part in event.parts]
+    assert parts == ["deployment.set", "incident.open", "incident.update"]
+    assert (incident.pool.name, incident.model.name, incident.severity) == (
+        "demo",
+        PIPELINE,
+        "warning",
+    )
+    assert f"system:degradation stepped down v1 → v4: {evidence}" in incident.notes
     tick()
     assert serving(pool) == 5  # one tier a tick, while the budget stays broken
     assert tick() == "rag_pipeline on demo: at its lowest tier"
+    (incident,) = Incident.objects.all()  # the second switch was told in the same incident
+    assert incident.notes.count("stepped down") == 2
 
 
 def test_errors_over_the_objective_in_both_windows_step_down_too(
@@ -164,12 +174,9 @@ def test_switching_too_often_freezes_it_and_opens_an_incident(
     assert AuditEvent.objects.filter(action="pool.degrade").count() == 2
     frozen = AuditEvent.objects.get(action="pool.freeze_tiers")
     assert frozen.actor == "system:degradation" and "budget broken again" in frozen.message
-    incident = Incident.objects.get()
-    assert (incident.pool.name, incident.model.name, incident.severity) == (
-        "demo",
-        PIPELINE,
-        "critical",
-    )
+    incident = Incident.objects.get()  # the switches' incident, raised to critical
+    assert (incident.severity, incident.notes.count("stepped down")) == ("critical", 2)
+    assert "froze: 2 switches in the last hour" in incident.notes
     assert tick().startswith("rag_pipeline on demo: frozen since")
     tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4, 5], actor="rm")
     assert Tiers.objects.get().frozen_at is None  # set again by a person: it starts afresh
