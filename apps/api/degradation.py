@@ -56,9 +56,10 @@ def _out(tiers: Tiers) -> dict[str, Any]:
 @router.get(PATH, response={200: TiersOut, **ERRORS})
 def get_tiers(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
     found = Tiers.objects.filter(pool__name=pool, model__name=model).select_related("pool", "model")
-    if not found:
+    tiers = found.first()
+    if tiers is None:
         raise ApiError(404, "not_found", f"{model} on {pool} has no tiers")
-    return _out(found[0])
+    return _out(tiers)
 
 
 def _refused(exc: TierError) -> ApiError:

@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from apps.audit.services import audit_record, audited
 from apps.degradation.models import Tiers
+from apps.degradation.services import _target
 from apps.degradation.triggers import Finding, Limits, Reading, judge
 from apps.fleet.models import Deployment
 from apps.fleet.services.deployments import deployment_set
@@ -107,10 +108,6 @@ def _step_down(tiers_id: int, serving: int, finding: Finding) -> str:
             actor=ACTOR,
         )
     return f"{tiers.model.name} on {tiers.pool.name}: v{serving} → v{lower}: {finding.evidence}"
-
-
-def _target(*, pool_name: str, model_name: str, **_: object) -> str:
-    return f"pool:{pool_name}:{model_name}"
 
 
 @audited("pool.degrade", _target)

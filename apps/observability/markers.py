@@ -33,6 +33,8 @@ CHANGES = of_kind(Kind.SERVING)
 # and throughput are not read as users' alone.
 SYNTHETIC = of_kind(Kind.SYNTHETIC)
 MAX_MARKERS = 60
+# How a label says an action, where its own verb reads badly.
+VERBS = {"deployment.set": "deploy", "deployment.remove": "remove", "pool.pin_tier": "pin"}
 MAX_EVENTS = 5000  # per chart, newest first: a deployment to 500 nodes and its operations
 # Without a request id to link them (a rollout's tick runs from the beat), a change's events are
 # those of its model within one tick, and an operation belongs to the change it soon follows.
@@ -279,8 +281,7 @@ def _label(event: _Event) -> str:
     if event.action in SYNTHETIC:
         nodes = ", ".join(event.after.get("nodes", []))
         return f"synthetic {event.after.get('rps', 0):g} req/s to {nodes}"
-    verbs = {"deployment.set": "deploy", "deployment.remove": "remove", "pool.pin_tier": "pin"}
-    verb = verbs.get(event.action)
+    verb = VERBS.get(event.action)
     verb = verb or event.action.split(".", 1)[-1]
     versions = event.after.get("versions") or [event.after.get("version")]
     subject = event.target_model or event.target_name
