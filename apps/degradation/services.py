@@ -74,16 +74,16 @@ def tiers_set(*, pool_name: str, model_name: str, versions: list[int], actor: Ac
     tiers = Tiers.objects.select_for_update().filter(pool=pool, model=model).first()
     if tiers is not None and tiers.pin_holds():
         raise TierError(f"{_pinned(tiers)}: unpin it before changing its tiers")
-    before = list(tiers.versions) if tiers else []
+    before: dict[str, Any] = {"versions": list(tiers.versions) if tiers else []}
+    if tiers is not None and tiers.frozen_at is not None:
+        before["frozen"] = tiers.frozen_reason  # lifted by setting them: the person is on record
     tiers = tiers or Tiers(pool=pool, model=model)
     tiers.versions = versions
     tiers.frozen_at, tiers.frozen_reason = None, ""  # set again: the automation starts afresh
     tiers.save()
-    if before != versions:
+    if before != {"versions": versions}:
         where = f"pool:{pool_name}:{model_name}"
-        audit_record(
-            actor=actor, target=where, before={"versions": before}, after={"versions": versions}
-        )
+        audit_record(actor=actor, target=where, before=before, after={"versions": versions})
     return tiers
 
 
