@@ -157,3 +157,18 @@ def test_no_test_imports_another_test_module() -> None:
             if n.startswith(layers)
         ]
     assert not found, "\n".join(found)
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_of_the_apps_is_longer_than_a_reader_can_hold() -> None:
+    """A module past MAX_MODULE_LINES holds more than one room's worth: split it by what it does
+    (migrations, generated, aside)."""
+    long = {
+        str(path.relative_to(APPS)): lines
+        for path in APPS.glob("*/**/*.py")
+        if "migrations" not in path.parts
+        and (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, long
