@@ -20,6 +20,7 @@ from apps.rollouts import controller
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.services import rollout_abort
 from tests.support.registry import import_demo
+from tests.support.services import Celery
 from tests.support.users import make_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -66,48 +67,55 @@ def slow_prometheus(settings: object) -> Iterator[SlowPrometheus]:
     slow.server.shutdown()
 
 
-def test_an_abort_never_waits_behind_a_slow_prometheus(slow_prometheus: SlowPrometheus) -> None:
+def test_an_abort_never_waits_behind_a_slow_prometheus(
+    slow_prometheus: SlowPrometheus, celery: Celery
+) -> None:
+    """The tick is this test's own: the session's worker (started for other tests in this
+    process) is kept from ticking the rollout meanwhile."""
     if connection.vendor != "postgresql":
         pytest.skip("a tick and an abort at once need PostgreSQL's row locks")
-    import_demo()
-    ModelVersion.objects.update(status=ModelVersion.Status.PUBLISHED)
-    pool = NodePool.objects.create(name="gpu")
-    nodes = [
-        Node.objects.create(name=f"gpu-{i}", pool=pool, http_url="http://127.0.0.1:1")
-        for i in (1, 2)
-    ]
-    deployment_set(model_name="embedder", version=1, pool=pool, actor="system:test")
-    deployment_set(model_name="embedder", version=2, baseline=1, node=nodes[0], actor="system:t")
-    long_ago = timezone.now() - timedelta(minutes=10)
-    rollout = Rollout.objects.create(
-        model=ModelVersion.objects.get(model__name="embedder", version=1).model,
-        pool=pool,
-        baseline_version=1,
-        canary_version=2,
-        plan=[{"percent": 50}, {"percent": 100}],
-        analysis={"judge": "threshold"},
-        state=Rollout.State.PROGRESSING,
-        canary_nodes=["gpu-1"],
-        step_started_at=long_ago,
-        step_ready_at=long_ago,
-        started_by="ann",
-    )
+    with celery.holding_rollouts():
+        import_demo()
+        ModelVersion.objects.update(status=ModelVersion.Status.PUBLISHED)
+        pool = NodePool.objects.create(name="gpu")
+        nodes = [
+            Node.objects.create(name=f"gpu-{i}", pool=pool, http_url="http://127.0.0.1:1")
+            for i in (1, 2)
+        ]
+        deployment_set(model_name="embedder", version=1, pool=pool, actor="system:test")
+        deployment_set(
+            model_name="embedder", version=2, baseline=1, node=nodes[0], actor="system:t"
+        )
+        long_ago = timezone.now() - timedelta(minutes=10)
+        rollout = Rollout.objects.create(
+            model=ModelVersion.objects.get(model__name="embedder", version=1).model,
+            pool=pool,
+            baseline_version=1,
+            canary_version=2,
+            plan=[{"percent": 50}, {"percent": 100}],
+            analysis={"judge": "threshold"},
+            state=Rollout.State.PROGRESSING,
+            canary_nodes=["gpu-1"],
+            step_started_at=long_ago,
+            step_ready_at=long_ago,
+            started_by="ann",
+        )
 
-    def tick() -> None:
-        try:
-            controller.rollout_advance(rollout_id=rollout.pk)
-        finally:
-            connection.close()
+        def tick() -> None:
+            try:
+                controller.rollout_advance(rollout_id=rollout.pk)
+            finally:
+                connection.close()
 
-    ticking = threading.Thread(target=tick)
-    ticking.start()
-    assert slow_prometheus.asked.wait(10), "the tick never asked Prometheus"
-    began = time.monotonic()
-    rollout_abort(rollout_id=rollout.pk, actor=make_user(Role.RELEASE_MANAGER), reason="bad")
-    took = time.monotonic() - began
-    slow_prometheus.released.set()
-    ticking.join(ANSWER_AFTER_S + 10)
-    assert took < 2, f"the abort waited {took:.1f} s behind the tick"
-    rollout.refresh_from_db()
-    assert rollout.state == Rollout.State.ABORTING
-    assert not Measurement.objects.exists()  # measured for a rollout that has since moved
+        ticking = threading.Thread(target=tick)
+        ticking.start()
+        assert slow_prometheus.asked.wait(10), "the tick never asked Prometheus"
+        began = time.monotonic()
+        rollout_abort(rollout_id=rollout.pk, actor=make_user(Role.RELEASE_MANAGER), reason="bad")
+        took = time.monotonic() - began
+        slow_prometheus.released.set()
+        ticking.join(ANSWER_AFTER_S + 10)
+        assert took < 2, f"the abort waited {took:.1f} s behind the tick"
+        rollout.refresh_from_db()
+        assert rollout.state == Rollout.State.ABORTING
+        assert not Measurement.objects.exists()  # measured for a rollout that has since moved
