@@ -152,16 +152,24 @@ def canary_queries(*, model: str, pool: str, window_s: int) -> dict[str, str]:
     }
 
 
-def budget_queries(*, model: str, pool: str, window_s: int) -> dict[str, str]:
-    """The pool's requests of the model in the window, those that failed, and its worst node's
-    P99 (ms) averaged over the window: what a degradation trigger judges, one window at a
-    time."""
+def budget_queries(*, model: str, steps: list[str], pool: str, window_s: int) -> dict[str, str]:
+    """What a degradation trigger judges, one window at a time: the pool's requests of the model
+    in the window, those that failed and those Triton rejected (a queue full), its worst node's
+    P99 (ms) averaged over the window, and the time its requests and its `steps`' waited in
+    queues and computed (us). Every version of the model at once: Triton labels all of an
+    ensemble's versions alike."""
     selector, window = _selector(model=model, pool=pool), f"{window_s}s"
+    names = "|".join(re.escape(name) for name in sorted({model, *steps}))
+    chain = f'{_selector(pool=pool)},model=~"{escape_label(names)}"'
     return {
         "ok": f"sum(increase(nv_inference_request_success{{{selector}}}[{window}]))",
         "failed": f"sum(increase(nv_inference_request_failure{{{selector}}}[{window}]))",
         "p99": "max(avg_over_time(nv_inference_request_summary_us"
         f'{{quantile="0.99",{selector}}}[{window}])) / 1000',
+        "rejected": "sum(increase(nv_inference_request_failure"
+        f'{{{selector},reason="REJECTED"}}[{window}]))',
+        "queue_us": f"sum(increase(nv_inference_queue_duration_us{{{chain}}}[{window}]))",
+        "compute_us": f"sum(increase(nv_inference_compute_infer_duration_us{{{chain}}}[{window}]))",
     }
 
 

@@ -235,6 +235,19 @@ DEGRADATION_SHORT_S = env_int("DEGRADATION_SHORT_S", 30)
 DEGRADATION_LONG_S = env_int("DEGRADATION_LONG_S", 120)
 DEGRADATION_MIN_REQUESTS = env_int("DEGRADATION_MIN_REQUESTS", 20)
 DEGRADATION_MAX_SWITCHES_PER_HOUR = env_int("DEGRADATION_MAX_SWITCHES_PER_HOUR", 2)
+# Saturated: the pipeline's requests and its steps' waited in queues this many times longer than
+# they computed, in both windows (or Triton rejected some: a queue full).
+DEGRADATION_MAX_QUEUE_RATIO = env_float("DEGRADATION_MAX_QUEUE_RATIO", 4.0)
+# Back up a tier only once the budget has held this long at the lower one (far longer than a
+# step down's windows; and past the 60 s that Triton's P99 summaries keep a request), and the
+# tier above has answered DEGRADATION_PROBES requests on each of DEGRADATION_PROBE_NODES nodes
+# within budget: one round of probes a dwell at most.
+DEGRADATION_DWELL_UP_S = env_int("DEGRADATION_DWELL_UP_S", 600)
+# After a step down, a breach decides nothing this long: Triton keeps a request in its P99 summary
+# 60 s and labels every version of an ensemble alike, so the readings still hold the tier before.
+DEGRADATION_SETTLE_S = env_int("DEGRADATION_SETTLE_S", 70)
+DEGRADATION_PROBES = env_int("DEGRADATION_PROBES", 20)
+DEGRADATION_PROBE_NODES = env_int("DEGRADATION_PROBE_NODES", 3)
 # /readyz wants a heartbeat that went from beat through a worker to the database this recently.
 HEARTBEAT_INTERVAL_S = 10.0
 READY_HEARTBEAT_MAX_AGE_S = env_float("READY_HEARTBEAT_MAX_AGE_S", 60.0)

@@ -10,7 +10,7 @@ from apps.accounts.permissions import current_user
 from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, ApiError
 from apps.degradation.models import Tiers
-from apps.degradation.services import TierError, tier_pin, tier_unpin, tiers_set
+from apps.degradation.services import TierError, tier_confirm, tier_pin, tier_unpin, tiers_set
 from apps.fleet.models import Deployment
 
 router = Router(tags=["degradation"], auth=Token())
@@ -36,6 +36,10 @@ class TiersOut(Schema):
     pinned_by: str
     pinned_reason: str
     pinned_until: datetime | None
+    said: str  # the automation's last finding: why the pool is where it is
+    probed: str  # its last probes of the tier above, in words
+    cleared: int | None  # the tier those probes cleared, waiting for a person (protected pool)
+    frozen_reason: str  # why the automation stopped itself, while it is frozen
 
 
 def _out(tiers: Tiers) -> dict[str, Any]:
@@ -50,6 +54,10 @@ def _out(tiers: Tiers) -> dict[str, Any]:
         "pinned_by": tiers.pinned_by if holds else "",
         "pinned_reason": tiers.pinned_reason if holds else "",
         "pinned_until": tiers.pinned_until if holds else None,
+        "said": tiers.said,
+        "probed": tiers.probed,
+        "cleared": tiers.cleared,
+        "frozen_reason": tiers.frozen_reason if tiers.frozen_at else "",
     }
 
 
@@ -110,6 +118,20 @@ def pin_tier(request: HttpRequest, pool: str, model: str, body: PinIn) -> dict[s
 def unpin_tier(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
     try:
         tiers = tier_unpin(pool_name=pool, model_name=model, actor=current_user(request))
+    except TierError as exc:
+        raise _refused(exc) from None
+    return _out(tiers)
+
+
+@router.post(
+    PATH + "/confirm",
+    response={200: TiersOut, **ERRORS},
+    auth=can("rollouts.rollback_release", "pool.confirm_restore"),
+)
+def confirm_restore(request: HttpRequest, pool: str, model: str) -> dict[str, Any]:
+    """On a protected pool: the switch back up that the automation's probes cleared, now."""
+    try:
+        tiers = tier_confirm(pool_name=pool, model_name=model, actor=current_user(request))
     except TierError as exc:
         raise _refused(exc) from None
     return _out(tiers)

@@ -47,6 +47,8 @@ _BY_KIND: dict[Kind, list[str]] = {
         "release.fallback",
         "pool.pin_tier",
         "pool.degrade",
+        "pool.restore",
+        "pool.confirm_restore",
     ],
     # A person's commands (`rollout.pause`...) are named for their refusals; what they did is
     # the transition they made (`rollout.paused`...).

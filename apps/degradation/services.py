@@ -10,7 +10,7 @@ from apps.accounts.permissions import authorize, moving_back
 from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.degradation.models import Tiers
 from apps.fleet.errors import FleetError
-from apps.fleet.models import NodePool
+from apps.fleet.models import Deployment, NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.services import rollout_owning
@@ -45,15 +45,29 @@ def _model_and_pool(model_name: str, pool_name: str) -> tuple[Model, NodePool]:
     return model, pool
 
 
+def parse_versions(text: str) -> list[int]:
+    """`1,4` or `v1, v4`: the versions of a tier list, as a person writes them."""
+    try:
+        return [int(v.strip().removeprefix("v")) for v in text.split(",")]
+    except ValueError:
+        raise TierError(f"versions: numbers separated by commas, not {text!r}") from None
+
+
 @audited("pool.set_tiers", _target, (TierError,))
 def tiers_set(*, pool_name: str, model_name: str, versions: list[int], actor: Actor) -> Tiers:
-    """The pool's tiers of the model, the primary first: two or more distinct published
-    versions, each answering with the same inputs and outputs as the primary (a caller must not
-    notice a switch but in speed and quality). A release manager's to set."""
+    """The pool's tiers of the model, the primary first: two or more published versions, each
+    newer than the one above it (Triton serves a model's newest READY version, and the tier
+    above stays loaded beside the one served), each answering with the same inputs and outputs
+    as the primary (a caller must not notice a switch but in speed and quality). A release
+    manager's to set."""
     model, pool = _model_and_pool(model_name, pool_name)
     authorize(actor, "rollouts.add_rollout", pool)
-    if len(versions) < 2 or len(set(versions)) != len(versions):
-        raise TierError(f"tiers: two or more distinct versions, the primary first, not {versions}")
+    if len(versions) < 2 or versions != sorted(set(versions)):
+        raise TierError(
+            f"tiers: two or more versions, the primary first, each newer than the one above it "
+            f"(Triton serves the newest loaded, and the tier above stays loaded beside the one "
+            f"served: register a lighter release again as a newer version), not {versions}"
+        )
     found = {v.version: v for v in model.versions.filter(version__in=versions)}
     for number in versions:
         version = found.get(number)
@@ -85,6 +99,20 @@ def tiers_set(*, pool_name: str, model_name: str, versions: list[int], actor: Ac
         where = f"pool:{pool_name}:{model_name}"
         audit_record(actor=actor, target=where, before=before, after={"versions": versions})
     return tiers
+
+
+def tier_serve(tiers: Tiers, position: int, actor: Actor) -> Deployment:
+    """The pool's deployment of the model set to serve tier `position` (Tiers.deployment): by a
+    pin, or by the automation."""
+    shape = tiers.deployment(position)
+    return deployment_set(
+        model_name=tiers.model.name,
+        version=shape.version,
+        baseline=shape.baseline,
+        standby=shape.standby,
+        pool=tiers.pool,
+        actor=actor,
+    )
 
 
 def _pinned(tiers: Tiers) -> str:
@@ -129,22 +157,55 @@ def tier_pin(
         )
     if busy := rollout_owning(pool, model):
         raise TierError(busy)
-    version = tiers.versions[tier]
     before = {"pinned": tiers.pinned if tiers.pin_holds() else None}
     tiers.pinned, tiers.pinned_by, tiers.pinned_reason = tier, actor_name(actor), reason.strip()
     tiers.pinned_until = timezone.now() + timedelta(hours=hours)
     tiers.save()
     with moving_back():  # on-call's to do alone, even on a protected pool
         try:
-            deployment_set(model_name=model_name, version=version, pool=pool, actor=actor)
+            tier_serve(tiers, tier, actor)
         except FleetError as exc:
             raise TierError(str(exc)) from exc
     audit_record(
         actor=actor,
         target=f"pool:{pool_name}:{model_name}",
         before=before,
-        after={"pinned": tier, "version": version, "until": tiers.pinned_until.isoformat()},
+        after={
+            "pinned": tier,
+            "version": tiers.versions[tier],
+            "until": tiers.pinned_until.isoformat(),
+        },
         message=reason.strip(),
+    )
+    return tiers
+
+
+@audited("pool.confirm_restore", _target, (TierError,))
+def tier_confirm(*, pool_name: str, model_name: str, actor: Actor) -> Tiers:
+    """A person's go for the switch back that the automation's probes cleared on a protected
+    pool (it never steps back up alone there): the pool serves that tier now. On-call's, like a
+    pin: the automation was the first pair of eyes, the probes its evidence."""
+    model, pool = _model_and_pool(model_name, pool_name)
+    authorize(actor, "rollouts.rollback_release", pool)
+    tiers = Tiers.objects.select_for_update().filter(pool=pool, model=model).first()
+    if tiers is None or tiers.cleared is None:
+        raise TierError(f"{model_name} on {pool_name} has no switch back waiting to be confirmed")
+    if tiers.pin_holds():
+        raise TierError(_pinned(tiers))
+    if busy := rollout_owning(pool, model):
+        raise TierError(busy)
+    serving = Deployment.objects.filter(pool=pool, model=model).values_list("version", flat=True)
+    position, before = tiers.cleared, serving.first()
+    tiers.cleared, tiers.judged_from = None, None
+    tiers.save()
+    with moving_back():
+        tier_serve(tiers, position, actor)
+    audit_record(
+        actor=actor,
+        target=f"pool:{pool_name}:{model_name}",
+        before={"version": before},
+        after={"version": tiers.versions[position], "tier": position},
+        message=tiers.probed,
     )
     return tiers
 

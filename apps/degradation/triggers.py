@@ -1,7 +1,8 @@
-"""When a pool's pipeline has broken its latency budget or its error objective, judged from
-Triton's own series over a short and a long window, burn-rate style: both must agree, so that
-one slow scrape never decides, and each needs a minimum of requests. Missing data decides
-nothing: it is said, and the pool stays where it is."""
+"""When a pool's pipeline has broken its latency budget or its error objective, or is
+saturated (its requests rejected, a queue full; or waiting in queues far longer than they
+compute), judged from Triton's own series over a short and a long window, burn-rate style: both
+must agree, so that one slow scrape never decides, and each needs a minimum of requests. Missing
+data decides nothing: it is said, and the pool stays where it is."""
 
 from dataclasses import dataclass
 
@@ -14,6 +15,16 @@ class Reading:
     ok: float | None
     failed: float | None
     p99_ms: float | None
+    rejected: float | None = None  # requests Triton turned away, its queue full
+    queue_us: float | None = None  # time the pipeline's requests waited in queues, its steps'
+    compute_us: float | None = None  # ... and computed
+
+    @property
+    def queue_ratio(self) -> float | None:
+        """Queue time over compute time, where both were read and something computed."""
+        if self.queue_us is None or not self.compute_us:
+            return None
+        return self.queue_us / self.compute_us
 
     @property
     def requests(self) -> float:
@@ -29,12 +40,14 @@ class Limits:
     budget_ms: float | None  # the model's latency budget
     max_error_ratio: float | None  # 1 - its availability objective
     min_requests: int
+    max_queue_ratio: float | None = None  # saturated past this much queue time per compute time
 
 
 @dataclass(frozen=True)
 class Finding:
     breached: bool
     evidence: str  # what was measured, in words: why it breached, or why nothing is decided
+    measured: bool = True  # False: too little data to judge either way
 
 
 def judge(short: Reading, long: Reading, limits: Limits) -> Finding:
@@ -42,12 +55,15 @@ def judge(short: Reading, long: Reading, limits: Limits) -> Finding:
     windows, each with enough requests."""
     for reading in (short, long):
         if reading.ok is None or reading.p99_ms is None:
-            return Finding(False, f"no data over {reading.window_s} s: nothing is decided")
+            return Finding(
+                False, f"no data over {reading.window_s} s: nothing is decided", measured=False
+            )
         if reading.requests < limits.min_requests:
             return Finding(
                 False,
                 f"{reading.requests:.0f} requests over {reading.window_s} s, "
                 f"{limits.min_requests} needed: nothing is decided",
+                measured=False,
             )
     found = []
     if limits.budget_ms is not None and min(short.p99_ms or 0, long.p99_ms or 0) > limits.budget_ms:
@@ -61,6 +77,7 @@ def judge(short: Reading, long: Reading, limits: Limits) -> Finding:
             f"errors {ratios[0]:.2%} over {short.window_s} s and {ratios[1]:.2%} over "
             f"{long.window_s} s, objective at most {limits.max_error_ratio:.2%}"
         )
+    found += _saturated(short, long, limits)
     if found:
         return Finding(True, "; ".join(found))
     return Finding(
@@ -68,3 +85,25 @@ def judge(short: Reading, long: Reading, limits: Limits) -> Finding:
         f"within budget: P99 {short.p99_ms:.0f} ms over {short.window_s} s, "
         f"{long.p99_ms:.0f} ms over {long.window_s} s",
     )
+
+
+def _saturated(short: Reading, long: Reading, limits: Limits) -> list[str]:
+    """Saturation in both windows, in words: requests rejected, or queues far above compute."""
+    found = []
+    if min(short.rejected or 0, long.rejected or 0) > 0:
+        found.append(
+            f"{short.rejected:.0f} requests rejected over {short.window_s} s and "
+            f"{long.rejected:.0f} over {long.window_s} s: a queue is full"
+        )
+    first, second, limit = short.queue_ratio, long.queue_ratio, limits.max_queue_ratio
+    if (
+        limit is not None
+        and first is not None
+        and second is not None
+        and min(first, second) > limit
+    ):
+        found.append(
+            f"queues {first:.1f}x compute over {short.window_s} s and {second:.1f}x over "
+            f"{long.window_s} s, at most {limit:g}x"
+        )
+    return found

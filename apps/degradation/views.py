@@ -1,3 +1,4 @@
+from django.conf import settings
 from django.contrib import messages
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
@@ -7,7 +8,14 @@ from django.views.decorators.http import require_POST
 
 from apps.accounts.permissions import current_user, require
 from apps.degradation.models import Tiers
-from apps.degradation.services import TierError, tier_pin, tier_unpin
+from apps.degradation.services import (
+    TierError,
+    parse_versions,
+    tier_confirm,
+    tier_pin,
+    tier_unpin,
+    tiers_set,
+)
 from apps.fleet.models import Deployment, NodePool
 from controlplane.htmx import back
 
@@ -16,17 +24,26 @@ PER_PAGE = 25
 
 def pool_tiers(request: HttpRequest, pool: str) -> HttpResponse:
     """A pool's degradation tiers, model by model: which tier it serves, and why (a pin, the
-    automation's last finding, a freeze)."""
+    automation's last finding, a freeze); which tiers its deployment keeps loaded beside, and
+    which are cold (a switch to one loads it first)."""
     found = get_object_or_404(NodePool, name=pool)
     rows = Tiers.objects.filter(pool=found).select_related("model").order_by("model__name")
     page = Paginator(rows, PER_PAGE).get_page(request.GET.get("page"))
-    serving = dict(
-        Deployment.objects.filter(pool=found, model__in=[t.model for t in page]).values_list(
-            "model__name", "version"
+    deployments = Deployment.objects.filter(pool=found, model__in=[t.model for t in page])
+    named = {
+        name: (version, {version, baseline, standby})
+        for name, version, baseline, standby in deployments.values_list(
+            "model__name", "version", "baseline_version", "standby_version"
         )
-    )
-    shown = [(tiers, serving.get(tiers.model.name)) for tiers in page]
-    return render(request, "degradation/tiers.html", {"pool": found, "page": page, "rows": shown})
+    }
+    shown = [(tiers, *named.get(tiers.model.name, (None, set()))) for tiers in page]
+    context = {
+        "pool": found,
+        "page": page,
+        "rows": shown,
+        "dwell_s": settings.DEGRADATION_DWELL_UP_S,
+    }
+    return render(request, "degradation/tiers.html", context)
 
 
 @require_POST
@@ -64,4 +81,36 @@ def unpin(request: HttpRequest, pool: str, model: str) -> HttpResponse:
         messages.error(request, str(exc))
     else:
         messages.success(request, f"{model} on {pool}: unpinned")
+    return back(request, reverse("degradation:tiers", args=[pool]))
+
+
+@require_POST
+@require("rollouts.rollback_release", "pool.confirm_restore")
+def confirm(request: HttpRequest, pool: str, model: str) -> HttpResponse:
+    try:
+        tiers = tier_confirm(pool_name=pool, model_name=model, actor=current_user(request))
+    except TierError as exc:
+        messages.error(request, str(exc))
+    else:
+        version = Deployment.objects.get(pool=tiers.pool, model=tiers.model).version
+        messages.success(request, f"{model} on {pool}: back up to v{version}")
+    return back(request, reverse("degradation:tiers", args=[pool]))
+
+
+@require_POST
+@require("rollouts.add_rollout", "pool.set_tiers")
+def set_tiers(request: HttpRequest, pool: str) -> HttpResponse:
+    model = request.POST.get("model", "").strip()
+    try:
+        tiers = tiers_set(
+            pool_name=pool,
+            model_name=model,
+            versions=parse_versions(request.POST.get("versions", "")),
+            actor=current_user(request),
+        )
+    except TierError as exc:
+        messages.error(request, f"{model or 'a model'} on {pool}: {exc}")
+    else:
+        listed = " > ".join(f"v{v}" for v in tiers.versions)
+        messages.success(request, f"{model} on {pool}: tiers {listed}")
     return back(request, reverse("degradation:tiers", args=[pool]))

@@ -34,7 +34,13 @@ CHANGES = of_kind(Kind.SERVING)
 SYNTHETIC = of_kind(Kind.SYNTHETIC)
 MAX_MARKERS = 60
 # How a label says an action, where its own verb reads badly.
-VERBS = {"deployment.set": "deploy", "deployment.remove": "remove", "pool.pin_tier": "pin"}
+VERBS = {
+    "deployment.set": "deploy",
+    "deployment.remove": "remove",
+    "pool.pin_tier": "pin",
+    "pool.degrade": "step down",
+    "pool.restore": "step back up",
+}
 MAX_EVENTS = 5000  # per chart, newest first: a deployment to 500 nodes and its operations
 # Without a request id to link them (a rollout's tick runs from the beat), a change's events are
 # those of its model within one tick, and an operation belongs to the change it soon follows.

@@ -26,7 +26,9 @@ def test_on_call_pins_a_tier_and_the_page_says_why(page: Page, live_server: obje
     Deployment.objects.create(pool=pool, model=model, version=2, created_by="ops")
     tiers_set(pool_name="demo", model_name="rag_pipeline", versions=[2, 4], actor="rm")
     said = "rag_pipeline on demo: within budget: P99 41 ms over 30 s, 38 ms over 120 s"
-    Tiers.objects.update(said=said, said_at=timezone.now())
+    probed = "probes of v2: P99 44 ms over 60 requests on demo-1, budget 250 ms"
+    now = timezone.now()
+    Tiers.objects.update(said=said, said_at=now, probed=probed, probed_at=now)
     sign_in(page, str(live_server), make_user(Role.OPERATOR).username)
 
     page.goto(f"{live_server}/deployments/")
@@ -34,6 +36,7 @@ def test_on_call_pins_a_tier_and_the_page_says_why(page: Page, live_server: obje
     card = page.locator("#tiers-rag_pipeline")
     expect(card.get_by_role("listitem").first).to_contain_text("primary v2 serving")
     expect(card).to_contain_text(said)
+    expect(card.locator("dd", has_text=probed)).to_be_visible()  # why it came back up
     card.get_by_label("Tier").select_option(label="1: v4")
     card.get_by_label("Reason").fill("reranker at 400 ms: skip it while it is looked at")
     page.once("dialog", lambda dialog: dialog.accept())

@@ -1,15 +1,20 @@
 """The Metrics page in Chromium over real Triton nodes, real traffic and a real Prometheus."""
 
 import threading
+import time
+from datetime import timedelta
 
 import pytest
+from django.db import transaction
 from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
+from apps.audit.services import audit_record
 from apps.devtools.traffic import send_traffic
 from apps.fleet.services.nodes import node_register
 from apps.fleet.triton import TritonClient
+from apps.observability.markers import SAME_TICK
 from apps.registry.imports import repository_import
 from tests.support import REPOSITORY
 from tests.support.browser import screenshot, sign_in
@@ -75,4 +80,28 @@ def test_p99_chart_draws_redraws_and_marks_a_deployment_made_in_the_product(
     page.goto(f"{live_server}/metrics/?metric=p99&range=custom&{window}")
     expect(chart.locator("g.legend")).to_contain_text("reranker v1", timeout=20_000)
     screenshot(page, "metrics-p99")
+
+    # The degradation automation's switches, as it records them (tests/integration/
+    # test_degradation.py makes real ones), on the pipeline's P99 chart: two markers, apart.
+    switch("pool.degrade", 1, 4, "P99 412 ms over 30 s and 398 ms over 120 s, budget 250 ms")
+    time.sleep(SAME_TICK.total_seconds())  # within one tick, two changes read as one
+    switch("pool.restore", 4, 1, "probes of v1: P99 41 ms over 40 requests on it-1, it-2")
+    end = timezone.now() + timedelta(seconds=1)  # the form's whole seconds: past the switch
+    window = f"start={began:%Y-%m-%dT%H:%M:%S}&end={end:%Y-%m-%dT%H:%M:%S}"
+    page.goto(f"{live_server}/metrics/?metric=p99&model=rag_pipeline&range=custom&{window}")
+    for label in ("step down rag_pipeline v4", "step back up rag_pipeline v1"):
+        expect(chart.locator(".annotation-text", has_text=label)).to_have_count(1)
+    screenshot(page, "degradation-switches")
     assert page.console_errors == []  # type: ignore[attr-defined]
+
+
+def switch(action: str, serving: int, to: int, evidence: str) -> None:
+    with transaction.atomic():
+        audit_record(
+            actor="system:degradation",
+            action=action,
+            target="pool:it:rag_pipeline",
+            before={"version": serving},
+            after={"version": to},
+            message=evidence,
+        )

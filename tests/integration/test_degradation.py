@@ -1,25 +1,37 @@
 """Degradation tiers on the trio of real Triton nodes with a real Prometheus, driven by the real
 worker and beat: the reranker slowed at runtime (the demo models' fault knob) breaks the
 pipeline's budget, and the pool serves the tier without the reranker on every node by itself,
-its P99 back under budget."""
+its P99 back under budget; healed, the pool comes back after the dwell, on the evidence of
+probes; a flapping fault switches it twice, then freezes it and pages a person."""
 
+import os
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.utils import timezone
 
 from apps.audit.models import AuditEvent
+from apps.degradation import automation
+from apps.degradation.models import Tiers
 from apps.degradation.services import tiers_set
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState
 from apps.fleet.models import NodePool
 from apps.fleet.services.deployments import deployment_set
+from apps.incidents.models import Incident
+from apps.observability.markers import change_markers
 from apps.registry.services import model_set_budget
 from controlplane.catalog import budget_queries
 from controlplane.prometheus import instant_query
 from tests.support.fleet import STEPS_V2, STEPS_V4, converged, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
-BUDGET_MS = 250  # v2 answers in about 40 ms here once warm
+BUDGET_MS = 250
+DRILL_S = int(os.environ.get("DRILL_S", 300))  # v2 answers in about 40 ms here once warm
 
 
 @pytest.fixture
@@ -32,24 +44,85 @@ def slowed(trio: tuple[Devfleet, FleetState]) -> Iterator[Devfleet]:
 
 
 def p99_ms(pool: NodePool, window_s: int) -> float:
-    query = budget_queries(model="rag_pipeline", pool=pool.name, window_s=window_s)["p99"]
+    query = budget_queries(model="rag_pipeline", steps=[], pool=pool.name, window_s=window_s)["p99"]
     found = instant_query(query)
     return found[0][1] if found else float("inf")
 
 
-def test_a_slowed_reranker_breaks_the_budget_and_the_pool_steps_down_to_the_tier_without_it(
-    serving_v1: NodePool, traffic: None, slowed: Devfleet
-) -> None:
-    deployment_set(model_name="rag_pipeline", version=2, pool=serving_v1, actor="system:test")
-    wait_for("v2 everywhere", converged(serving_v1, STEPS_V2), timeout=90)
-    wait_for("v2's P99 settled under budget", lambda: p99_ms(serving_v1, 10) < BUDGET_MS)
+def with_tiers(pool: NodePool) -> None:
+    """The pool serving v2, within its budget of BUDGET_MS, with tiers v2 > v4 (no reranker)."""
+    deployment_set(model_name="rag_pipeline", version=2, pool=pool, actor="system:test")
+    wait_for("v2 everywhere", converged(pool, STEPS_V2), timeout=90)
+    wait_for("v2's P99 settled under budget", lambda: p99_ms(pool, 10) < BUDGET_MS)
     model_set_budget(model_name="rag_pipeline", latency_budget_ms=BUDGET_MS, actor="sre")
-    tiers_set(pool_name=serving_v1.name, model_name="rag_pipeline", versions=[2, 4], actor="rm")
-    assert not AuditEvent.objects.filter(action="pool.degrade").exists()
+    tiers_set(pool_name=pool.name, model_name="rag_pipeline", versions=[2, 4], actor="rm")
+
+
+def switches() -> list[str]:
+    moves = AuditEvent.objects.filter(action__in=["pool.degrade", "pool.restore"])
+    return list(moves.order_by("id").values_list("action", flat=True))
+
+
+def test_a_slowed_reranker_breaks_the_budget_the_pool_steps_down_and_comes_back_once_healed(
+    serving_v1: NodePool, traffic: None, slowed: Devfleet, client: Client, viewer: User
+) -> None:
+    with_tiers(serving_v1)
+    assert switches() == []
+    tiers = Tiers.objects.select_related("model", "pool").get()
+    read = automation._reading(tiers, automation._steps(tiers, 2), 10)  # the trigger's own query
+    assert (
+        read.compute_us and read.queue_ratio is not None and read.queue_ratio < 4
+    )  # not saturated
 
     slowed.fault("reranker", delay_ms=400)  # about the most each node can serve at 8 req/s
-    wait_for("v4 (no reranker) on every node", converged(serving_v1, STEPS_V4), timeout=120)
+    # v4 served everywhere; v2 stays READY beside it, for probes and the way back.
+    wait_for("v4 on every node", converged(serving_v1, STEPS_V2 | STEPS_V4), timeout=120)
     event = AuditEvent.objects.get(action="pool.degrade")
     assert event.actor == "system:degradation" and f"budget {BUDGET_MS} ms" in event.message
     assert (event.before["version"], event.outcome["version"]) == (2, 4)
     wait_for("the pipeline's P99 back under budget", lambda: p99_ms(serving_v1, 10) < BUDGET_MS)
+
+    slowed.fault("reranker")  # healed: after the dwell (65 s here), v2 is probed, then served
+    wait_for("back on v2 everywhere", converged(serving_v1, STEPS_V2), timeout=150)
+    back = AuditEvent.objects.get(action="pool.restore")
+    nodes = ", ".join(sorted(node.name for node in serving_v1.nodes.all()))
+    assert back.actor == "system:degradation"
+    assert back.message.startswith("probes of v2: P99 ")
+    assert back.message.endswith(f" ms over 60 requests on {nodes}, budget {BUDGET_MS} ms")
+    assert back.outcome["version"] == 2
+    held = back.created_at.timestamp() - event.created_at.timestamp()
+    assert held >= 65  # the dwell
+    client.force_login(viewer)
+    page = client.get(f"/pools/{serving_v1.name}/tiers/").content.decode()
+    assert back.message in page  # the probes' evidence, on the page
+    wait_for("v2's P99 under budget", lambda: p99_ms(serving_v1, 10) < BUDGET_MS)
+    assert switches() == ["pool.degrade", "pool.restore"]
+    assert Tiers.objects.get().frozen_at is None
+    drawn = change_markers(
+        start=event.created_at - timedelta(minutes=1),
+        end=timezone.now(),
+        model="rag_pipeline",
+        pool=serving_v1.name,
+    )
+    labels = [marker.label for marker in drawn]  # on the P99 chart
+    assert "step down rag_pipeline v4" in labels and "step back up rag_pipeline v2" in labels
+
+
+@pytest.mark.timeout(480)
+def test_a_flapping_fault_switches_twice_then_freezes_and_pages_a_person(
+    serving_v1: NodePool, traffic: None, slowed: Devfleet
+) -> None:
+    """Slow for 20 s, fine for 20 s, for 5 minutes: never a switch per cycle."""
+    with_tiers(serving_v1)
+    start, said = time.monotonic(), []  # what the automation said at each turn, should it fail
+    while (elapsed := time.monotonic() - start) < DRILL_S:
+        slow = int(elapsed // 20) % 2 == 0
+        slowed.fault("reranker", delay_ms=400 if slow else 0)
+        time.sleep(20 - elapsed % 20)
+        said.append(f"{elapsed:.0f} s: {Tiers.objects.get().said}")
+    assert switches() == ["pool.degrade", "pool.restore"], "\n".join(said)
+    frozen = AuditEvent.objects.get(action="pool.freeze_tiers")
+    assert frozen.message.startswith("2 switches in the last hour, and another one due: P99 ")
+    incident = Incident.objects.get()
+    assert (incident.severity, incident.status) == ("critical", "open")
+    assert "froze: 2 switches in the last hour" in incident.notes

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from apps.audit.models import AuditEvent
-from apps.degradation.services import tier_pin, tier_unpin, tiers_set
+from apps.degradation.services import tier_confirm, tier_pin, tier_unpin, tiers_set
 from apps.rollouts.services import (
     release_fallback,
     release_rollback,
@@ -35,7 +35,7 @@ ROLLOUT_SERVICES = {
 }
 
 # Their table is in tests/unit/test_degradation.py.
-DEGRADATION_SERVICES = {tiers_set, tier_pin, tier_unpin}
+DEGRADATION_SERVICES = {tiers_set, tier_pin, tier_unpin, tier_confirm}
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,7 @@ class Celery:
             "DEGRADATION_SHORT_S": "4",
             "DEGRADATION_LONG_S": "10",
             "DEGRADATION_MIN_REQUESTS": "5",
+            "DEGRADATION_DWELL_UP_S": "65",
             "ROLLOUT_WEBHOOK_URL": webhook_url,
         }
         self.worker: subprocess.Popen[bytes] | None = None

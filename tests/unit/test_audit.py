@@ -160,6 +160,8 @@ NOT_ACTIONS = {
     "fields_set": "the trail itself: a service's change of settings, recorded as its action",
     "audited": "the trail itself",
     "reference_version": "a read: which config a set is checked against",
+    "parse_versions": "a parse of a person's text",
+    "tier_serve": "a deployment_set (audited) of a pin's or the automation's, each audited",
 }
 
 

@@ -111,6 +111,8 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "quality:run_start": ({"name": "embedder", "set_name": "x", "version": 1}, {"version": 1}),
         "degradation:pin": (pool_model, {"tier": "0", "reason": "drill", "hours": "1"}),
         "degradation:unpin": (pool_model, {}),
+        "degradation:confirm": (pool_model, {}),
+        "degradation:set": ({"pool": "b"}, {"model": "embedder", "versions": "1,2"}),
     }
 
 

@@ -15,7 +15,14 @@ from django.utils import timezone
 from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
 from apps.degradation.models import Tiers
-from apps.degradation.services import TierError, pin_owning, tier_pin, tier_unpin, tiers_set
+from apps.degradation.services import (
+    TierError,
+    pin_owning,
+    tier_confirm,
+    tier_pin,
+    tier_unpin,
+    tiers_set,
+)
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services.deployments import deployment_set
@@ -56,8 +63,9 @@ def test_tiers_are_published_versions_answering_as_the_primary_does(pool: NodePo
     ModelVersion.objects.create(model=model, version=20, config=config, status="published")
     ModelVersion.objects.create(model=model, version=21, config=config)  # a draft
     refusals = {
-        (1,): "two or more distinct versions",
-        (1, 1): "two or more distinct versions",
+        (1,): "two or more versions, the primary first, each newer than the one above it",
+        (1, 1): "two or more versions, the primary first, each newer than the one above it",
+        (4, 1): "register a lighter release again as a newer version), not [4, 1]",
         (1, 99): "rag_pipeline has no v99",
         (1, 21): "rag_pipeline v21 is draft, not published",
         (1, 20): "v20's outputs (REPLY, SOURCE) differ from the primary v1's",
@@ -98,7 +106,7 @@ def test_a_pin_switches_the_pool_now_and_holds_every_other_owner_off(pool: NodeP
             actor=release_manager,
         )
     with pytest.raises(TierError, match=re.escape(held)):
-        tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4, 2], actor="rm")
+        tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4, 5], actor="rm")
     tier_unpin(pool_name="demo", model_name=PIPELINE, actor="oncall")
     assert serving(pool) == 4  # lifting a pin moves nothing...
     deployment_set(model_name=PIPELINE, version=2, pool=pool, actor=release_manager)
@@ -139,6 +147,13 @@ def test_an_expired_pin_holds_nothing(pool: NodePool) -> None:
     assert serving(pool) == 2
 
 
+def confirm(cleared: int | None = None) -> Tiers:
+    """On-call's go for a switch back up that the automation's probes cleared (`cleared`)."""
+    if cleared is not None:
+        Tiers.objects.update(cleared=cleared)
+    return tier_confirm(pool_name="demo", model_name=PIPELINE, actor="oncall")
+
+
 def test_each_service_records_one_event_refused_or_done(pool: NodePool) -> None:
     cases = [
         Case(
@@ -154,6 +169,7 @@ def test_each_service_records_one_event_refused_or_done(pool: NodePool) -> None:
             lambda: tier_unpin(pool_name="nowhere", model_name=PIPELINE, actor="oncall"),
             lambda: tier_unpin(pool_name="demo", model_name=PIPELINE, actor="oncall"),
         ),
+        Case(tier_confirm, "pool.confirm_restore", lambda: confirm(), lambda: confirm(cleared=0)),
     ]
     assert {case.service for case in cases} == DEGRADATION_SERVICES
     assert_one_event_each(cases)
@@ -196,3 +212,8 @@ def test_the_api_reads_sets_pins_and_unpins(client: Client, pool: NodePool) -> N
     assert refused.status_code == 409 and "unpin it" in refused.json()["error"]["message"]
     unpinned = client.delete(url + "/pin", headers=oncall)
     assert unpinned.status_code == 200 and unpinned.json()["pinned"] is None
+    assert client.post(url + "/confirm", headers=oncall).status_code == 409  # nothing cleared
+    Tiers.objects.update(cleared=0, probed="probes of v1: P99 40 ms")
+    confirmed = client.post(url + "/confirm", headers=oncall)
+    assert confirmed.status_code == 200 and confirmed.json()["serving"] == 1
+    assert confirmed.json()["probed"] == "probes of v1: P99 40 ms"

@@ -5,25 +5,31 @@ owns the pool; and frozen, with an incident, when it would switch too often. Pro
 stubbed at its client (tests/integration has real ones)."""
 
 from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 from django.utils import timezone
 
+from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
 from apps.degradation import automation
 from apps.degradation.models import Tiers
-from apps.degradation.services import tier_pin, tiers_set
+from apps.degradation.probes import Probed
+from apps.degradation.services import tier_confirm, tier_pin, tiers_set
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.incidents.models import Incident
 from apps.registry.services import model_set_budget, model_set_slo
 from apps.rollouts.services import rollout_start
+from controlplane.catalog import budget_queries
 from controlplane.prometheus import PrometheusUnavailable
 from tests.support.registry import import_demo
+from tests.support.users import make_user
 
 pytestmark = pytest.mark.django_db
 PIPELINE = "rag_pipeline"
-Figures = dict[int, tuple[float | None, float, float]]  # window: (P99 ms, ok, failed)
+# window: (P99 ms, ok, failed), then (rejected, queue us, compute us) where a test has them
+Figures = dict[int, tuple[float | None, ...]]
 
 
 @pytest.fixture
@@ -50,8 +56,20 @@ def prometheus(monkeypatch: pytest.MonkeyPatch) -> Callable[[Figures], None]:
     def answering(figures: Figures) -> None:
         def instant_query(query: str) -> list[tuple[dict[str, str], float]]:
             window = next(w for w in figures if f"[{w}s]" in query)
-            p99, ok, failed = figures[window]
-            value = p99 if "summary" in query else failed if "failure" in query else ok
+            p99, ok, failed, rejected, queue, compute = (*figures[window], None, None, None)[:6]
+            value = (
+                rejected
+                if "REJECTED" in query
+                else queue
+                if "queue_duration" in query
+                else compute
+                if "compute_infer" in query
+                else p99
+                if "summary" in query
+                else failed
+                if "failure" in query
+                else ok
+            )
             return [] if value is None else [({}, value)]
 
         monkeypatch.setattr(automation, "instant_query", instant_query)
@@ -80,7 +98,10 @@ def test_a_breach_in_both_windows_steps_down_one_tier_at_once(
     prometheus(SLOW)
     evidence = "P99 3500 ms over 30 s and 3200 ms over 120 s, budget 3000 ms"
     assert tick() == f"rag_pipeline on demo: v1 → v4: {evidence}"
-    assert serving(pool) == 4
+    # v4 served; v1 stays READY beside it, for probes and a switch back that only narrows; the
+    # steps of v5, the tier below, load beside, unserved: the next switch down loads nothing.
+    found = Deployment.objects.get(pool=pool)
+    assert (found.version, found.baseline_version, found.standby_version) == (4, 1, 5)
     event = AuditEvent.objects.get(action="pool.degrade")
     incident = Incident.objects.get()  # the switch opened one: a person is told
     assert (event.actor, event.message, event.before, event.outcome) == (
@@ -97,9 +118,17 @@ def test_a_breach_in_both_windows_steps_down_one_tier_at_once(
         "warning",
     )
     assert f"system:degradation stepped down v1 → v4: {evidence}" in incident.notes
+    # Triton's P99 summaries still hold v1's requests for a while: no chasing them further down.
+    assert tick().endswith(
+        "the readings still hold requests from before the last step down or "
+        "probes: nothing is decided"
+    )
+    assert serving(pool) == 4
+    Tiers.objects.update(judged_from=timezone.now())
     tick()
-    assert serving(pool) == 5  # one tier a tick, while the budget stays broken
-    assert tick() == "rag_pipeline on demo: at its lowest tier"
+    assert serving(pool) == 5  # settled, and the budget still broken: one tier further
+    Tiers.objects.update(judged_from=timezone.now())
+    assert tick() == f"rag_pipeline on demo: at its lowest tier, v5: {evidence}"
     (incident,) = Incident.objects.all()  # the second switch was told in the same incident
     assert incident.notes.count("stepped down") == 2
 
@@ -127,6 +156,36 @@ def test_one_window_too_few_requests_or_no_data_decide_nothing(
     prometheus(figures)
     assert said in tick()
     assert serving(pool) == 1 and not AuditEvent.objects.filter(action="pool.degrade").exists()
+
+
+@pytest.mark.parametrize(
+    ("figures", "said"),
+    [
+        (
+            {30: (800.0, 100.0, 0.0, 0.0, 5e6, 1e6), 120: (900.0, 400.0, 0.0, 0.0, 9e6, 2e6)},
+            "queues 5.0x compute over 30 s and 4.5x over 120 s, at most 4x",
+        ),
+        (
+            {30: (800.0, 100.0, 0.0, 3.0), 120: (900.0, 400.0, 0.0, 7.0)},
+            "3 requests rejected over 30 s and 7 over 120 s: a queue is full",
+        ),
+    ],
+)
+def test_a_saturated_pipeline_in_both_windows_steps_down_too(
+    pool: NodePool, prometheus: Callable[[Figures], None], figures: Figures, said: str
+) -> None:
+    prometheus(figures)
+    assert said in tick()
+    assert serving(pool) == 4
+    queries = budget_queries(model=PIPELINE, steps=["embedder"], pool="d", window_s=9).values()
+    assert 'model=~"embedder|rag_pipeline"' in " ".join(queries)  # its steps' queues are its own
+
+
+def test_saturation_in_one_window_decides_nothing(
+    pool: NodePool, prometheus: Callable[[Figures], None]
+) -> None:
+    prometheus({30: (800.0, 100.0, 0.0, 2.0, 5e6, 1e6), 120: (900.0, 400.0, 0.0, 0.0, 1e6, 2e6)})
+    assert "within budget" in tick() and serving(pool) == 1
 
 
 def test_prometheus_away_decides_nothing_and_says_so(
@@ -168,12 +227,16 @@ def test_switching_too_often_freezes_it_and_opens_an_incident(
         tick()
         assert serving(pool) == 4
         deployment_set(model_name=PIPELINE, version=1, pool=pool, actor="system:test")
+        Tiers.objects.update(judged_from=None)  # the readings settled since
     said = tick()
     assert said.startswith("rag_pipeline on demo: frozen: 2 switches in the last hour")
     assert serving(pool) == 1  # frozen: a person decides now
     assert AuditEvent.objects.filter(action="pool.degrade").count() == 2
     frozen = AuditEvent.objects.get(action="pool.freeze_tiers")
-    assert frozen.actor == "system:degradation" and "budget broken again" in frozen.message
+    assert (
+        frozen.actor == "system:degradation"
+        and "and another one due: P99 3500 ms" in frozen.message
+    )
     incident = Incident.objects.get()  # the switches' incident, raised to critical
     assert (incident.severity, incident.notes.count("stepped down")) == ("critical", 2)
     assert "froze: 2 switches in the last hour" in incident.notes
@@ -186,3 +249,78 @@ def test_switching_too_often_freezes_it_and_opens_an_incident(
     Tiers.objects.update(switched_at=[timezone.now().isoformat()])
     tick()
     assert serving(pool) == 4
+
+
+def test_back_up_a_tier_only_after_the_dwell_and_the_probes_of_the_tier_above(
+    pool: NodePool, prometheus: Callable[[Figures], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probes are stubbed here (they go to Triton: tests/integration sends real ones)."""
+    probed: list[int] = []
+    answer = {"with": Probed(False, "probes of v1: P99 3400 ms, over the budget of 3000 ms")}
+    monkeypatch.setattr(automation, "probe", lambda tiers, v: probed.append(v) or answer["with"])
+
+    def dwell_passes() -> None:
+        past = timezone.now() - timedelta(seconds=601)
+        Deployment.objects.update(updated_at=past)
+        Tiers.objects.update(breached_at=past, probed_at=None)
+
+    prometheus(SLOW)
+    tick()
+    prometheus(FINE)
+    assert "v1 is probed from" in tick() and probed == []  # the budget has not held 600 s yet
+    dwell_passes()
+    prometheus({30: (None, 0.0, 0.0), 120: (None, 0.0, 0.0)})
+    assert "no data over 30 s: nothing is decided" in tick() and probed == []  # no evidence
+    prometheus(FINE)
+    assert tick().endswith("; stays: probes of v1: P99 3400 ms, over the budget of 3000 ms")
+    assert probed == [1] and serving(pool) == 4
+    assert "probed v1 at" in tick() and probed == [1]  # one round of probes a dwell
+    Tiers.objects.update(breached_at=timezone.now())
+    Tiers.objects.update(probed_at=None)
+    assert "v1 is probed from" in tick()  # broken again at v4 meanwhile: the dwell starts over
+
+    dwell_passes()
+    answer["with"] = Probed(True, "probes of v1: P99 900 ms over 60 requests, budget 3000 ms")
+    assert tick() == f"rag_pipeline on demo: v4 → v1: {answer['with'].evidence}"
+    found = Deployment.objects.get(pool=pool)
+    assert (found.version, found.baseline_version, found.standby_version) == (1, None, 4)
+    event = AuditEvent.objects.get(action="pool.restore")
+    incident = Incident.objects.get()  # the step down's, told of the way back
+    assert (event.actor, event.message, event.before, event.outcome) == (
+        "system:degradation",
+        answer["with"].evidence,
+        {"version": 4, "tier": 1},
+        {"version": 1, "tier": 0, "incident": incident.pk},
+    )
+    assert "stepped back up v4 → v1: probes of v1: P99 900 ms" in incident.notes
+    assert Tiers.objects.get().probed == answer["with"].evidence  # the page shows it
+    prometheus(SLOW)
+    assert tick().startswith("rag_pipeline on demo: frozen: 2 switches in the last hour")
+
+
+def test_on_a_protected_pool_a_person_confirms_each_switch_back(
+    pool: NodePool, prometheus: Callable[[Figures], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cleared = Probed(True, "probes of v1: P99 900 ms over 60 requests, budget 3000 ms")
+    monkeypatch.setattr(automation, "probe", lambda tiers, version: cleared)
+    prometheus(SLOW)
+    tick()  # stepping down never waits: it protects the users
+    NodePool.objects.filter(pk=pool.pk).update(protected=True)
+    past = timezone.now() - timedelta(seconds=601)
+    Deployment.objects.update(updated_at=past)
+    Tiers.objects.update(breached_at=past)
+    prometheus(FINE)
+    waiting = f"{cleared.evidence}: a person confirms the switch back (protected pool)"
+    assert tick().endswith(waiting) and serving(pool) == 4
+    assert tick().endswith(waiting)  # and it keeps saying so
+    tier_confirm(pool_name="demo", model_name=PIPELINE, actor=make_user(Role.OPERATOR))
+    assert serving(pool) == 1
+    event = AuditEvent.objects.get(action="pool.confirm_restore")
+    assert (event.actor, event.message, event.before, event.outcome) == (
+        "operator-user",
+        cleared.evidence,
+        {"version": 4},
+        {"version": 1, "tier": 0},
+    )
+    assert not AuditEvent.objects.filter(action="pool.restore").exists()
+    assert Tiers.objects.get().cleared is None

@@ -1,5 +1,6 @@
-"""A pool's tiers page: which tier each model serves and why, on-call's pin and unpin from it,
-and as many queries for twelve models as for two."""
+"""A pool's tiers page: which tier each model serves and why, which are loaded beside it and
+which cold, on-call's pin, unpin and confirmation of a switch back from it, and as many queries
+for twelve models as for two."""
 
 import pytest
 from django.contrib.auth.models import User
@@ -39,6 +40,7 @@ def test_the_page_says_what_each_model_serves_and_why(
     page = client.get(URL).content.decode()
     assert 'id="tiers-rag_pipeline"' in page
     assert "primary" in page and "serving" in page and "rag_pipeline on demo: within budget" in page
+    assert 'title="a switch to it loads it first">cold</span>' in page  # v4: nothing of it loaded
     assert "<button>Pin</button>" not in page  # a viewer pins nothing
     assert client.post(f"{URL}rag_pipeline/pin/", {"tier": 1}).status_code == 403
 
@@ -51,6 +53,7 @@ def test_on_call_pins_and_unpins_from_the_page(client: Client, pool: NodePool) -
     assert "rag_pipeline on demo: pinned to tier 1 (v4)" in done
     assert "to tier 1 by operator-user until" in done and "P99 over budget" in done
     assert Deployment.objects.get(pool=pool).version == 4
+    assert '<span class="badge warm">loaded beside</span>' in done  # v1, for the way back
     bad = client.post(f"{URL}rag_pipeline/pin/", form | {"hours": "two"}, follow=True)
     assert "tier and hours: numbers" in bad.content.decode()
     refused = client.post(f"{URL}rag_pipeline/pin/", form | {"reason": ""}, follow=True)
@@ -58,6 +61,25 @@ def test_on_call_pins_and_unpins_from_the_page(client: Client, pool: NodePool) -
     unpinned = client.post(f"{URL}rag_pipeline/unpin/", follow=True).content.decode()
     assert "rag_pipeline on demo: unpinned" in unpinned
     assert not Tiers.objects.get().pin_holds()
+    assert "Confirm the switch back" not in unpinned
+    Tiers.objects.update(cleared=0)  # the automation's probes cleared v1, on a protected pool
+    assert "<button>Confirm the switch back</button>" in client.get(URL).content.decode()
+    confirmed = client.post(f"{URL}rag_pipeline/confirm/", follow=True).content.decode()
+    assert "rag_pipeline on demo: back up to v1" in confirmed
+    assert Deployment.objects.get(pool=pool).version == 1
+
+
+def test_a_release_manager_sets_tiers_from_the_page(client: Client, pool: NodePool) -> None:
+    client.force_login(make_user(Role.RELEASE_MANAGER))
+    assert "<button>Add tiers</button>" in client.get(URL).content.decode()
+    done = client.post(f"{URL}set/", {"model": "rag_pipeline", "versions": "v1, v5"}, follow=True)
+    assert "rag_pipeline on demo: tiers v1 &gt; v5" in done.content.decode()
+    assert Tiers.objects.get().versions == [1, 5]
+    for versions, said in [("one", "numbers separated by commas"), ("5,1", "each newer than")]:
+        form = {"model": "rag_pipeline", "versions": versions}
+        refused = client.post(f"{URL}set/", form, follow=True).content.decode()
+        assert said in refused
+    assert Tiers.objects.get().versions == [1, 5]  # a refusal loses nothing
 
 
 def test_the_page_costs_the_same_queries_for_twelve_models_as_for_two(

@@ -3,7 +3,7 @@ to each model it loaded: the model's own evaluation inputs where an app above re
 (apps.quality), sample inputs from its metadata otherwise."""
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -17,6 +17,17 @@ from apps.fleet.triton import TritonClient, TritonError, sample_inputs
 # batch dimension, or none; sample inputs from the model's metadata where none has any.
 WARMUP_TEXTS = ("warm-up request",)  # a string input's text, where a model has no set
 WARMUP_INPUTS: list[Callable[[str], list[dict[str, np.ndarray]]]] = []
+
+
+def requests_for(
+    client: TritonClient, model: str, count: int, rng: random.Random
+) -> Iterator[dict[str, np.ndarray]]:
+    """`count` requests' inputs for `model`: its registered ones (WARMUP_INPUTS) in turn, else
+    sample inputs from its metadata, read from the node (TritonError when it cannot answer)."""
+    given = next((found for source in WARMUP_INPUTS if (found := source(model))), [])
+    spec = [] if given else client.model_inputs(model)
+    for index in range(count):
+        yield given[index % len(given)] if given else sample_inputs(spec, rng, texts=WARMUP_TEXTS)
 
 
 def warm_up(node: Node, configs: dict[str, dict | None]) -> None:
@@ -41,16 +52,9 @@ def warm_up(node: Node, configs: dict[str, dict | None]) -> None:
     client = TritonClient(node.http_url, node=node.name)
     rng = random.Random(node.pk)
     for model in models:
-        given = next((found for source in WARMUP_INPUTS if (found := source(model))), [])
         try:
-            spec = [] if given else client.model_inputs(model)
-            for index in range(count):
-                client.infer(
-                    model,
-                    given[index % len(given)]
-                    if given
-                    else sample_inputs(spec, rng, texts=WARMUP_TEXTS),
-                )
+            for inputs in requests_for(client, model, count, rng):
+                client.infer(model, inputs)
         except TritonError as exc:  # it takes traffic all the same: it serves what it loaded
             audit_record(
                 actor=ACTOR,

@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from apps.degradation.services import TierError, tiers_set
+from apps.degradation.services import TierError, parse_versions, tiers_set
 
 
 class Command(BaseCommand):
@@ -16,10 +16,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: object, pool: str, model: str, versions: str, **_: object) -> None:
         try:
-            numbers = [int(v.strip().removeprefix("v")) for v in versions.split(",")]
-        except ValueError:
-            raise CommandError(f"versions: numbers separated by commas, not {versions!r}") from None
-        try:
+            numbers = parse_versions(versions)
             tiers_set(pool_name=pool, model_name=model, versions=numbers, actor="system:set_tiers")
         except TierError as exc:
             raise CommandError(str(exc)) from None
