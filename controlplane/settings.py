@@ -270,7 +270,8 @@ RETENTION_DAYS_BY_KIND = {
 }
 RETENTION_BATCH = 1000
 # Slack-compatible webhook told about rollouts (start, steps, pauses, failures, rollbacks,
-# success); empty: none. Links in its messages start with SITE_URL.
+# success) and the degradation automation's switches and freezes; empty: none. Links in its
+# messages start with SITE_URL.
 ROLLOUT_WEBHOOK_URL = env_str("ROLLOUT_WEBHOOK_URL", "")
 # How long a change to a protected pool waits for its second person.
 APPROVAL_TTL_S = env_float("APPROVAL_TTL_S", 3600.0)

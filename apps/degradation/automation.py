@@ -24,6 +24,7 @@ from apps.incidents.models import Incident
 from apps.incidents.services import incident_open, incident_update
 from apps.registry.codec import step_names
 from apps.registry.models import ModelVersion
+from apps.rollouts.notify import notify_pool
 from apps.rollouts.services import rollout_owning
 from controlplane.catalog import budget_queries
 from controlplane.prometheus import PrometheusUnavailable, instant_query
@@ -178,49 +179,37 @@ def _settled(now: datetime) -> datetime:
     return now + timedelta(seconds=settings.DEGRADATION_SETTLE_S)
 
 
-@audited("pool.degrade", _target)
-def _degrade(
-    *,
-    pool_name: str,
-    model_name: str,
-    tiers: Tiers,
-    serving: int,
-    to: int,
-    evidence: str,
-    actor: str,
-) -> None:
-    """One tier down, now; told in the open incident of the pool and model, or opens one."""
-    _move(tiers, serving, to, evidence, f"stepped down v{serving} → v{to}")
-
-
-@audited("pool.restore", _target)
-def _restore(
-    *,
-    pool_name: str,
-    model_name: str,
-    tiers: Tiers,
-    serving: int,
-    to: int,
-    evidence: str,
-    actor: str,
-) -> None:
-    """One tier back up, its probes passed; told in the open incident of the pool and model."""
-    _move(tiers, serving, to, evidence, f"stepped back up v{serving} → v{to}", opens=False)
-
-
 def _move(
-    tiers: Tiers, serving: int, to: int, evidence: str, what: str, *, opens: bool = True
+    *,
+    pool_name: str,
+    model_name: str,
+    tiers: Tiers,
+    serving: int,
+    to: int,
+    evidence: str,
+    actor: str,
 ) -> None:
-    tier_serve(tiers, tiers.versions.index(to), ACTOR)
-    incident = _attach(tiers, f"{what}: {evidence}", opens=opens)
+    """One tier down, or back up, now: told in the open incident of the pool and model (a step
+    down opens one where there is none) and by webhook."""
+    down = tiers.versions.index(to) > tiers.versions.index(serving)
+    tier_serve(tiers, tiers.versions.index(to), actor)
+    what = f"{'stepped down' if down else 'stepped back up'} v{serving} → v{to}: {evidence}"
+    incident = _attach(tiers, what, opens=down)
+    event = "degraded" if down else "restored"
+    notify_pool(pool=pool_name, model=model_name, event=event, what=what)
     audit_record(
-        actor=ACTOR,
-        target=f"pool:{tiers.pool.name}:{tiers.model.name}",
+        actor=actor,
+        target=f"pool:{pool_name}:{model_name}",
         before={"version": serving, "tier": tiers.versions.index(serving)},
         after={"version": to, "tier": tiers.versions.index(to)}
         | ({"incident": incident.pk} if incident else {}),
         message=evidence,
     )
+
+
+# One body, two actions: the way the pool moved names the event.
+_degrade = audited("pool.degrade", _target)(_move)
+_restore = audited("pool.restore", _target)(_move)
 
 
 def _attach(
@@ -259,6 +248,7 @@ def _freeze(tiers: Tiers, recent: list[str], evidence: str, now: datetime) -> st
     tiers.frozen_at, tiers.frozen_reason = now, why
     tiers.save(update_fields=["frozen_at", "frozen_reason", "updated_at"])
     incident = _attach(tiers, f"froze: {why}", Incident.Severity.CRITICAL)
+    notify_pool(pool=tiers.pool.name, model=tiers.model.name, event="frozen", what=f"froze: {why}")
     assert incident is not None  # it opens one when there is none
     audit_record(
         actor=ACTOR,

@@ -201,14 +201,17 @@ class Measurement(models.Model):
 
 
 class Notification(models.Model):
-    """A webhook message about a rollout; delivered by a worker, retried, never blocking."""
+    """A webhook message about a rollout, or about a pool's model that no rollout carries (the
+    degradation automation's switches); delivered by a worker, retried, never blocking."""
 
     class Status(models.TextChoices):
         PENDING = "pending"
         SENT = "sent"
         FAILED = "failed"
 
-    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="notifications")
+    rollout = models.ForeignKey(
+        Rollout, null=True, blank=True, on_delete=models.CASCADE, related_name="notifications"
+    )
     event = models.CharField(max_length=30)
     payload = models.JSONField()
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.PENDING)

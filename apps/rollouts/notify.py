@@ -1,10 +1,11 @@
-"""Webhook messages about rollouts (Slack-compatible JSON), written with the transition that
-causes them and delivered afterwards by a worker: a slow or broken receiver never holds a
-rollout up."""
+"""Webhook messages about rollouts, and about the degradation automation's switches and freezes
+(Slack-compatible JSON), written with the change that causes them and delivered afterwards by a
+worker: a slow or broken receiver never holds a rollout or a switch up."""
 
 import json
 import urllib.request
 from datetime import timedelta
+from typing import Any
 
 from celery import current_app
 from django.conf import settings
@@ -50,10 +51,34 @@ def notify(rollout: Rollout, event: str) -> Notification | None:
         reason=slack_text(rollout.reason),
     )
     title = f"Rollout #{rollout.pk} of {model} on {pool}"
+    about = {"rollout": {"id": rollout.pk, "state": rollout.state, "event": event, "url": link}}
+    return _send(title, what, link, event, about, rollout)
+
+
+def notify_pool(*, pool: str, model: str, event: str, what: str) -> Notification | None:
+    """A message about a pool's model that no rollout carries: the degradation automation's
+    switches and its freeze, linking to the pool's tiers page."""
+    if not settings.ROLLOUT_WEBHOOK_URL:
+        return None
+    link = f"{settings.SITE_URL}/pools/{pool}/tiers/"
+    title = f"{slack_text(model)} on {slack_text(pool)}"
+    about = {"pool": {"name": pool, "model": model, "event": event, "url": link}}
+    return _send(title, slack_text(what), link, event, about)
+
+
+def _send(
+    title: str,
+    what: str,
+    link: str,
+    event: str,
+    about: dict[str, Any],
+    rollout: Rollout | None = None,
+) -> Notification:
+    """Written with the change that causes it, delivered after it commits."""
     payload = {
         "text": f"{title} {what} <{link}|details>",
         "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": f"*{title}* {what}"}}],
-        "rollout": {"id": rollout.pk, "state": rollout.state, "event": event, "url": link},
+        **about,
     }
     notification = Notification.objects.create(rollout=rollout, event=event, payload=payload)
     # Addressed by name: the task (rollouts.tasks) wraps this module, not the other way round.

@@ -20,6 +20,7 @@ from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.incidents.models import Incident
 from apps.registry.services import model_set_budget, model_set_slo
+from apps.rollouts.models import Notification
 from apps.rollouts.services import rollout_start
 from controlplane.catalog import budget_queries
 from controlplane.prometheus import PrometheusUnavailable
@@ -219,9 +220,10 @@ def test_a_pin_or_a_running_rollout_holds_the_automation(
 
 
 def test_switching_too_often_freezes_it_and_opens_an_incident(
-    pool: NodePool, prometheus: Callable[[Figures], None]
+    pool: NodePool, prometheus: Callable[[Figures], None], settings: object
 ) -> None:
     """A flapping fault: each time a person puts the primary back, the budget breaks again."""
+    settings.ROLLOUT_WEBHOOK_URL = "http://127.0.0.1:1/hook"  # type: ignore[attr-defined]
     prometheus(SLOW)
     for _ in range(2):
         tick()
@@ -240,6 +242,10 @@ def test_switching_too_often_freezes_it_and_opens_an_incident(
     incident = Incident.objects.get()  # the switches' incident, raised to critical
     assert (incident.severity, incident.notes.count("stepped down")) == ("critical", 2)
     assert "froze: 2 switches in the last hour" in incident.notes
+    told = Notification.objects.order_by("id")  # each switch and the freeze, by webhook too
+    assert [n.event for n in told] == ["degraded", "degraded", "frozen"]
+    assert told[0].rollout is None and told[0].payload["pool"]["url"].endswith("/pools/demo/tiers/")
+    assert told[0].payload["text"].startswith("rag_pipeline on demo stepped down v1 → v4: P99")
     assert tick().startswith("rag_pipeline on demo: frozen since")
     tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4, 5], actor="rm")
     assert Tiers.objects.get().frozen_at is None  # set again by a person: it starts afresh
