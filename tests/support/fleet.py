@@ -90,6 +90,21 @@ def tick_until(
     wait_for(what, ticked, timeout)
 
 
+def flapping(devfleet: Devfleet, model: str, *, seconds: float) -> Iterator[float]:
+    """`model` 400 ms slower for 20 s, then fine for 20 s, over and over for `seconds` (the demo
+    models' fault knob): yields at the end of each 20 s (the seconds gone), for the caller to
+    look, or stop; healed after."""
+    start = time.monotonic()
+    try:
+        while (elapsed := time.monotonic() - start) < seconds:
+            slow = int(elapsed // 20) % 2 == 0
+            devfleet.fault(model, delay_ms=400 if slow else 0)
+            time.sleep(20 - elapsed % 20)
+            yield time.monotonic() - start
+    finally:
+        devfleet.fault(model)
+
+
 def converged(pool: NodePool, expected: set[tuple[str, int]]) -> Callable[[], bool]:
     def check() -> bool:
         return all(ready_on(node) == expected for node in pool.nodes.all())
