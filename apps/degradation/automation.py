@@ -131,9 +131,10 @@ def _maybe_back_up(tiers: Tiers, deployment: Deployment, position: int, evidence
         last = f"{tiers.probed_at:%H:%M:%S}" if tiers.probed_at else "now"
         return f"{said}; probed v{above} at {last}: {tiers.probed or 'under way'}"
     probed = probe(tiers, above)
-    Tiers.objects.filter(pk=tiers.pk).update(probed=probed.evidence)
-    if not probed.passed:  # their slow requests are in the pipeline's readings for a while
-        Tiers.objects.filter(pk=tiers.pk).update(judged_from=_settled(timezone.now()))
+    # Failed probes' slow requests are in the pipeline's readings for a while.
+    settle = {} if probed.passed else {"judged_from": _settled(timezone.now())}
+    Tiers.objects.filter(pk=tiers.pk).update(probed=probed.evidence, **settle)
+    if not probed.passed:
         return f"{said}; stays: {probed.evidence}"
     if tiers.pool.protected:  # a person confirms each switch back there (services.tier_confirm)
         Tiers.objects.filter(pk=tiers.pk).update(cleared=position - 1)

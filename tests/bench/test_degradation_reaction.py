@@ -64,9 +64,13 @@ def one_breach(pool: NodePool, devfleet: Devfleet, tiers: Tiers) -> float:
         devfleet.fault("reranker")
 
 
-def with_tiers(pool: NodePool, state: FleetState, celery: Celery, settings: object) -> Tiers:
+@pytest.fixture
+def tiers(
+    pool: NodePool, trio: tuple[Devfleet, FleetState], celery: Celery, settings: object
+) -> Tiers:
     """The pool on v2, tiers v2 > v4, a budget of BUDGET_MS; the worker reads the trio's
     Prometheus."""
+    _, state = trio
     celery.use_prometheus(state.prometheus_url)
     settings.PROMETHEUS_URL = state.prometheus_url  # type: ignore[attr-defined]
     deployment_set(model_name="rag_pipeline", version=2, pool=pool, actor="system:bench")
@@ -77,15 +81,10 @@ def with_tiers(pool: NodePool, state: FleetState, celery: Celery, settings: obje
 @pytest.mark.timeout(900)
 @pytest.mark.django_db(transaction=True)
 def test_a_breach_steps_every_node_down_within_2_s_of_being_measurable(
-    pool: NodePool,
-    trio: tuple[Devfleet, FleetState],
-    celery: Celery,
-    report: Report,
-    settings: object,
+    pool: NodePool, trio: tuple[Devfleet, FleetState], tiers: Tiers, report: Report
 ) -> None:
     began = time.perf_counter()
     devfleet, state = trio
-    tiers = with_tiers(pool, state, celery, settings)
     reactions = []
     with traffic_to(state):
         for _ in range(ROUNDS):
@@ -110,17 +109,12 @@ def test_a_breach_steps_every_node_down_within_2_s_of_being_measurable(
 @pytest.mark.timeout(900)
 @pytest.mark.django_db(transaction=True)
 def test_a_fault_flapping_for_5_minutes_switches_twice_then_freezes(
-    pool: NodePool,
-    trio: tuple[Devfleet, FleetState],
-    celery: Celery,
-    report: Report,
-    settings: object,
+    pool: NodePool, trio: tuple[Devfleet, FleetState], tiers: Tiers, report: Report
 ) -> None:
     """The reranker slow for 20 s, fine for 20 s, for the whole 5 minutes (CI's integration test
     stops one cycle after the freeze): one step down, one back up, then a freeze and a critical
     incident; never a switch per cycle."""
     devfleet, state = trio
-    tiers = with_tiers(pool, state, celery, settings)
     with traffic_to(state):
         wait_for("v2 on every node", converged(pool, STEPS_V2), timeout=120)
         wait_for("the budget held", lambda: not breached(tiers), timeout=120)
