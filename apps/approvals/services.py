@@ -22,8 +22,6 @@ from apps.fleet.services.nodes import node_adopt, operation_override
 from apps.rollouts.plans import PlanError
 from apps.rollouts.services import (
     RolloutError,
-    release_fallback,
-    release_rollback,
     rollout_promote,
     rollout_retry,
     rollout_start,
@@ -42,6 +40,7 @@ def _deploy(params: dict[str, Any], actor: User) -> object:
         model_name=params["model"],
         version=params["version"],
         baseline=params.get("baseline"),
+        standby=params.get("standby"),
         actor=actor,
         **where,
     )
@@ -54,13 +53,6 @@ ACTIONS: dict[str, Callable[[dict[str, Any], User], object]] = {
     ),
     "rollout.promote": lambda p, actor: rollout_promote(
         rollout_id=p["rollout_id"], reason=p["reason"], actor=actor
-    ),
-    # Held before moves back were exempt: requests of then still approve.
-    "release.rollback": lambda p, actor: release_rollback(
-        model_name=p["model"], pool_name=p["pool"], actor=actor
-    ),
-    "release.fallback": lambda p, actor: release_fallback(
-        model_name=p["model"], pool_name=p["pool"], actor=actor
     ),
     "rollout.start": lambda p, actor: rollout_start(
         model_name=p["model"],
@@ -160,6 +152,8 @@ def approval_approve(*, approval_id: int, actor: User) -> Approval:
                 f"{approval.params['model']} moved from v{approval.resolved['release']} to "
                 f"v{now['release']} since it was asked: ask again"
             )
+        if approval.action not in ACTIONS:  # asked before moves back stopped waiting
+            raise ApprovalError(f"{approval.action} needs no approval now: do it yourself")
         ACTIONS[approval.action](approval.params, approval.requested_by)
         approval.status = Approval.Status.APPROVED
     except (FleetError, RolloutError, PlanError, ApprovalError) as exc:

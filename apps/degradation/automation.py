@@ -18,7 +18,7 @@ from apps.audit.services import audit_record, audited
 from apps.degradation.models import Tiers
 from apps.degradation.probes import probe
 from apps.degradation.services import _target, tier_serve
-from apps.degradation.triggers import Limits, Reading, judge
+from apps.degradation.triggers import Limits, Window, judge
 from apps.fleet.models import Deployment
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_open, incident_update
@@ -68,7 +68,7 @@ def tick(tiers: Tiers) -> str:
     steps = _steps(tiers, serving)
     try:
         short, long = (
-            _reading(tiers, steps, window)
+            _window(tiers, steps, window)
             for window in (settings.DEGRADATION_SHORT_S, settings.DEGRADATION_LONG_S)
         )
     except PrometheusUnavailable as exc:
@@ -96,13 +96,13 @@ def _steps(tiers: Tiers, version: int) -> list[str]:
     return sorted(step_names(ModelVersion.objects.get(model=tiers.model, version=version).config))
 
 
-def _reading(tiers: Tiers, steps: list[str], window_s: int) -> Reading:
+def _window(tiers: Tiers, steps: list[str], window_s: int) -> Window:
     queries = budget_queries(
         model=tiers.model.name, steps=steps, pool=tiers.pool.name, window_s=window_s
     )
     found = {name: instant_query(query) for name, query in queries.items()}
     value = {name: rows[0][1] if rows else None for name, rows in found.items()}
-    return Reading(
+    return Window(
         window_s,
         value["ok"],
         value["failed"],

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Reading:
+class Window:
     """One window's figures: requests served and failed in it, the worst node's P99 (ms)."""
 
     window_s: int
@@ -50,18 +50,18 @@ class Finding:
     measured: bool = True  # False: too little data to judge either way
 
 
-def judge(short: Reading, long: Reading, limits: Limits) -> Finding:
+def judge(short: Window, long: Window, limits: Limits) -> Finding:
     """Breached when the P99 is over the budget, or the error ratio over the objective, in both
     windows, each with enough requests."""
-    for reading in (short, long):
-        if reading.ok is None or reading.p99_ms is None:
+    for window in (short, long):
+        if window.ok is None or window.p99_ms is None:
             return Finding(
-                False, f"no data over {reading.window_s} s: nothing is decided", measured=False
+                False, f"no data over {window.window_s} s: nothing is decided", measured=False
             )
-        if reading.requests < limits.min_requests:
+        if window.requests < limits.min_requests:
             return Finding(
                 False,
-                f"{reading.requests:.0f} requests over {reading.window_s} s, "
+                f"{window.requests:.0f} requests over {window.window_s} s, "
                 f"{limits.min_requests} needed: nothing is decided",
                 measured=False,
             )
@@ -87,7 +87,7 @@ def judge(short: Reading, long: Reading, limits: Limits) -> Finding:
     )
 
 
-def _saturated(short: Reading, long: Reading, limits: Limits) -> list[str]:
+def _saturated(short: Window, long: Window, limits: Limits) -> list[str]:
     """Saturation in both windows, in words: requests rejected, or queues far above compute."""
     found = []
     if min(short.rejected or 0, long.rejected or 0) > 0:

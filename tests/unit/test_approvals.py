@@ -197,6 +197,25 @@ def test_moves_back_never_wait_for_a_second_person(pool: NodePool) -> None:
     assert switched.after["version"] == 1
 
 
+def test_a_move_back_asked_for_before_moves_back_stopped_waiting_is_not_run(
+    pool: NodePool,
+) -> None:
+    """Such a request runs nothing when approved: it says to roll back directly."""
+    ann, bob = person("ann"), person("bob")
+    deployment_set(model_name="embedder", version=2, pool=pool, actor=CONTROLLER)
+    stale = Approval.objects.create(
+        pool=pool,
+        action="release.rollback",
+        params={"model": "embedder", "pool": "gpu"},
+        requested_by=ann,
+        expires_at=timezone.now() + timedelta(minutes=5),
+    )
+    approved = approval_approve(approval_id=stale.pk, actor=bob)
+    assert approved.status == Approval.Status.FAILED
+    assert approved.result == "release.rollback needs no approval now: do it yourself"
+    assert deployed(pool) == 2
+
+
 @pytest.mark.django_db(transaction=True)
 def test_an_abort_and_an_incident_rollback_at_once_both_go_through() -> None:
     """A release manager aborts a bad canary on a protected pool while on-call rolls it back
