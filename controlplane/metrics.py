@@ -9,6 +9,7 @@ rows by primary key, an index range scan, never end to end."""
 
 import math
 from bisect import bisect
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -71,7 +72,7 @@ class ControlPlaneCollector(Collector):
         )
         yield _durations()
         yield _reconcile_lag(pools)
-        yield _nodes(pools)
+        yield from _nodes(pools)
         yield _per_choice(
             "controlplane_analysis_verdicts",
             f"Analysis measurements per verdict, among the last {RECENT_ROWS} taken.",
@@ -156,20 +157,24 @@ def _reconcile_lag(pools: list[tuple[int, str, str]]) -> GaugeMetricFamily:
     return family
 
 
-def _nodes(pools: list[tuple[int, str, str]]) -> GaugeMetricFamily:
-    counts = {
-        (pool_id, health): n
-        for pool_id, health, n in Node.objects.order_by()
-        .values_list("pool_id", "health")
-        .annotate(Count("pk"))
-    }
-    family = GaugeMetricFamily(
-        "controlplane_nodes", "Nodes per pool and health.", labels=["pool", "health"]
-    )
-    for pool_id, name, _ in pools:
-        for health in Node.Health:
-            family.add_metric([name, health.value], counts.get((pool_id, health.value), 0))
-    return family
+def _nodes(pools: list[tuple[int, str, str]]) -> Iterator[GaugeMetricFamily]:
+    """Nodes per pool and health (of those that have not departed), and per pool and stage."""
+    rows = Node.objects.order_by().values_list("pool_id", "stage", "health").annotate(Count("pk"))
+    healths: Counter[tuple[int, str]] = Counter()
+    stages: Counter[tuple[int, str]] = Counter()
+    for pool_id, stage, health, count in rows:
+        stages[pool_id, stage] += count
+        if stage != Node.Stage.DEPARTED:
+            healths[pool_id, health] += count
+    for metric, what, counted, choices in (
+        ("controlplane_nodes", "health", healths, Node.Health),
+        ("controlplane_node_stages", "stage", stages, Node.Stage),
+    ):
+        family = GaugeMetricFamily(metric, f"Nodes per pool and {what}.", labels=["pool", what])
+        for pool_id, name, _ in pools:
+            for choice in choices:
+                family.add_metric([name, choice.value], counted[pool_id, choice.value])
+        yield family
 
 
 def _heartbeats() -> Iterator[GaugeMetricFamily]:

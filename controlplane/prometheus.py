@@ -81,6 +81,12 @@ def instant_query(query: str) -> list[tuple[dict[str, str], float]]:
     return [(row["metric"], float(row["value"][1])) for row in _call("custom_query", query)]
 
 
+def active_targets(scrape_pool: str) -> list[dict[str, Any]]:
+    """The targets Prometheus scrapes now in `scrape_pool` (its targets API's activeTargets)."""
+    found = _call("get_targets", state="active", scrape_pool=scrape_pool)
+    return list(found.get("activeTargets") or [])
+
+
 # How Prometheus writes the values a line cannot draw. Matching the text is several times
 # cheaper than parsing and testing every point, and a 6 h chart has thousands.
 NOT_FINITE = frozenset({"NaN", "+Inf", "-Inf"})

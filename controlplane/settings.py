@@ -248,12 +248,24 @@ DEGRADATION_DWELL_UP_S = env_int("DEGRADATION_DWELL_UP_S", 600)
 DEGRADATION_SETTLE_S = env_int("DEGRADATION_SETTLE_S", 70)
 DEGRADATION_PROBES = env_int("DEGRADATION_PROBES", 20)
 DEGRADATION_PROBE_NODES = env_int("DEGRADATION_PROBE_NODES", 3)
+# Discovery (apps/fleet/discovery.py): nodes are the targets of this Prometheus scrape pool (empty:
+# only nodes registered by hand), read every DISCOVERY_INTERVAL_S; a node's pool and name are
+# target labels, its HTTP and gRPC ports these (or the target's `http_port`/`grpc_port` labels);
+# a node whose target is gone this long has departed.
+DISCOVERY_SCRAPE_POOL = env_str("DISCOVERY_SCRAPE_POOL", "")
+DISCOVERY_INTERVAL_S = env_float("DISCOVERY_INTERVAL_S", 5.0)
+DISCOVERY_POOL_LABEL = env_str("DISCOVERY_POOL_LABEL", "pool")
+DISCOVERY_NAME_LABEL = env_str("DISCOVERY_NAME_LABEL", "node")
+DISCOVERY_HTTP_PORT = env_int("DISCOVERY_HTTP_PORT", 8000)
+DISCOVERY_GRPC_PORT = env_int("DISCOVERY_GRPC_PORT", 8001)
+DISCOVERY_GRACE_S = env_float("DISCOVERY_GRACE_S", 120.0)
 # /readyz wants a heartbeat that went from beat through a worker to the database this recently.
 HEARTBEAT_INTERVAL_S = 10.0
 READY_HEARTBEAT_MAX_AGE_S = env_float("READY_HEARTBEAT_MAX_AGE_S", 60.0)
 CELERY_BEAT_SCHEDULE = {
     "heartbeat": {"task": "fleet.heartbeat", "schedule": HEARTBEAT_INTERVAL_S},
     "poll-nodes": {"task": "fleet.poll_nodes", "schedule": FLEET_POLL_INTERVAL_S},
+    "discover": {"task": "fleet.discover", "schedule": DISCOVERY_INTERVAL_S},
     "reconcile": {"task": "fleet.reconcile_all", "schedule": FLEET_RECONCILE_INTERVAL_S},
     "rollouts": {"task": "rollouts.advance_all", "schedule": ROLLOUT_TICK_S},
     "degradation": {"task": "degradation.tick_all", "schedule": DEGRADATION_TICK_S},

@@ -35,6 +35,7 @@ class Kind(StrEnum):
 
 _BY_KIND: dict[Kind, list[str]] = {
     Kind.SERVING: [
+        "node.join",
         "deployment.set",
         "deployment.remove",
         "rollout.step",
@@ -77,7 +78,14 @@ _BY_KIND: dict[Kind, list[str]] = {
         "node.operate",
     ],
     Kind.REGISTRY: ["version.create", "version.set_status"],
-    Kind.HEALTH: ["node.down", "node.up", "node.flapping"],
+    Kind.HEALTH: [
+        "node.down",
+        "node.up",
+        "node.flapping",
+        "node.discover",
+        "node.return",
+        "node.depart",
+    ],
     Kind.SYNTHETIC: ["synthetic_load.start"],
     Kind.UPKEEP: [
         "node.drift",

@@ -71,50 +71,94 @@ class Devfleet:
         """`repository_key` ("name=value"): nodes serve the repository API only to requests
         with that header, as Triton's --http-restricted-api has it."""
         self._require_stopped()
-        tritonserver, backends = self._triton_install()
+        self._triton_install()  # a missing Triton or stub refused before anything starts
         self._precompile()
         prometheus = require_binary("prometheus", "apt-get install -y prometheus")
         ports = ports_free(nodes * 3, base_port)
         state = FleetState()
         try:
             for i in range(nodes):
-                name = f"{pool}-{i + 1}"
-                http, grpc, metrics = ports[3 * i : 3 * i + 3]
-                argv = [
-                    tritonserver,
-                    f"--model-repository={self.repository}",
-                    f"--backend-directory={backends}",
-                    "--model-control-mode=explicit",
-                    "--strict-readiness=false",
-                    "--metrics-config=summary_latencies=true",
-                    "--metrics-interval-ms=1000",
-                    # Verbose: the node's log shows every repository request it received.
-                    "--log-verbose=1",
-                    f"--http-port={http}",
-                    f"--grpc-port={grpc}",
-                    f"--metrics-port={metrics}",
-                    "--http-address=127.0.0.1",
-                    "--grpc-address=127.0.0.1",
-                    "--metrics-address=127.0.0.1",
-                    f"--id={name}",
-                ]
-                if repository_key:
-                    argv.append(f"--http-restricted-api=model-repository:{repository_key}")
-                proc = self._spawn(
-                    name, argv, {"http": http, "grpc": grpc, "metrics": metrics}, triton_env()
-                )
+                proc = self._start_node(f"{pool}-{i + 1}", ports[3 * i : 3 * i + 3], repository_key)
                 state.nodes.append(proc)
                 self._save(state)
             for proc in state.nodes:
                 wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
+            self._targets_write(state, pool)
             web = ports_free(1, prometheus_port)[0]
-            state.prometheus = self._start_prometheus(prometheus, state, pool, web)
+            state.prometheus = self._start_prometheus(prometheus, web)
             self._save(state)
             wait_http(f"{state.prometheus_url}/-/ready", state.prometheus)
         except BaseException:
             self.down()
             raise
         return state
+
+    def _start_node(self, name: str, ports: list[int], repository_key: str = "") -> Proc:
+        tritonserver, backends = self._triton_install()
+        http, grpc, metrics = ports
+        argv = [
+            tritonserver,
+            f"--model-repository={self.repository}",
+            f"--backend-directory={backends}",
+            "--model-control-mode=explicit",
+            "--strict-readiness=false",
+            "--metrics-config=summary_latencies=true",
+            "--metrics-interval-ms=1000",
+            # Verbose: the node's log shows every repository request it received.
+            "--log-verbose=1",
+            f"--http-port={http}",
+            f"--grpc-port={grpc}",
+            f"--metrics-port={metrics}",
+            "--http-address=127.0.0.1",
+            "--grpc-address=127.0.0.1",
+            "--metrics-address=127.0.0.1",
+            f"--id={name}",
+        ]
+        if repository_key:
+            argv.append(f"--http-restricted-api=model-repository:{repository_key}")
+        ports_of = {"http": http, "grpc": grpc, "metrics": metrics}
+        return self._spawn(name, argv, ports_of, triton_env())
+
+    # -- nodes that come and go, found by Prometheus (file_sd) -----------------------------------
+
+    @property
+    def targets(self) -> Path:
+        """Prometheus' file_sd list of the fleet's nodes: one line each, `node` and `pool` labels
+        and the ports of the node's HTTP and gRPC endpoints (the control plane's discovery reads
+        them from Prometheus' targets API)."""
+        return self.home / "targets" / "nodes.yml"
+
+    def _targets_write(self, state: FleetState, pool: str) -> None:
+        self.targets.parent.mkdir(parents=True, exist_ok=True)
+        lines = [_target_line(proc, pool) for proc in state.nodes]
+        partial = self.targets.with_suffix(".partial")  # not *.yml: Prometheus reads it whole
+        partial.write_text("".join(f"{line}\n" for line in lines))
+        partial.replace(self.targets)
+
+    def add_node(self, pool: str) -> Proc:
+        """One more node, started, then listed for Prometheus: the control plane finds it."""
+        state = self.state()
+        name = f"{pool}-{len(state.nodes) + 1}"
+        self._precompile()
+        proc = self._start_node(name, ports_free(3, None))
+        state.nodes.append(proc)
+        self._save(state)
+        wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
+        with self.targets.open("a") as listed:
+            listed.write(_target_line(proc, pool) + "\n")
+        return proc
+
+    def remove_node(self, name: str) -> Proc:
+        """A node no longer listed for Prometheus, then stopped (a pod scaled away)."""
+        proc = self._proc(name)
+        kept = [line for line in self.targets.read_text().splitlines() if f'"{name}"' not in line]
+        partial = self.targets.with_suffix(".partial")
+        partial.write_text("".join(f"{line}\n" for line in kept))
+        partial.replace(self.targets)
+        if proc.running:
+            os.killpg(proc.pid, signal.SIGTERM)
+            wait_gone(proc, 15.0)
+        return proc
 
     def alerting(self, *, receiver: str, token: str, rules: Path) -> Proc:
         """An Alertmanager posting every alert group to `receiver` (the control plane's
@@ -294,21 +338,11 @@ class Devfleet:
         started = int(stat[19]) if stat else -1
         return Proc(name=name, pid=popen.pid, argv=argv, log=str(log), started=started, ports=ports)
 
-    def _start_prometheus(self, binary: str, state: FleetState, pool: str, port: int) -> Proc:
+    def _start_prometheus(self, binary: str, port: int) -> Proc:
+        targets = {"files": [str(self.targets.parent / "*.yml")], "refresh_interval": "1s"}
         scrape = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [
-                {
-                    "job_name": "triton",
-                    "static_configs": [
-                        {
-                            "targets": [f"127.0.0.1:{n.ports['metrics']}"],
-                            "labels": {"node": n.name, "pool": pool},
-                        }
-                        for n in state.nodes
-                    ],
-                }
-            ],
+            "scrape_configs": [{"job_name": "triton", "file_sd_configs": [targets]}],
         }
         config = self.home / "prometheus.yml"
         config.write_text(json.dumps(scrape, indent=2))  # JSON is valid YAML
@@ -411,3 +445,10 @@ class Devfleet:
                 raise TritonError(
                     client.node, f"{name} v{each_version} is not READY after load: {reason}"
                 )
+
+
+def _target_line(node: Proc, pool: str) -> str:
+    """A node as one line of a file_sd list (a YAML list whose items are JSON objects)."""
+    labels = {"node": node.name, "pool": pool}
+    labels |= {"http_port": str(node.ports["http"]), "grpc_port": str(node.ports["grpc"])}
+    return "- " + json.dumps({"targets": [f"127.0.0.1:{node.ports['metrics']}"], "labels": labels})

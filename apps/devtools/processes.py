@@ -17,6 +17,8 @@ from pathlib import Path
 START_TIMEOUT_S = 60.0
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 HAPROXY_BACKENDS = ("triton_http", "triton_grpc")
+# As a pool names them: the gRPC backend's servers are the nodes' gRPC endpoints.
+POOL_BACKENDS = ("triton_http", "triton_grpc:grpc")
 SINGLE_PROCESSES = ("prometheus", "simulator", "alertmanager", "haproxy")
 
 

@@ -5,8 +5,11 @@ anything they can reach (a cloud metadata service, an admin port on a neighbour)
 import functools
 import socket
 from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
+from urllib.parse import urlsplit
 
 from django.conf import settings
+
+from apps.fleet.errors import FleetError
 
 # Never contacted, whatever NODE_ALLOWED_NETWORKS says: "this network", link-local (where cloud
 # metadata services answer), AWS's IPv6 metadata address, multicast.
@@ -71,3 +74,24 @@ def _lookup(host: str) -> list[str]:
     """Every address `host` resolves to (itself, for an address), the resolver's first first."""
     infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     return list(dict.fromkeys(str(info[4][0]).split("%")[0] for info in infos))
+
+
+def validate_url(url: str, *, field: str) -> None:
+    """http(s) with a host and a port, and no credentials: they would end up in logs and pages;
+    at an address the control plane may contact (`refusal`)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise FleetError(f"{field} {url!r}: the port is not a number from 1 to 65535") from None
+    if parts.scheme not in ("http", "https", "grpc"):
+        raise FleetError(f"{field} {url!r}: use http:// or https://")
+    if parts.username or parts.password:
+        raise FleetError(f"{field} {url!r}: no credentials in node addresses")
+    if not parts.hostname:
+        raise FleetError(f"{field} {url!r}: a host is required")
+    if port is None and parts.scheme == "grpc":
+        raise FleetError(f"{field} {url!r}: host:port is required")
+    refused = refusal(parts.hostname)
+    if refused:
+        raise FleetError(f"{field} {url!r}: {refused}")

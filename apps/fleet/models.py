@@ -38,7 +38,7 @@ class NodePool(models.Model):
         max_length=200,
         blank=True,
         help_text="the HAProxy backends (comma-separated) whose servers are this pool's nodes, "
-        "named as the nodes are",
+        "named as the nodes are; `name:grpc` for one whose servers are their gRPC endpoints",
     )
     min_serving = models.PositiveSmallIntegerField(
         default=1, help_text="a node is drained for a load only while this many others serve"
@@ -62,6 +62,15 @@ class NodePool(models.Model):
 
     @property
     def backends(self) -> list[str]:
+        return [name.partition(":")[0] for name in self._backend_entries]
+
+    @property
+    def grpc_backends(self) -> set[str]:
+        """Backends whose servers are the nodes' gRPC endpoints (marked `name:grpc`)."""
+        return {e.partition(":")[0] for e in self._backend_entries if e.endswith(":grpc")}
+
+    @property
+    def _backend_entries(self) -> list[str]:
         return [name.strip() for name in self.traffic_backends.split(",") if name.strip()]
 
 
@@ -114,6 +123,21 @@ class Node(models.Model):
     )
     traffic_error = models.TextField(blank=True)
 
+    class Stage(models.TextChoices):
+        JOINING = "joining", "joining: loading, out of traffic"
+        SERVING = "serving"
+        DEPARTED = "departed", "departed: gone from discovery"
+
+    # Where a node is in its life: one found by discovery joins out of traffic until it serves
+    # its pool's release, warmed; one whose target is gone for the grace period has departed
+    # (kept with its history, no longer polled). A node registered by hand serves from the start.
+    stage = models.CharField(max_length=10, choices=Stage.choices, default=Stage.SERVING)
+    stage_changed_at = models.DateTimeField(null=True, blank=True)
+    discovered_at = models.DateTimeField(null=True, blank=True)  # None: registered by hand
+    listed_at = models.DateTimeField(
+        null=True, blank=True, help_text="when discovery last listed the node's target"
+    )
+
     class Meta:
         ordering = ["pool__name", "name"]
         permissions = [("operate_node", "Load, unload and reload models on a node")]
@@ -124,7 +148,7 @@ class Node(models.Model):
     @property
     def wanted_weight(self) -> int:
         """The weight the balancer must give the node now."""
-        return 0 if self.draining else self.weight
+        return self.weight if self.stage == self.Stage.SERVING and not self.draining else 0
 
     @property
     def traffic_drift(self) -> str:

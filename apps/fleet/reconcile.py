@@ -19,8 +19,10 @@ from apps.fleet import memory
 from apps.fleet.desired import Desired, DesiredStateError, node_desired, plan_digest, targeting
 from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Observed, plan
-from apps.fleet.polling import node_read_index
+from apps.fleet.polling import node_poll, node_read_index
 from apps.fleet.runner import RECONCILER, DesiredDigest, save_owned
+from apps.fleet.selectors import converged
+from apps.fleet.traffic.balancer import traffic_sync
 from apps.fleet.triton import ready_in
 from apps.registry.models import Model
 
@@ -128,6 +130,8 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
     node = node_read_index(node_id=node_id)
     if node.health == Node.Health.UNREACHABLE or node.last_error:
         return []
+    if node.stage == Node.Stage.DEPARTED:
+        return []
     try:
         desired = node_desired(node)
     except DesiredStateError as exc:
@@ -181,7 +185,41 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
         )
         if ops:
             _record_drift(node, [str(op) for op in ops])
+    if not ops and node.stage == Node.Stage.JOINING:
+        _join(node, desired, observed)
     return ops
+
+
+def _join(node: Node, desired: Desired, observed: dict[str, Observed]) -> None:
+    """A joining node takes traffic once its index, read just now, shows exactly what its
+    desired state names READY (the run that loaded it warmed it, out of traffic), and it
+    answers ready; until then its balancer weight stays 0."""
+    if not all(converged(observed.get(n, _GONE).ready, m.versions) for n, m in desired.items()):
+        return
+    if node_poll(node_id=node.pk).health != Node.Health.READY:
+        return
+    now = timezone.now()
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().select_related("pool").get(pk=node.pk)
+        if locked.stage != Node.Stage.JOINING:
+            return
+        if locked.operations.filter(status__in=Operation.OPEN).exists():
+            return
+        took = (now - (locked.stage_changed_at or now)).total_seconds()
+        locked.stage, locked.stage_changed_at = Node.Stage.SERVING, now
+        locked.save(update_fields=["stage", "stage_changed_at"])
+        serving = {name: sorted(model.versions) for name, model in desired.items()}
+        audit_record(
+            actor=RECONCILER,
+            action="node.join",
+            target=f"node:{locked.name}",
+            before={"stage": Node.Stage.JOINING},
+            after={"stage": Node.Stage.SERVING, "serving": serving, "joining_s": round(took, 1)},
+            message=f"takes traffic {took:.1f} s after it joined: its pool's release read "
+            "back READY, warmed, ready",
+        )
+        if locked.pool.traffic:
+            transaction.on_commit(lambda: traffic_sync(locked.pool_id), robust=True)
 
 
 def _follow_the_change(node: Node, digest: str) -> None:

@@ -1,3 +1,4 @@
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,13 +17,14 @@ def node_list() -> QuerySet[Node]:
 class NodeFilters:
     pool: str = ""
     health: str = ""
+    stage: str = ""  # joining, serving, departed
     model: str = ""  # READY on the node
     drift: bool = False
     search: str = ""  # in the name or address
 
     @property
     def active(self) -> bool:
-        return any((self.pool, self.health, self.model, self.drift, self.search))
+        return any((self.pool, self.health, self.stage, self.model, self.drift, self.search))
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ def node_rows(filters: NodeFilters = NodeFilters()) -> list[NodeRow]:
         nodes = nodes.filter(pool__name=filters.pool)
     if filters.health:
         nodes = nodes.filter(health=filters.health)
+    if filters.stage:
+        nodes = nodes.filter(stage=filters.stage)
     if filters.search:
         found = Q(name__icontains=filters.search) | Q(http_url__icontains=filters.search)
         nodes = nodes.filter(found)
@@ -71,11 +75,13 @@ def converged(ready: Iterable[int], wanted: Iterable[int] | None) -> bool:
 
 @dataclass(frozen=True)
 class FleetSummary:
-    nodes: int
+    nodes: int  # here: every count but `departed` is of the nodes that have not departed
     ready: int
     unreachable: int
     drifted: int
     models_ready: int
+    joining: int = 0
+    departed: int = 0
 
     @property
     def converged_nodes(self) -> int:
@@ -84,12 +90,16 @@ class FleetSummary:
 
 
 def fleet_summary(rows: list[NodeRow]) -> FleetSummary:
+    stages = Counter(r.node.stage for r in rows)
+    here = [r for r in rows if r.node.stage != Node.Stage.DEPARTED]
     return FleetSummary(
-        nodes=len(rows),
-        ready=sum(r.node.health == Node.Health.READY for r in rows),
-        unreachable=sum(r.node.health == Node.Health.UNREACHABLE for r in rows),
-        drifted=sum(bool(r.drift) for r in rows),
-        models_ready=sum(len(v) for r in rows for v in r.node.ready_versions.values()),
+        nodes=len(here),
+        ready=sum(r.node.health == Node.Health.READY for r in here),
+        unreachable=sum(r.node.health == Node.Health.UNREACHABLE for r in here),
+        drifted=sum(bool(r.drift) for r in here),
+        models_ready=sum(len(v) for r in here for v in r.node.ready_versions.values()),
+        joining=stages[Node.Stage.JOINING],
+        departed=stages[Node.Stage.DEPARTED],
     )
 
 

@@ -3,23 +3,31 @@
 Work on a node goes to its pool's queue, so a pool can be driven by workers next to its nodes
 (`celery worker -Q <queue>` in that region); a pool without a queue uses the default one."""
 
+import logging
 import random
 from collections.abc import Iterable
 
 from celery import Task, shared_task
+from django.conf import settings
 from django.utils import timezone
 
+from apps.fleet.discovery import discover
 from apps.fleet.models import Heartbeat, Node, NodePool
 from apps.fleet.polling import node_poll
 from apps.fleet.reconcile import node_reconcile, rollback_windows_close
 from apps.fleet.runner import DesiredDigest, NodeBusy, node_run
 from apps.fleet.traffic.balancer import PoolAtCapacity, pool_sync
 from apps.fleet.triton import TritonUnreachable
+from controlplane.prometheus import PrometheusUnavailable
+
+log = logging.getLogger(__name__)
 
 
 def send_per_node(task: Task, node_ids: Iterable[int] | None = None) -> None:
-    """One `task` per node (every node when None), each on its pool's queue."""
-    nodes = Node.objects.all() if node_ids is None else Node.objects.filter(pk__in=node_ids)
+    """One `task` per node (every node when None), each on its pool's queue; a node that has
+    departed gets none."""
+    nodes = Node.objects.exclude(stage=Node.Stage.DEPARTED)
+    nodes = nodes if node_ids is None else nodes.filter(pk__in=node_ids)
     for node_id, queue in nodes.values_list("id", "pool__queue"):
         send_to(queue, task, node_id)
 
@@ -36,6 +44,22 @@ def send_to(queue: str, task: Task, argument: int) -> None:
 @shared_task(name="fleet.heartbeat", expires=5, soft_time_limit=5, time_limit=10)
 def heartbeat() -> None:
     Heartbeat.objects.update_or_create(name="worker", defaults={"at": timezone.now()})
+
+
+# Periodic and read-mostly: a lost pass is replaced by the next one.
+@shared_task(name="fleet.discover", acks_late=True, expires=10, soft_time_limit=30)
+def discover_nodes() -> None:
+    """The scrape pool's targets read as nodes, when DISCOVERY_SCRAPE_POOL names one; nodes
+    that joined (or came back) polled and reconciled at once, not at the next period."""
+    if not settings.DISCOVERY_SCRAPE_POOL:
+        return
+    try:
+        found = discover()
+    except PrometheusUnavailable as exc:  # nothing departs on a Prometheus that did not answer
+        log.warning("discovery: %s", exc)
+        return
+    send_per_node(poll_node, found.joining)
+    send_per_node(reconcile_node, found.joining)
 
 
 @shared_task(name="fleet.poll_nodes", acks_late=True, expires=10)
@@ -82,6 +106,15 @@ def reconcile_node(node_id: int) -> None:
             node_run(node_id=node_id, wanted=wanted)
         except (NodeBusy, PoolAtCapacity, TritonUnreachable):
             enqueue_run(node_id)  # that task retries with backoff
+            return
+        _joined(node_id)
+
+
+def _joined(node_id: int) -> None:
+    """A joining node whose loads just ran is read back at once: converged, it takes traffic
+    now rather than at the next period."""
+    if Node.objects.filter(pk=node_id, stage=Node.Stage.JOINING).exists():
+        node_reconcile(node_id=node_id)
 
 
 # Retries only when the node did not answer or another worker holds it; a config Triton refuses
@@ -105,6 +138,7 @@ def run_node(self: Task, node_id: int) -> None:
         node_run(node_id=node_id)
     except PoolAtCapacity as exc:
         raise self.retry(exc=exc, countdown=random.uniform(2, 4), max_retries=TURN_TRIES) from None
+    _joined(node_id)
 
 
 TURN_TRIES = 600  # about half an hour

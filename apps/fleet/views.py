@@ -76,6 +76,7 @@ def nodes(request: HtmxHttpRequest) -> HttpResponse:
     filters = NodeFilters(
         pool=request.GET.get("pool", ""),
         health=request.GET.get("health", ""),
+        stage=request.GET.get("stage", ""),
         model=request.GET.get("model", ""),
         drift=request.GET.get("drift", "") in ("1", "on", "true"),
         search=request.GET.get("q", "").strip(),
@@ -90,6 +91,7 @@ def nodes(request: HtmxHttpRequest) -> HttpResponse:
         "query": query,
         "pools": NodePool.objects.values_list("name", flat=True),
         "healths": Node.Health.choices,
+        "stages": Node.Stage.choices,
     }
     template = "fleet/nodes.html#node-table" if request.htmx else "fleet/nodes.html"
     return render(request, template, context)

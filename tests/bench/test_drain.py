@@ -18,7 +18,7 @@ import time
 import pytest
 
 from apps.devtools.devfleet import Devfleet
-from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc
+from apps.devtools.processes import POOL_BACKENDS, FleetState, Proc
 from apps.fleet.models import NodePool, Operation
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.pools import pool_set_traffic
@@ -65,7 +65,7 @@ def strategy(pool: NodePool, haproxy: Proc, drained: bool) -> None:
         pool_name=pool.name,
         traffic=NodePool.Traffic.HAPROXY if drained else NodePool.Traffic.NONE,
         runtime=runtime(haproxy).address,
-        backends=list(HAPROXY_BACKENDS),
+        backends=list(POOL_BACKENDS),
         min_serving=2,
         actor="system:bench",
     )

@@ -1,11 +1,13 @@
 """The fleet pages at 500 nodes, in Chromium: filter, search, next page, drill-down."""
 
 import pytest
+from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.devtools.seed import Size, seed_fleet
 from apps.fleet.desired import fleet_desired
+from apps.fleet.discovery import nodes_sync
 from apps.fleet.memory import capacity
 from apps.fleet.models import Footprint, Node, NodePool
 from apps.registry.models import ModelVersion
@@ -118,4 +120,32 @@ def test_the_deploy_form_warns_before_a_release_that_will_not_fit_is_sent(
     screenshot(page, "deploy-fit-warning")
     choose.select_option("model-000:2")  # what the pool runs
     expect(section.locator(f"#fit-{pool.name} [role=alert]")).to_have_count(0)
+    assert not page.console_errors  # type: ignore[attr-defined]
+
+
+def test_the_nodes_page_shows_nodes_joining_serving_and_departed(
+    page: Page, live_server: object
+) -> None:
+    """Two nodes found by discovery beside seeded ones: one still joining, one departed."""
+    seed_fleet(size=Size(nodes=3, pools=1, models=5, versions=2, operations=3, events=3))
+    listed = [
+        {
+            "labels": {"node": name, "pool": "pool-00"},
+            "scrapeUrl": f"http://10.0.3.{i}:8002/metrics",
+        }
+        for i, name in enumerate(["gpu-new", "gpu-gone"], start=1)
+    ]
+    nodes_sync(listed, timezone.now())
+    Node.objects.filter(name="gpu-gone").update(stage=Node.Stage.DEPARTED, health="unreachable")
+    sign_in(page, str(live_server), make_user(Role.VIEWER).username)
+    page.goto(f"{live_server}/nodes/")
+    expect(page.locator("#node-summary")).to_contain_text("1 joining; 1 departed")
+    expect(page.locator("#node-gpu-new")).to_contain_text("joining")
+    expect(page.locator("#node-gpu-gone")).to_contain_text("departed")
+    expect(page.locator("#node-node-0001 .badge.stage-joining")).to_have_count(0)
+    screenshot(page, "nodes-stages")
+    page.get_by_label("Stage").select_option("joining")
+    page.get_by_role("button", name="Filter").click()
+    expect(page.locator("#node-table tbody tr")).to_have_count(1)
+    expect(page.locator("#node-table tbody tr")).to_contain_text("gpu-new")
     assert not page.console_errors  # type: ignore[attr-defined]

@@ -1,5 +1,7 @@
 """The fleet the integration tests drive: real nodes, what they serve, traffic to them."""
 
+import csv
+import io
 import json
 import random
 import threading
@@ -19,6 +21,7 @@ from apps.fleet.traffic.haproxy import Runtime
 from apps.fleet.triton import TritonClient, TritonError, sample_inputs
 from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Rollout
+from controlplane.prometheus import active_targets
 
 
 @dataclass
@@ -71,11 +74,13 @@ def ready_on(node: Node) -> set[tuple[str, int]]:
     }
 
 
-def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 120.0) -> None:
+def wait_for(
+    what: str, predicate: Callable[[], bool], timeout: float = 120.0, interval: float = 0.5
+) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.5)
+        time.sleep(interval)
 
 
 def tick_until(
@@ -212,3 +217,48 @@ def recording(url: str, *, rps: float) -> Iterator[Recorder]:
     finally:
         recorder.stop.set()
         thread.join(30)
+
+
+def answered_through(haproxy: Proc, server: str, backend: str = "triton_http") -> int:
+    """Responses HAProxy relayed from `server` (health checks are not among them)."""
+    answer = runtime(haproxy).command("show stat -1 4 -1").lstrip("# ")
+    rows = csv.DictReader(io.StringIO(answer))
+    codes = ("hrsp_1xx", "hrsp_2xx", "hrsp_3xx", "hrsp_4xx", "hrsp_5xx", "hrsp_other")
+    return sum(
+        int(row[code] or 0)
+        for row in rows
+        if row.get("pxname") == backend and row.get("svname") == server
+        for code in codes
+    )
+
+
+@dataclass
+class Joined:
+    """A node added to a discovering fleet, watched until it took traffic."""
+
+    proc: Proc
+    listed_to_serving_s: float  # from Prometheus' targets API listing it to its full weight
+    weights_while_joining: list[int | None]  # HAProxy's weight for it, each time it was looked at
+
+
+def join_watched(devfleet: Devfleet, haproxy: Proc, pool: str) -> Joined:
+    """One more node started and listed for Prometheus; returns once the control plane has
+    found it, loaded it, let it join and HAProxy gives it its full weight."""
+    proc = devfleet.add_node(pool)
+
+    def listed() -> bool:
+        return any(t["labels"].get("node") == proc.name for t in active_targets("triton"))
+
+    wait_for(f"Prometheus lists {proc.name}", listed, timeout=60, interval=0.1)
+    since = time.monotonic()
+    weights: list[int | None] = []
+
+    def serving() -> bool:
+        stage = Node.objects.filter(name=proc.name).values_list("stage", flat=True).first()
+        weight = runtime(haproxy).weights("triton_http").get(proc.name)
+        if stage != Node.Stage.SERVING:
+            weights.append(weight)
+        return stage == Node.Stage.SERVING and weight == 100
+
+    wait_for(f"{proc.name} found, loaded, warmed and in traffic", serving, interval=0.1)
+    return Joined(proc, time.monotonic() - since, weights)

@@ -223,9 +223,17 @@ class Celery:
 
     def use_prometheus(self, url: str) -> None:
         """Point the worker (rollout analysis) at `url`: restarts worker and beat if it changes."""
-        if self.env.get("PROMETHEUS_URL") == url:
+        self.use_env(PROMETHEUS_URL=url)
+
+    def use_env(self, **values: str | None) -> None:
+        """Worker and beat restarted with these settings (None: unset) if any differs."""
+        if all(self.env.get(name) == value for name, value in values.items()):
             return
-        self.env["PROMETHEUS_URL"] = url
+        for name, value in values.items():
+            if value is None:
+                self.env.pop(name, None)
+            else:
+                self.env[name] = value
         self.stop()
         self.start_worker()
         self.start_beat()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from apps.devtools.devfleet import Devfleet
-from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc
+from apps.devtools.processes import POOL_BACKENDS, FleetState, Proc
 from apps.fleet.models import NodePool, Operation
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register
@@ -171,6 +171,22 @@ def serving_v1(
     return pool
 
 
+DISCOVERY_GRACE_S = 6
+
+
+@pytest.fixture
+def discovering(weighted: NodePool, celery: Celery) -> Iterator[NodePool]:
+    """The weighted trio (registered by hand), and the worker and beat discovering nodes from
+    the trio's Prometheus (its `triton` scrape pool) every second, DISCOVERY_GRACE_S of grace."""
+    discovery = {"DISCOVERY_SCRAPE_POOL": "triton", "DISCOVERY_INTERVAL_S": "1"}
+    discovery["DISCOVERY_GRACE_S"] = str(DISCOVERY_GRACE_S)
+    celery.use_env(**discovery)
+    try:
+        yield weighted
+    finally:
+        celery.use_env(**dict.fromkeys(discovery))
+
+
 @pytest.fixture
 def weighted(
     pool: NodePool,
@@ -186,7 +202,7 @@ def weighted(
         pool_name=pool.name,
         traffic=NodePool.Traffic.HAPROXY,
         runtime=runtime(haproxy).address,
-        backends=list(HAPROXY_BACKENDS),
+        backends=list(POOL_BACKENDS),
         min_serving=2,
         warmup_requests=3,
         actor="system:test",

@@ -145,7 +145,6 @@ NOT_ACTIONS = {
     "archive_import": "unpacks an upload; candidates_import imports what it read",
     "node_import": "reads a node; candidates_import imports what it read",
     "user_role": "a read",
-    "validate_node_url": "a check",
     "config_parse": "a check",
     "config_check": "a check",
     "config_problems": "a check",

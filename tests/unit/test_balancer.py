@@ -65,9 +65,11 @@ class Balancer:
     busy: list[int] = field(default_factory=list)
     down: bool = False
 
-    def sync(self, wanted: dict[str, int]) -> Synced:
+    def sync(self, wanted: dict[str, int], places: dict[str, balancing.Place]) -> Synced:
+        self.placed = places
         if self.down:
             raise BalancerError("HAProxy runtime API at 10.0.0.9:9999: connection refused")
+        self.weights |= {n: wanted[n] for n in places if n not in self.weights}  # added
         changed = {n: self.weights[n] for n, w in wanted.items() if self.weights.get(n, w) != w}
         self.weights |= {n: wanted[n] for n in changed}
         lacking = {n: "not a server of HAProxy backend triton_http" for n in wanted}
@@ -169,12 +171,39 @@ def test_a_node_the_balancer_lacks_or_a_balancer_away_is_shown_on_the_nodes(
     assert all("connection refused" in n.traffic_error for n in Node.objects.all())
 
 
+def test_a_joining_node_is_given_weight_0_and_its_place_so_the_balancer_can_add_it(
+    balancer: Balancer,
+) -> None:
+    """Only nodes found by discovery are placed: a node registered by hand is the balancer's
+    configuration's to hold."""
+    gpu4 = Node.objects.create(
+        name="gpu-4",
+        pool=node("gpu-1").pool,
+        http_url="http://10.0.0.4:8000",
+        grpc_url="10.0.0.4:8001",
+        stage=Node.Stage.JOINING,
+        discovered_at=timezone.now(),
+    )
+    traffic_sync(gpu4.pool_id)
+    assert balancer.weights["gpu-4"] == 0
+    assert balancer.placed == {"gpu-4": balancing.Place("10.0.0.4:8000", "10.0.0.4:8001")}
+    Node.objects.filter(pk=gpu4.pk).update(stage=Node.Stage.SERVING)
+    traffic_sync(gpu4.pool_id)
+    assert balancer.weights["gpu-4"] == 100
+
+
+def test_a_pools_grpc_backends_are_marked_and_named_without_the_mark() -> None:
+    pool = NodePool(traffic_backends="triton_http, triton_grpc:grpc")
+    assert (pool.backends, pool.grpc_backends) == (["triton_http", "triton_grpc"], {"triton_grpc"})
+
+
 @pytest.mark.parametrize(
     ("given", "message"),
     [
         ({"traffic": "nginx"}, "traffic 'nginx': one of '', 'haproxy'"),
         ({"traffic": "haproxy", "backends": ["a b"]}, "backends: name the HAProxy backends"),
         ({"traffic": "haproxy", "backends": []}, "backends: name the HAProxy backends"),
+        ({"traffic": "haproxy", "backends": ["be:http"]}, "backends: name the HAProxy backends"),
         (
             {"traffic": "haproxy", "backends": ["be"], "runtime": "127.0.0.1:1"},
             "HAProxy runtime API at 127.0.0.1:1: .*refused",
@@ -271,9 +300,9 @@ def test_the_balancer_is_never_asked_while_a_row_lock_is_held(
     asked: list[bool] = []
     sync = balancer.sync
 
-    def watched(wanted: dict[str, int]) -> Synced:
+    def watched(wanted: dict[str, int], places: dict[str, balancing.Place]) -> Synced:
         asked.append(_free(*rows))
-        return sync(wanted)
+        return sync(wanted, places)
 
     monkeypatch.setattr(balancer, "sync", watched)
     rollout_abort(rollout_id=rollout.pk, actor="release-manager", reason="wrong answers")

@@ -41,6 +41,10 @@ def test_every_series_reports_exact_values_from_the_database(
         for name, health in [("a1", "ready"), ("a2", "ready"), ("a3", "unreachable")]
     )
     e1 = Node.objects.create(name="e1", pool=eu, http_url="http://127.0.0.1:1", health="live")
+    for name, stage in [("e2", "joining"), ("e3", "departed")]:  # gone: not counted unreachable
+        Node.objects.create(
+            name=name, pool=eu, http_url="http://127.0.0.1:1", health="unreachable", stage=stage
+        )
     operation(a1, "load", "succeeded", took_s=3)
     operation(a1, "load", "failed", took_s=0.5)
     operation(a3, "unload", "unknown", took_s=1.5)
@@ -98,11 +102,19 @@ def test_every_series_reports_exact_values_from_the_database(
         ("unknown", "eu-west"): 0,
         ("ready", "eu-west"): 0,
         ("live", "eu-west"): 1,
-        ("unreachable", "eu-west"): 0,
+        ("unreachable", "eu-west"): 1,
         ("unknown", "gpu-a"): 0,
         ("ready", "gpu-a"): 2,
         ("live", "gpu-a"): 0,
         ("unreachable", "gpu-a"): 1,
+    }
+    assert matching(samples, "controlplane_node_stages") == {
+        ("eu-west", "joining"): 1,
+        ("eu-west", "serving"): 1,
+        ("eu-west", "departed"): 1,
+        ("gpu-a", "joining"): 0,
+        ("gpu-a", "serving"): 3,
+        ("gpu-a", "departed"): 0,
     }
     assert matching(samples, "controlplane_analysis_verdicts") == {
         ("success",): 2,

@@ -1,7 +1,5 @@
 """Changes of a node: registering it, its operations, adopting a model, its memory."""
 
-from urllib.parse import urlsplit
-
 from django.db import transaction
 
 from apps.accounts.permissions import authorize, second_person
@@ -14,27 +12,6 @@ from apps.fleet.tasks import enqueue_run
 from apps.fleet.traffic.haproxy import name_refusal
 
 
-def validate_node_url(url: str, *, field: str) -> None:
-    """http(s) with a host and a port, and no credentials: they would end up in logs and pages;
-    at an address the control plane may contact (apps.fleet.addresses)."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        raise FleetError(f"{field} {url!r}: the port is not a number from 1 to 65535") from None
-    if parts.scheme not in ("http", "https", "grpc"):
-        raise FleetError(f"{field} {url!r}: use http:// or https://")
-    if parts.username or parts.password:
-        raise FleetError(f"{field} {url!r}: no credentials in node addresses")
-    if not parts.hostname:
-        raise FleetError(f"{field} {url!r}: a host is required")
-    if port is None and parts.scheme == "grpc":
-        raise FleetError(f"{field} {url!r}: host:port is required")
-    refused = addresses.refusal(parts.hostname)
-    if refused:
-        raise FleetError(f"{field} {url!r}: {refused}")
-
-
 @audited("node.register", lambda name, **_: f"node:{name}", (FleetError,))
 def node_register(
     *, name: str, pool: str, http_url: str, grpc_url: str, metrics_url: str, actor: str
@@ -44,9 +21,9 @@ def node_register(
         raise FleetError(refused)
     for field, url in (("http_url", http_url), ("metrics_url", metrics_url)):
         if url or field == "http_url":
-            validate_node_url(url, field=field)
+            addresses.validate_url(url, field=field)
     if grpc_url:
-        validate_node_url(f"grpc://{grpc_url}", field="grpc_url")
+        addresses.validate_url(f"grpc://{grpc_url}", field="grpc_url")
     node_pool, _ = NodePool.objects.get_or_create(name=pool)
     wanted = {"pool": node_pool, "http_url": http_url, "grpc_url": grpc_url}
     wanted["metrics_url"] = metrics_url

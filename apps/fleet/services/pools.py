@@ -39,7 +39,7 @@ def pool_set_rollback_window(*, pool_name: str, seconds: int, actor: Actor) -> N
     return _pool_set(pool_name, {"rollback_window_s": seconds}, actor)
 
 
-BACKEND_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
+BACKEND_NAME = re.compile(r"[A-Za-z0-9_.-]{1,60}(:grpc)?")
 
 
 @audited("pool.set_traffic", lambda pool_name, **_: f"pool:{pool_name}", (FleetError,))
@@ -66,11 +66,12 @@ def pool_set_traffic(
         bad = next((name for name in backends if not BACKEND_NAME.fullmatch(name)), None)
         if not backends or bad is not None:
             raise FleetError(
-                f"backends: name the HAProxy backends of the pool's nodes, not {bad!r}"
+                f"backends: name the HAProxy backends of the pool's nodes, not {bad!r} "
+                "(`name:grpc` for a backend whose servers are the nodes' gRPC endpoints)"
             )
         try:
             for backend in backends:
-                Runtime(runtime).weights(backend)
+                Runtime(runtime).weights(backend.partition(":")[0])
         except HAProxyError as exc:
             raise FleetError(str(exc)) from None
     if not (

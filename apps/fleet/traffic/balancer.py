@@ -14,7 +14,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from ipaddress import ip_address
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from django.db import connection, transaction
 from django.utils import timezone
@@ -47,27 +49,50 @@ class Synced:
     problems: dict[str, str]  # by node: why it does not have the weight it must have
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a node answers, for a balancer that adds it as a server (a node that joined on its
+    own): the host:port of its HTTP and of its gRPC endpoint ("" when it has none)."""
+
+    http: str
+    grpc: str
+
+    @classmethod
+    def of(cls, node: Node) -> "Place | None":
+        """None for a node a balancer cannot add by itself: one that speaks TLS."""
+        url = urlsplit(node.http_url)
+        if url.scheme != "http" or not url.hostname:
+            return None
+        host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
+        return cls(http=f"{host}:{url.port or 80}", grpc=node.grpc_url)
+
+
 class Balancer(Protocol):
     """A traffic strategy: sets the weights of a pool's nodes where they differ from `wanted`
-    and reads them back; says how many requests a node still answers."""
+    (adding those it does not know yet at their `places`) and reads them back; says how many
+    requests a node still answers."""
 
-    def sync(self, wanted: dict[str, int]) -> Synced: ...
+    def sync(self, wanted: dict[str, int], places: dict[str, Place]) -> Synced: ...
 
     def in_flight(self, node: str) -> int: ...
 
 
 class HAProxy:
-    """The pool's nodes are servers, named as the nodes, of each of its HAProxy backends."""
+    """The pool's nodes are servers, named as the nodes, of each of its HAProxy backends; a node
+    that is not one yet (it joined on its own) is added, at its HTTP address, or at its gRPC one
+    with HTTP/1.1 health checks on its HTTP port in a backend marked `:grpc`; a node listed at
+    a new address (a replaced pod) is moved there."""
 
     def __init__(self, pool: NodePool) -> None:
         self.runtime = Runtime(pool.traffic_runtime)
         self.backends = pool.backends
+        self.grpc = pool.grpc_backends
 
-    def sync(self, wanted: dict[str, int]) -> Synced:
+    def sync(self, wanted: dict[str, int], places: dict[str, Place]) -> Synced:
         reading = Synced({}, {}, {})
         try:
             for backend in self.backends:
-                current = self.runtime.weights(backend)
+                current = self._placed(backend, wanted, places)
                 drifted = {n: w for n, w in wanted.items() if n in current and current[n] != w}
                 self.runtime.set_weights(backend, drifted)
                 after = self.runtime.weights(backend) if drifted else current
@@ -76,6 +101,38 @@ class HAProxy:
         except HAProxyError as exc:
             raise BalancerError(str(exc)) from None
         return reading
+
+    def _placed(
+        self, backend: str, wanted: dict[str, int], places: dict[str, Place]
+    ) -> dict[str, int]:
+        """The backend's servers' weights, once the nodes it lacks are added and the nodes
+        listed elsewhere moved."""
+        grpc = backend in self.grpc
+        servers = self.runtime.servers(backend)
+        where = {
+            name: place.grpc if grpc else place.http
+            for name, place in places.items()
+            if name in wanted and (place.grpc or not grpc)
+        }
+        absent = {
+            name: f"{address} weight {wanted[name]} "
+            + (f"proto h2 {CHECK_HTTP} {_port(places[name].http)}" if grpc else "check")
+            for name, address in where.items()
+            if name not in servers
+        }
+        moved = {
+            name: address
+            for name, address in where.items()
+            if name in servers and servers[name].address != address and _literal(address)
+        }
+        if absent:
+            self.runtime.add_servers(backend, absent)
+        for name, address in moved.items():
+            check = _port(places[name].http) if grpc else 0
+            self.runtime.move_server(backend, name, address, check)
+        if absent or moved:
+            servers = self.runtime.servers(backend)
+        return {name: server.weight for name, server in servers.items()}
 
     @staticmethod
     def _read(backend: str, wanted: dict[str, int], after: dict[str, int], into: Synced) -> None:
@@ -92,6 +149,23 @@ class HAProxy:
             return self.runtime.in_flight(self.backends, node)
         except HAProxyError as exc:
             raise BalancerError(str(exc)) from None
+
+
+CHECK_HTTP = "check check-proto h1 port"  # a gRPC server's health, over HTTP/1.1 on this port
+
+
+def _port(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+def _literal(address: str) -> bool:
+    """Whether `address`'s host is an IP address, as HAProxy shows a server's (a host name is
+    resolved by HAProxy: never taken for a move)."""
+    try:
+        ip_address(address.rpartition(":")[0].strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def balancer(pool: NodePool) -> Balancer | None:
@@ -180,9 +254,10 @@ def _sync(pool: NodePool) -> dict[str, int]:
     for node in lapsed:
         node.draining = False
     wanted = {node.name: node.wanted_weight for node in nodes}
+    places = {n.name: p for n in nodes if n.discovered_at and (p := Place.of(n))}
     try:
         # Nothing written yet in this transaction: it holds no row while the balancer answers.
-        reading = target.sync(wanted)
+        reading = target.sync(wanted, places)
     except BalancerError as exc:
         pool.nodes.update(traffic_error=str(exc))
         log.warning("pool %s: %s", pool.name, exc)
@@ -227,13 +302,14 @@ def drained(node: Node) -> Iterator[None]:
         return
     with transaction.atomic():
         locked = _lock(pool.pk)
-        weight = Node.objects.values_list("weight", flat=True).get(pk=node.pk)
+        weight, stage = Node.objects.values_list("weight", "stage").get(pk=node.pk)
         serving = pool.nodes.exclude(pk=node.pk).filter(
-            health=Node.Health.READY, draining=False, weight__gt=0
+            health=Node.Health.READY, draining=False, weight__gt=0, stage=Node.Stage.SERVING
         )
         count = serving.count()
         keep = locked.min_serving
-        refused = weight and count < keep  # at weight 0 it serves nobody already
+        # At weight 0, or joining, it serves nobody already.
+        refused = weight and stage == Node.Stage.SERVING and count < keep
         if not refused:
             Node.objects.filter(pk=node.pk).update(draining=True)
     if refused:

@@ -1,16 +1,26 @@
 """HAProxy's runtime API (its stats socket, over TCP or a unix socket): server weights set and
-read back, and the requests a server is still answering. One connection per call, in HAProxy's
-non-interactive mode: commands separated by `;`, the answer read until HAProxy closes."""
+read back, servers added or moved as nodes come, and the requests a server is still answering.
+One connection per call, in HAProxy's non-interactive mode: commands separated by `;`, the
+answer read until HAProxy closes."""
 
 import csv
 import io
 import re
 import socket
+from dataclasses import dataclass
 
 TIMEOUT_S = 3.0
 # What a backend or server name may hold: a name is written into the runtime API's command line,
 # where a space, `;` or a newline would start another command (`set server ... state maint`).
 NAME = re.compile(r"[A-Za-z0-9._-]{1,60}")
+# A server added at run time: its address and options, words of these characters only.
+SERVER_LINE = re.compile(r"[A-Za-z0-9.:\[\]_ -]{1,200}")
+
+
+@dataclass(frozen=True)
+class Server:
+    weight: int
+    address: str  # host:port, as HAProxy shows it
 
 
 def name_refusal(name: str, *, what: str = "name") -> str:
@@ -60,8 +70,8 @@ class Runtime:
                 raise HAProxyError(f"HAProxy runtime API at {self.address}: {exc}") from None
         return b"".join(chunks).decode(errors="replace")
 
-    def weights(self, backend: str) -> dict[str, int]:
-        """Each server of `backend`, by name, with its current weight."""
+    def servers(self, backend: str) -> dict[str, "Server"]:
+        """Each server of `backend`, by name: its weight and address now."""
         _check(backend, "backend")
         answer = self.command(f"show servers state {backend}")
         lines = [line for line in answer.splitlines() if line.strip()]
@@ -70,8 +80,44 @@ class Runtime:
             raise HAProxyError(f"HAProxy at {self.address}, backend {backend}: {answer.strip()}")
         columns = header[2:].split()
         name, weight = columns.index("srv_name"), columns.index("srv_uweight")
+        addr, port = columns.index("srv_addr"), columns.index("srv_port")
         rows = [line.split() for line in lines if line[0].isdigit() and " " in line]
-        return {row[name]: int(row[weight]) for row in rows}
+        return {row[name]: Server(int(row[weight]), f"{row[addr]}:{row[port]}") for row in rows}
+
+    def weights(self, backend: str) -> dict[str, int]:
+        """Each server of `backend`, by name, with its current weight."""
+        return {name: server.weight for name, server in self.servers(backend).items()}
+
+    def add_servers(self, backend: str, servers: dict[str, str]) -> None:
+        """New servers of `backend` (by name: `host:port` and its options, `weight` among them),
+        taken into service and health-checked at once (HAProxy adds them in maintenance)."""
+        _check(backend, "backend")
+        commands = []
+        for server, line in sorted(servers.items()):
+            _check(server, "server")
+            if not SERVER_LINE.fullmatch(line):
+                raise HAProxyError(f"HAProxy runtime API: refused to add {server} as {line!r}")
+            where = f"{backend}/{server}"
+            commands += [f"add server {where} {line}", f"enable server {where}"]
+            commands += [f"enable health {where}"] if " check" in line else []
+        answer = self.command(*commands)
+        refused = [a for a in answer.splitlines() if a.strip() and a != "New server registered."]
+        if refused:
+            raise HAProxyError(f"HAProxy at {self.address}, backend {backend}: {refused[0]}")
+
+    def move_server(self, backend: str, server: str, address: str, check_port: int) -> None:
+        """A server's new `host:port` (and health-check port, where checks go elsewhere)."""
+        _check(backend, "backend")
+        _check(server, "server")
+        host, _, port = address.rpartition(":")
+        if not SERVER_LINE.fullmatch(address) or not port.isdigit():
+            raise HAProxyError(f"HAProxy runtime API: refused to move {server} to {address!r}")
+        commands = [f"set server {backend}/{server} addr {host} port {port}"]
+        if check_port:
+            commands.append(f"set server {backend}/{server} check-port {check_port}")
+        answer = self.command(*commands).strip()
+        if answer and not answer.startswith(("IP changed", "no need to change", "port changed")):
+            raise HAProxyError(f"HAProxy at {self.address}, backend {backend}: {answer}")
 
     def set_weights(self, backend: str, weights: dict[str, int]) -> None:
         """All in one call; HAProxy answers only when a command fails (in its own words)."""

@@ -1,10 +1,11 @@
+import time
 from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from apps.devtools.devfleet import Devfleet
-from apps.devtools.processes import HAPROXY_BACKENDS, DevfleetError, Proc
+from apps.devtools.processes import POOL_BACKENDS, DevfleetError, Proc
 from apps.devtools.traffic import send_traffic
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool
@@ -45,6 +46,12 @@ class Command(BaseCommand):
             action="store_true",
             help="HAProxy in front of the pool: exact canary shares, drained loads",
         )
+        up.add_argument(
+            "--discover",
+            action="store_true",
+            help="leave the nodes to the control plane's discovery (DISCOVERY_SCRAPE_POOL=triton) "
+            "instead of registering them",
+        )
         up.add_argument("--load-ms", type=float, default=50.0, help="simulated load latency")
         up.add_argument("--failure-rate", type=float, default=0.0, help="simulated load failures")
         up.add_argument(
@@ -78,6 +85,13 @@ class Command(BaseCommand):
             ("restart", "start a killed node (or prometheus) again"),
         ):
             sub.add_parser(action, help=text).add_argument("node")
+        add = sub.add_parser(
+            "add-node", help="start one more node and list it for Prometheus (file_sd)"
+        )
+        add.add_argument("--pool", default="demo")
+        sub.add_parser(
+            "remove-node", help="stop listing a node for Prometheus, and stop it"
+        ).add_argument("node")
         fault = sub.add_parser(
             "fault",
             help="slow a demo model down or make it fail, at runtime on every node (0 0: heal)",
@@ -100,7 +114,7 @@ class Command(BaseCommand):
     def handle(self, *args: object, **options: object) -> None:
         fleet = Devfleet(home=options["home"], repository=options["repository"])  # type: ignore[arg-type]
         try:
-            getattr(self, f"_{options['action']}")(fleet, **options)
+            getattr(self, f"_{str(options['action']).replace('-', '_')}")(fleet, **options)
         except (DevfleetError, TritonError, FleetError) as exc:
             raise CommandError(str(exc)) from None
 
@@ -118,12 +132,14 @@ class Command(BaseCommand):
             base_port=base_port or None,
             prometheus_port=options["prometheus_port"] or None,  # type: ignore[arg-type]
         )
+        NodePool.objects.get_or_create(name=pool)
         for proc in state.nodes:
-            node_register(
-                name=proc.name, pool=pool, actor="system:devfleet", **state.node_urls(proc)
-            )
+            if not options["discover"]:
+                node_register(
+                    name=proc.name, pool=pool, actor="system:devfleet", **state.node_urls(proc)
+                )
             self.stdout.write(f"{proc.name}: {state.node_urls(proc)['http_url']} (log {proc.log})")
-        self.stdout.write(f"prometheus: {state.prometheus_url}")
+        self.stdout.write(f"prometheus: {state.prometheus_url}, nodes listed in {fleet.targets}")
         if options["haproxy"]:
             # After the nodes' ports: 8109-8111 for the demo's three nodes from 8100.
             balancer = fleet.balancer(base_port=base_port and base_port + 3 * nodes)
@@ -131,7 +147,7 @@ class Command(BaseCommand):
                 pool_name=pool,
                 traffic=NodePool.Traffic.HAPROXY,
                 runtime=f"127.0.0.1:{balancer.ports['runtime']}",
-                backends=list(HAPROXY_BACKENDS),
+                backends=list(POOL_BACKENDS),
                 min_serving=nodes - 1,  # one node out of traffic at a time
                 actor="system:devfleet",
             )
@@ -200,6 +216,16 @@ class Command(BaseCommand):
         proc = fleet.kill(node)
         self.stdout.write(f"{node}: killed (pid {proc.pid})")
 
+    def _add_node(self, fleet: Devfleet, *, pool: str, **options: object) -> None:
+        proc = fleet.add_node(pool)
+        self.stdout.write(
+            f"{proc.name}: {fleet.state().node_urls(proc)['http_url']}, listed in {fleet.targets}"
+        )
+
+    def _remove_node(self, fleet: Devfleet, *, node: str, **options: object) -> None:
+        fleet.remove_node(node)
+        self.stdout.write(f"{node}: no longer listed, stopped")
+
     def _restart(self, fleet: Devfleet, *, node: str, **options: object) -> None:
         proc = fleet.restart(node)
         self.stdout.write(f"{node}: running again (pid {proc.pid})")
@@ -238,16 +264,19 @@ class Command(BaseCommand):
     ) -> None:
         if not (0 < rps <= 500 and 0 < seconds <= 24 * 3600):
             raise CommandError("--rps must be in (0, 500] and --seconds in (0, 86400]")
-        nodes = Node.objects.exclude(health=Node.Health.UNREACHABLE)
-        if pool:
-            nodes = nodes.filter(pool__name=pool)
-        clients = [TritonClient(n.http_url, node=n.name) for n in nodes]
         balancer = fleet.state().haproxy
         if balancer is not None and balancer.running:  # as clients would: through HAProxy
             url = f"http://127.0.0.1:{balancer.ports['http']}"
             clients = [TritonClient(url, node="haproxy")]
+        else:  # the nodes serving now (found by discovery a little after `up`: waited for)
+            nodes = Node.objects.filter(health=Node.Health.READY, stage=Node.Stage.SERVING)
+            nodes = nodes.filter(pool__name=pool) if pool else nodes
+            deadline = time.monotonic() + wait
+            while not nodes.exists() and time.monotonic() < deadline:
+                time.sleep(1)
+            clients = [TritonClient(n.http_url, node=n.name) for n in nodes]
         if not clients:
-            raise CommandError("no reachable nodes registered; start them with `devfleet up`")
+            raise CommandError("no node serves; start them with `devfleet up`")
         results = send_traffic(
             clients,
             model=model,

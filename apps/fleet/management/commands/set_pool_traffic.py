@@ -17,8 +17,9 @@ class Command(BaseCommand):
         way.add_argument("--none", action="store_true", help="shares by node count again")
         parser.add_argument(
             "--backends",
-            default="triton_http,triton_grpc",
-            help="the HAProxy backends whose servers are the pool's nodes (comma-separated)",
+            default="triton_http,triton_grpc:grpc",
+            help="the HAProxy backends whose servers are the pool's nodes (comma-separated; "
+            "`name:grpc`: its servers are their gRPC endpoints)",
         )
         parser.add_argument("--min-serving", type=int, default=1)
         parser.add_argument("--warmup-requests", type=int, default=5)

@@ -1,0 +1,211 @@
+"""Nodes found by the Prometheus that already scrapes them: its targets API lists the fleet's
+scrape pool, whatever discovered the targets there (Kubernetes, Consul, EC2, file_sd).
+
+A target is a node: its name from a label (DISCOVERY_NAME_LABEL, else its address), its pool
+from another (DISCOVERY_POOL_LABEL), its HTTP and gRPC addresses from the metrics address's host
+and the configured ports (or the target's `http_port` and `grpc_port` labels). A new target
+becomes a node that joins its pool out of traffic (`Node.Stage.JOINING`: the reconcile loads and
+warms it, then lets it serve); a node whose target has been gone for DISCOVERY_GRACE_S has
+departed, kept with its history and no longer polled; one that comes back is the same node, and
+joins again. Nodes registered by hand are never touched."""
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from urllib.parse import urlsplit
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from apps.audit.models import AuditEvent
+from apps.audit.services import audit_record
+from apps.fleet.addresses import validate_url
+from apps.fleet.errors import FleetError
+from apps.fleet.models import Node, NodePool
+from apps.fleet.traffic.haproxy import name_refusal
+from controlplane import prometheus
+
+ACTOR = "system:discovery"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A scrape target, read as a node."""
+
+    name: str
+    pool: str
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+
+
+@dataclass
+class Discovered:
+    """What one pass found: nodes to poll and reconcile now, and targets that are no node."""
+
+    listed: int = 0
+    joining: list[int] = field(default_factory=list)  # new, returned or moved: reconcile now
+    departed: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)  # target -> why it is no node
+
+
+def target_of(listed: dict) -> Target:
+    """One entry of the targets API's `activeTargets` as a node; FleetError says why it is none."""
+    labels = listed.get("labels", {})
+    url = urlsplit(listed.get("scrapeUrl", ""))
+    host, scheme = url.hostname or "", url.scheme or "http"
+    pool = labels.get(settings.DISCOVERY_POOL_LABEL, "")
+    if not pool:
+        raise FleetError(f"no {settings.DISCOVERY_POOL_LABEL!r} label: which pool is it in?")
+    name = labels.get(settings.DISCOVERY_NAME_LABEL) or re.sub(
+        r"[^a-z0-9-]+", "-", f"{host}-{url.port or ''}".lower()
+    ).strip("-")
+    if refused := name_refusal(name, what="node name"):
+        raise FleetError(refused)
+    if not re.fullmatch(r"[-a-zA-Z0-9_]{1,60}", name) or not re.fullmatch(r"[-\w]{1,60}", pool):
+        raise FleetError(f"node {name!r} in pool {pool!r}: names are letters, digits, - and _")
+    where = f"[{host}]" if ":" in host else host
+    http_port = labels.get("http_port") or settings.DISCOVERY_HTTP_PORT
+    grpc_port = labels.get("grpc_port") or settings.DISCOVERY_GRPC_PORT
+    target = Target(
+        name=name,
+        pool=pool,
+        http_url=f"{scheme}://{where}:{http_port}",
+        grpc_url=f"{where}:{grpc_port}",
+        metrics_url=url.geturl(),
+    )
+    validate_url(target.http_url, field="http address")
+    validate_url(f"grpc://{target.grpc_url}", field="gRPC address")
+    validate_url(target.metrics_url, field="metrics address")
+    return target
+
+
+def discover(now: datetime | None = None) -> Discovered:
+    """One pass over the scrape pool's active targets (PrometheusUnavailable when it cannot be
+    read: nothing departs on a Prometheus that did not answer)."""
+    found = prometheus.active_targets(settings.DISCOVERY_SCRAPE_POOL)
+    return nodes_sync(found, now or timezone.now())
+
+
+def nodes_sync(found: list[dict], now: datetime) -> Discovered:
+    """The fleet made to agree with `found` (the targets API's active targets): a handful of
+    statements whatever the fleet's size, plus a few for each node that came, came back or
+    went."""
+    outcome = Discovered()
+    targets: dict[str, Target] = {}
+    for listed in found:
+        address = listed.get("scrapeUrl", "?")
+        try:
+            target = target_of(listed)
+        except FleetError as exc:
+            outcome.refused[address] = str(exc)
+            continue
+        targets.setdefault(target.name, target)
+    outcome.listed = len(targets)
+    with transaction.atomic():
+        known = {n.name: n for n in Node.objects.select_for_update().filter(name__in=targets)}
+        for name, target in targets.items():
+            node = known.get(name)
+            if node is None:
+                outcome.joining.append(_join_new(target, now).pk)
+            elif node.discovered_at is None:
+                outcome.refused[target.metrics_url] = f"node {name} was registered by hand"
+            elif node.stage == Node.Stage.DEPARTED or _moved(node, target):
+                outcome.joining.append(_join_again(node, target, now).pk)
+        Node.objects.filter(name__in=targets, discovered_at__isnull=False).update(listed_at=now)
+        gone = Node.objects.select_for_update().filter(
+            discovered_at__isnull=False,
+            listed_at__lt=now - timedelta(seconds=settings.DISCOVERY_GRACE_S),
+        )
+        for node in gone.exclude(stage=Node.Stage.DEPARTED):
+            _depart(node, now)
+            outcome.departed.append(node.name)
+    _note_refused(outcome.refused)
+    return outcome
+
+
+def _addresses(target: Target) -> dict[str, str]:
+    return {key: getattr(target, key) for key in ("http_url", "grpc_url", "metrics_url")}
+
+
+def _moved(node: Node, target: Target) -> bool:
+    """Listed at other addresses: a replaced pod under the same name, empty and cold."""
+    return any(getattr(node, key) != value for key, value in _addresses(target).items())
+
+
+def _join_new(target: Target, now: datetime) -> Node:
+    pool, created = NodePool.objects.get_or_create(name=target.pool)
+    node = Node.objects.create(
+        name=target.name,
+        pool=pool,
+        stage=Node.Stage.JOINING,
+        stage_changed_at=now,
+        discovered_at=now,
+        listed_at=now,
+        **_addresses(target),
+    )
+    audit_record(
+        actor=ACTOR,
+        action="node.discover",
+        target=f"node:{node.name}",
+        after={"pool": pool.name, "pool_created": created, **_addresses(target)},
+        message=f"listed by Prometheus' {settings.DISCOVERY_SCRAPE_POOL} scrape pool; "
+        "joins out of traffic",
+    )
+    return node
+
+
+def _join_again(node: Node, target: Target, now: datetime) -> Node:
+    before = {"stage": node.stage, **{key: getattr(node, key) for key in _addresses(target)}}
+    for key, value in _addresses(target).items():
+        setattr(node, key, value)
+    node.stage, node.stage_changed_at, node.listed_at = Node.Stage.JOINING, now, now
+    node.save(update_fields=[*_addresses(target), "stage", "stage_changed_at", "listed_at"])
+    back = before["stage"] == Node.Stage.DEPARTED
+    audit_record(
+        actor=ACTOR,
+        action="node.return",
+        target=f"node:{node.name}",
+        before=before,
+        after={"stage": node.stage, **_addresses(target)},
+        message=("listed again" if back else "listed at other addresses")
+        + ": joins out of traffic until it serves its pool's release",
+    )
+    return node
+
+
+def _depart(node: Node, now: datetime) -> None:
+    assert node.listed_at is not None  # discovered nodes are listed when found
+    absent = (now - node.listed_at).total_seconds()
+    before = node.stage
+    Node.objects.filter(pk=node.pk).update(stage=Node.Stage.DEPARTED, stage_changed_at=now)
+    audit_record(
+        actor=ACTOR,
+        action="node.depart",
+        target=f"node:{node.name}",
+        before={"stage": before},
+        after={"stage": Node.Stage.DEPARTED},
+        message=f"not listed by Prometheus for {absent:.0f} s "
+        f"(grace {settings.DISCOVERY_GRACE_S:g} s): no longer polled",
+    )
+
+
+def _note_refused(refused: dict[str, str]) -> None:
+    """Each target that is no node, said once in the trail until its reason changes."""
+    for address, why in refused.items():
+        said = (
+            AuditEvent.objects.filter(
+                action="node.discover", target_type="target", target_name=address
+            )
+            .values_list("message", flat=True)
+            .first()
+        )
+        if said != why:
+            audit_record(
+                actor=ACTOR,
+                action="node.discover",
+                target=f"target:{address}",
+                result=AuditEvent.Result.FAILED,
+                message=why,
+            )

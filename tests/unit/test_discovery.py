@@ -1,0 +1,256 @@
+"""Nodes found by Prometheus' targets API: new targets join out of traffic, targets gone for the
+grace period depart, returning ones are the same node, and hand-registered nodes stay as they
+are. The targets API itself is the boundary here (its JSON as Prometheus writes it); the real
+Prometheus is in tests/integration/test_discovery.py."""
+
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from apps.audit.models import AuditEvent
+from apps.fleet import polling, tasks
+from apps.fleet.discovery import nodes_sync
+from apps.fleet.models import Node, NodePool
+from apps.fleet.reconcile import node_reconcile
+from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.nodes import node_register
+from apps.fleet.traffic.balancer import drained
+from apps.fleet.triton import IndexEntry, ServerMetadata, TritonClient
+from tests.support.registry import import_demo
+
+pytestmark = pytest.mark.django_db
+
+
+def target(name: str, port: int = 8002, pool: str = "gpu", host: str = "10.0.0.5") -> dict:
+    """One of the targets API's activeTargets, as Prometheus answers it."""
+    return {
+        "discoveredLabels": {"__address__": f"{host}:{port}"},
+        "labels": {"instance": f"{host}:{port}", "job": "triton", "node": name, "pool": pool},
+        "scrapePool": "triton",
+        "scrapeUrl": f"http://{host}:{port}/metrics",
+        "health": "up",
+    }
+
+
+def events(action: str) -> list[str]:
+    return list(AuditEvent.objects.filter(action=action).values_list("target", flat=True))
+
+
+def test_a_new_target_is_a_node_that_joins_its_pool_out_of_traffic() -> None:
+    now = timezone.now()
+    found = nodes_sync([target("gpu-7")], now)
+    node = Node.objects.get(name="gpu-7")
+    assert found.joining == [node.pk] and found.listed == 1
+    assert (node.pool.name, node.stage, node.discovered_at, node.listed_at) == (
+        "gpu",
+        Node.Stage.JOINING,
+        now,
+        now,
+    )
+    assert (node.http_url, node.grpc_url, node.metrics_url) == (
+        "http://10.0.0.5:8000",
+        "10.0.0.5:8001",
+        "http://10.0.0.5:8002/metrics",
+    )
+    assert node.weight == 100 and node.wanted_weight == 0  # no traffic while it joins
+    (event,) = AuditEvent.objects.filter(action="node.discover")
+    assert (event.actor, event.target, event.after["pool_created"]) == (
+        "system:discovery",
+        "node:gpu-7",
+        True,
+    )
+
+
+def test_ports_come_from_the_targets_labels_where_it_has_them() -> None:
+    listed = target("gpu-7", port=9102, host="127.0.0.1")
+    listed["labels"] |= {"http_port": "9100", "grpc_port": "9101"}
+    nodes_sync([listed], timezone.now())
+    node = Node.objects.get()
+    assert (node.http_url, node.grpc_url) == ("http://127.0.0.1:9100", "127.0.0.1:9101")
+
+
+def test_a_target_without_a_name_label_is_named_by_its_address() -> None:
+    listed = target("", host="10.1.2.3", port=8002)
+    del listed["labels"]["node"]
+    nodes_sync([listed], timezone.now())
+    assert Node.objects.get().name == "10-1-2-3-8002"
+
+
+def test_a_target_gone_past_the_grace_period_departs_and_comes_back_as_the_same_node(
+    settings: object,
+) -> None:
+    settings.DISCOVERY_GRACE_S = 60  # type: ignore[attr-defined]
+    start = timezone.now()
+    nodes_sync([target("gpu-7"), target("gpu-8", port=8012)], start)
+    first = Node.objects.get(name="gpu-7")
+    Node.objects.update(stage=Node.Stage.SERVING)
+
+    assert nodes_sync([target("gpu-8", port=8012)], start + timedelta(seconds=59)).departed == []
+    gone = nodes_sync([target("gpu-8", port=8012)], start + timedelta(seconds=61))
+    assert gone.departed == ["gpu-7"]
+    departed = Node.objects.get(name="gpu-7")
+    assert departed.stage == Node.Stage.DEPARTED and departed.wanted_weight == 0
+    (said,) = AuditEvent.objects.filter(action="node.depart")
+    assert said.message == "not listed by Prometheus for 61 s (grace 60 s): no longer polled"
+    assert nodes_sync([], start + timedelta(seconds=200)).departed == ["gpu-8"]  # once each
+
+    back = nodes_sync([target("gpu-7")], start + timedelta(seconds=300))
+    assert back.joining == [first.pk]
+    assert Node.objects.get(name="gpu-7").stage == Node.Stage.JOINING
+    assert events("node.return") == ["node:gpu-7"]
+    assert Node.objects.count() == 2
+
+
+def test_a_target_listed_again_changes_nothing_and_writes_nothing_but_when() -> None:
+    start = timezone.now()
+    nodes_sync([target("gpu-7")], start)
+    Node.objects.update(stage=Node.Stage.SERVING)
+    again = nodes_sync([target("gpu-7")], start + timedelta(seconds=5))
+    assert again.joining == [] and again.departed == []
+    node = Node.objects.get()
+    assert (node.stage, node.listed_at) == (Node.Stage.SERVING, start + timedelta(seconds=5))
+    assert AuditEvent.objects.count() == 1  # the discovery only
+
+
+def test_a_pod_replaced_at_another_address_under_its_name_joins_again() -> None:
+    start = timezone.now()
+    nodes_sync([target("gpu-7")], start)
+    Node.objects.update(stage=Node.Stage.SERVING)
+    moved = nodes_sync([target("gpu-7", host="10.0.0.9")], start + timedelta(seconds=5))
+    node = Node.objects.get()
+    assert moved.joining == [node.pk]
+    assert (node.stage, node.http_url) == (Node.Stage.JOINING, "http://10.0.0.9:8000")
+    (event,) = AuditEvent.objects.filter(action="node.return")
+    assert event.message.startswith("listed at other addresses")
+
+
+def test_a_node_registered_by_hand_is_never_touched_by_discovery() -> None:
+    node_register(
+        name="gpu-7",
+        pool="gpu",
+        http_url="http://10.0.0.1:8000",
+        grpc_url="",
+        metrics_url="",
+        actor="system:test",
+    )
+    found = nodes_sync([target("gpu-7")], timezone.now())
+    assert found.refused == {"http://10.0.0.5:8002/metrics": "node gpu-7 was registered by hand"}
+    nodes_sync([], timezone.now() + timedelta(days=1))
+    node = Node.objects.get()
+    assert (node.stage, node.http_url) == (Node.Stage.SERVING, "http://10.0.0.1:8000")
+
+
+def test_a_target_that_is_no_node_is_said_once_with_why() -> None:
+    unlabelled = target("gpu-7")
+    del unlabelled["labels"]["pool"]
+    metadata = target("gpu-8", host="169.254.169.254")
+    for _ in range(3):
+        found = nodes_sync([unlabelled, metadata], timezone.now())
+    assert found.refused["http://10.0.0.5:8002/metrics"] == "no 'pool' label: which pool is it in?"
+    assert "169.254.169.254" in found.refused["http://169.254.169.254:8002/metrics"]
+    assert not Node.objects.exists()
+    failed = AuditEvent.objects.filter(action="node.discover", result="failed")
+    assert failed.count() == 2  # each once, not once a pass
+
+
+def test_a_pass_costs_the_same_statements_at_5_and_at_50_nodes() -> None:
+    def statements(count: int) -> int:
+        listed = [target(f"n{count}-{i}", port=8002 + i) for i in range(count)]
+        nodes_sync(listed, timezone.now())  # found: their joins are events of their own
+        with CaptureQueriesContext(connection) as queries:
+            nodes_sync(listed, timezone.now())
+        return len(queries)
+
+    assert statements(5) == statements(50)
+
+
+def test_a_departed_node_is_neither_polled_nor_reconciled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    nodes_sync([target("gpu-7"), target("gpu-8", port=8012)], timezone.now())
+    Node.objects.filter(name="gpu-7").update(stage=Node.Stage.DEPARTED)
+    sent: list[int] = []
+    monkeypatch.setattr(tasks, "send_to", lambda queue, task, node_id: sent.append(node_id))
+    tasks.poll_nodes()
+    tasks.reconcile_all()
+    assert sent == [Node.objects.get(name="gpu-8").pk] * 2
+
+
+@pytest.fixture
+def joining(monkeypatch: pytest.MonkeyPatch) -> Node:
+    """gpu-7 found, its pool to serve embedder v1; Triton's answers are the boundary."""
+    import_demo()
+    nodes_sync([target("gpu-7")], timezone.now())
+    deployment_set(
+        model_name="embedder", version=1, pool=NodePool.objects.get(), actor="system:test"
+    )
+    monkeypatch.setattr(TritonClient, "health", lambda self: "ready")
+    monkeypatch.setattr(polling, "read_metrics", lambda url, node: "")  # no GPUs
+    monkeypatch.setattr(TritonClient, "server_metadata", lambda self: ServerMetadata("2.51.0", []))
+    return Node.objects.get()
+
+
+def index(*entries: tuple[str, int, str]) -> object:
+    return lambda self: [IndexEntry(m, v, state, "") for m, v, state in entries]
+
+
+def test_a_joining_node_serves_only_once_its_release_reads_back_ready(
+    joining: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(TritonClient, "repository_index", index())
+    assert node_reconcile(node_id=joining.pk)  # its load planned
+    joining.operations.update(status="succeeded")
+    monkeypatch.setattr(TritonClient, "repository_index", index(("embedder", 1, "LOADING")))
+    node_reconcile(node_id=joining.pk)
+    assert Node.objects.get().stage == Node.Stage.JOINING
+
+    monkeypatch.setattr(TritonClient, "repository_index", index(("embedder", 1, "READY")))
+    assert node_reconcile(node_id=joining.pk) == []
+    node = Node.objects.get()
+    assert (node.stage, node.wanted_weight) == (Node.Stage.SERVING, 100)
+    (joined,) = AuditEvent.objects.filter(action="node.join")
+    assert joined.after["serving"] == {"embedder": [1]}
+    assert joined.message.startswith("takes traffic ")
+
+
+def test_a_joining_node_that_is_not_ready_waits(
+    joining: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(TritonClient, "repository_index", index(("embedder", 1, "READY")))
+    monkeypatch.setattr(TritonClient, "health", lambda self: "live")
+    node_reconcile(node_id=joining.pk)
+    assert Node.objects.get().stage == Node.Stage.JOINING
+
+
+def test_draining_a_joining_node_never_waits_for_the_pools_minimum(joining: Node) -> None:
+    """It serves nobody yet: its loads go ahead even on a pool at its minimum."""
+    pool = joining.pool
+    pool.traffic, pool.traffic_runtime, pool.min_serving = "haproxy", "127.0.0.1:1", 1
+    pool.traffic_backends = "triton_http"
+    pool.save()
+    joining.refresh_from_db()
+    entered = []
+    with drained(joining):  # no PoolAtCapacity; the balancer (refused port 1) is recorded
+        entered.append(True)
+    assert entered and "127.0.0.1:1" in Node.objects.get().traffic_error
+
+
+def test_the_nodes_page_shows_joining_and_departed_nodes_apart(
+    client: Client, viewer: User
+) -> None:
+    now = timezone.now()
+    nodes_sync([target("gpu-7"), target("gpu-8", port=8012), target("gpu-9", port=8022)], now)
+    Node.objects.filter(name="gpu-8").update(stage=Node.Stage.SERVING, health="ready")
+    Node.objects.filter(name="gpu-9").update(stage=Node.Stage.DEPARTED, health="unreachable")
+    client.force_login(viewer)
+    page = client.get("/nodes/").content.decode()
+    assert "3 nodes" not in page  # a departed node is no longer one of the pool's
+    assert "2 nodes: 1 ready, 0 unreachable, 0 drifting, 1 joining; 1 departed." in page
+    assert 'class="badge stage-joining"' in page and 'class="badge stage-departed"' in page
+    joining = client.get("/nodes/?stage=joining").content.decode()
+    assert 'id="node-gpu-7"' in joining and 'id="node-gpu-8"' not in joining
