@@ -85,6 +85,7 @@ _BY_KIND: dict[Kind, list[str]] = {
         "node.discover",
         "node.return",
         "node.depart",
+        "node.quarantine",
     ],
     Kind.SYNTHETIC: ["synthetic_load.start"],
     Kind.UPKEEP: [
@@ -100,6 +101,7 @@ _BY_KIND: dict[Kind, list[str]] = {
         "node.register",
         "node.adopt",
         "node.set_memory",
+        "node.release",
         "pool.set_protected",
         "pool.set_queue",
         "pool.set_rollback_window",

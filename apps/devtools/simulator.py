@@ -4,11 +4,12 @@ machine. It never stands in for Triton in correctness tests.
 
 It speaks the subset of Triton's HTTP/REST (KServe v2) protocol that `apps.fleet.triton` uses:
 health, server metadata, repository index, load (with a config override), unload, model config,
-and /metrics on the same port. What it copies from Triton: a load serves exactly the versions its
-override's `specific` version policy names (otherwise version 1), versions no longer named become
-UNAVAILABLE "unloaded", a failed load leaves already READY versions serving, and errors are HTTP
-400 with `{"error": "..."}`. What it does not model: a repository on disk (`latest`/`all` policies
-mean version 1), ensembles and their dependents, inference.
+a version's readiness, and /metrics on the same port. What it copies from Triton: a load serves
+exactly the versions its override's `specific` version policy names (otherwise version 1),
+versions no longer named become UNAVAILABLE "unloaded", a failed load leaves already READY
+versions serving, errors are HTTP 400 with `{"error": "..."}`, and a hung load (`hang`) stays
+LOADING, unanswered, until a restart. What it does not model: a repository on disk
+(`latest`/`all` policies mean version 1), ensembles and their dependents, inference.
 
 asyncio rather than threads: 500 listening ports and hundreds of connections in one thread.
 Run it with `python -m apps.devtools.simulator --nodes 500 --base-port 8100 --load-ms 50`.
@@ -73,6 +74,7 @@ MODEL_MEMORY_BYTES = 100 * 2**20
 _MODEL_NAME = re.compile(r"[\w.-]+")
 _REPOSITORY_CALL = re.compile(r"/v2/repository/models/([^/]+)/(load|unload)")
 _CONFIG_CALL = re.compile(r"/v2/models/([^/]+)/config")
+_READY_CALL = re.compile(r"/v2/models/([^/]+)/versions/(\d{1,9})/ready")
 
 Reply = tuple[int, str, bytes]
 JSON = "application/json"
@@ -98,6 +100,7 @@ class SimNode:
     load_s: float
     failure_rate: float
     holds: frozenset[str] | None  # model names its repository holds; None: any
+    hangs: frozenset[str] = frozenset()  # models whose loads never end (LOADING until a restart)
     versions: dict[str, dict[int, Version]] = field(default_factory=dict)
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -128,6 +131,10 @@ class SimNode:
             return HTTPStatus.OK, JSON, b""
         if method == "GET" and (match := _CONFIG_CALL.fullmatch(path)):
             return _json(HTTPStatus.OK, self.config(unquote(match[1])))
+        if method == "GET" and (match := _READY_CALL.fullmatch(path)):
+            version = self.versions.get(unquote(match[1]), {}).get(int(match[2]))
+            ready = version is not None and version.state == "READY"
+            return (HTTPStatus.OK, JSON, b"") if ready else _json(HTTPStatus.BAD_REQUEST, {})
         return _json(HTTPStatus.NOT_FOUND, {"error": "Not Found"})
 
     def _require_held(self, name: str, action: str) -> None:
@@ -137,6 +144,10 @@ class SimNode:
     async def load(self, name: str, override: dict[str, Any]) -> None:
         self._require_held(name, "load")
         wanted = _wanted_versions(name, override)
+        if name in self.hangs:  # as Triton's stuck loads (server#8766): no answer, ever
+            versions = self.versions.setdefault(name, {})
+            versions.update({number: Version("LOADING", "") for number in wanted})
+            await asyncio.Event().wait()
         await asyncio.sleep(self.load_s)
         versions = self.versions.setdefault(name, {})
         if self.rng.random() < self.failure_rate:
@@ -306,6 +317,8 @@ async def _serve_connection(
                 return
     except (ConnectionError, asyncio.IncompleteReadError):
         return
+    except asyncio.CancelledError:  # the simulator stopping under a hung load: nothing to say
+        return
     finally:
         writer.close()
 
@@ -327,15 +340,16 @@ class Simulator:
         failure_rate: float = 0.0,
         seed: int = 0,
         models: Collection[str] | None = None,
+        hang: Collection[str] = (),
         host: str = "127.0.0.1",
     ) -> None:
         if not 0.0 <= failure_rate <= 1.0:
             raise ValueError(f"failure_rate must be between 0 and 1, not {failure_rate}")
         if load_ms < 0:
             raise ValueError(f"load_ms must not be negative, not {load_ms}")
-        holds = frozenset(models) if models is not None else None
+        holds, hangs = (frozenset(models) if models is not None else None), frozenset(hang)
         self.nodes = [
-            SimNode(random.Random(f"{seed}:{i}"), load_ms / 1000, failure_rate, holds)
+            SimNode(random.Random(f"{seed}:{i}"), load_ms / 1000, failure_rate, holds, hangs)
             for i in range(len(ports))
         ]
         self.host = host
@@ -434,6 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--failure-rate", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--models", default="", help="comma-separated names held; default: any")
+    parser.add_argument("--hang", default="", help="comma-separated models whose loads hang")
     args = parser.parse_args(argv)
     if args.ports:
         ports = [int(port) for port in args.ports.split(",")]
@@ -448,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
             failure_rate=args.failure_rate,
             seed=args.seed,
             models=args.models.split(",") if args.models else None,
+            hang=args.hang.split(",") if args.hang else (),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -2,7 +2,9 @@
 permanent failure (files missing, a config Triton rejects, a load refused before it was sent for
 want of memory) fails the same way until something changes, so the reconciler leaves it to a
 person or a new desired state; a transient one (out of memory, which a later unload may cure; a
-backend error; no answer in time) is tried again after 15 s, 30 s and 60 s, then left too."""
+backend error; no answer in time) is tried again after 15 s, 30 s and 60 s, then left too. A load
+still LOADING when its time is up is stuck: it is never tried again there, and its node is
+quarantined (apps/fleet/runner.py)."""
 
 import re
 from datetime import datetime, timedelta
@@ -13,6 +15,7 @@ MISSING = "missing"
 CONFIG = "config"
 BACKEND = "backend"
 TIMEOUT = "timeout"
+STUCK = "stuck"  # no answer in time, and still LOADING: the node is quarantined
 CHOICES = [
     (MEMORY, "would not fit: not sent"),
     (OUT_OF_MEMORY, "out of memory"),
@@ -20,6 +23,7 @@ CHOICES = [
     (CONFIG, "config rejected"),
     (BACKEND, "backend error"),
     (TIMEOUT, "no answer in time"),
+    (STUCK, "stuck loading"),
 ]
 TRANSIENT = frozenset({OUT_OF_MEMORY, BACKEND, TIMEOUT})
 RETRY_BASE_S = 15

@@ -126,13 +126,17 @@ class Node(models.Model):
     class Stage(models.TextChoices):
         JOINING = "joining", "joining: loading, out of traffic"
         SERVING = "serving"
+        QUARANTINED = "quarantined", "quarantined: a load hung, out of traffic"
         DEPARTED = "departed", "departed: gone from discovery"
 
     # Where a node is in its life: one found by discovery joins out of traffic until it serves
-    # its pool's release, warmed; one whose target is gone for the grace period has departed
-    # (kept with its history, no longer polled). A node registered by hand serves from the start.
-    stage = models.CharField(max_length=10, choices=Stage.choices, default=Stage.SERVING)
+    # its pool's release, warmed; one whose load hung is quarantined, out of traffic and left
+    # alone, until a person or a restart clears it (it joins again); one whose target is gone for
+    # the grace period has departed (kept with its history, no longer polled). A node registered
+    # by hand serves from the start.
+    stage = models.CharField(max_length=12, choices=Stage.choices, default=Stage.SERVING)
     stage_changed_at = models.DateTimeField(null=True, blank=True)
+    stage_reason = models.TextField(blank=True)  # why it is quarantined
     discovered_at = models.DateTimeField(null=True, blank=True)  # None: registered by hand
     listed_at = models.DateTimeField(
         null=True, blank=True, help_text="when discovery last listed the node's target"

@@ -15,7 +15,7 @@ from django.utils import timezone
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
-from apps.fleet import memory
+from apps.fleet import memory, quarantine
 from apps.fleet.desired import Desired, DesiredStateError, node_desired, plan_digest, targeting
 from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Observed, plan
@@ -132,6 +132,9 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
         return []
     if node.stage == Node.Stage.DEPARTED:
         return []
+    if node.stage == Node.Stage.QUARANTINED and not quarantine.restarted(node):
+        return []  # left alone until a person or a restart clears it
+    node.refresh_from_db(fields=["stage"])
     try:
         desired = node_desired(node)
     except DesiredStateError as exc:

@@ -17,7 +17,7 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from apps.audit.services import audit_record
-from apps.fleet import failures, memory
+from apps.fleet import failures, memory, quarantine
 from apps.fleet.desired import DesiredStateError, node_desired, plan_digest
 from apps.fleet.models import Node, Operation
 from apps.fleet.traffic.balancer import drained
@@ -242,6 +242,9 @@ def _execute(node: Node, op: Operation) -> str:
                     return _finish(op, refused, failure=failures.MEMORY)
             client.load(op.model_name, config_json=_json(op.config))
     except TritonTimeout as exc:
+        if op.kind != Operation.Kind.UNLOAD and (hung := quarantine.stuck(client, op)):
+            quarantine.quarantine(node, hung)
+            return _finish(op, hung, failure=failures.STUCK)
         # Sent, but no answer in time: Triton may still be at it. Never re-sent blindly; the
         # reconciler reads the node's index and decides.
         return _finish(

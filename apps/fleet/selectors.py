@@ -81,6 +81,7 @@ class FleetSummary:
     drifted: int
     models_ready: int
     joining: int = 0
+    quarantined: int = 0
     departed: int = 0
 
     @property
@@ -99,6 +100,7 @@ def fleet_summary(rows: list[NodeRow]) -> FleetSummary:
         drifted=sum(bool(r.drift) for r in here),
         models_ready=sum(len(v) for r in here for v in r.node.ready_versions.values()),
         joining=stages[Node.Stage.JOINING],
+        quarantined=stages[Node.Stage.QUARANTINED],
         departed=stages[Node.Stage.DEPARTED],
     )
 

@@ -179,6 +179,11 @@ class TritonClient:
         with self._client(settings.FLEET_LOAD_TIMEOUT_S) as client:
             client.load_model(model, config=config_json, headers=settings.TRITON_REPOSITORY_HEADER)
 
+    def version_ready(self, model: str, version: int) -> bool:
+        """Whether Triton serves `version` of `model` now (asked of the model, not the index)."""
+        with self._client() as client:
+            return bool(client.is_model_ready(model, str(version)))
+
     def unload(self, model: str, *, unload_dependents: bool = False) -> None:
         with self._client() as client:
             client.unload_model(

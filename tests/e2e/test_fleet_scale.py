@@ -1,5 +1,7 @@
 """The fleet pages at 500 nodes, in Chromium: filter, search, next page, drill-down."""
 
+import re
+
 import pytest
 from django.utils import timezone
 from playwright.sync_api import Page, expect
@@ -123,23 +125,31 @@ def test_the_deploy_form_warns_before_a_release_that_will_not_fit_is_sent(
     assert not page.console_errors  # type: ignore[attr-defined]
 
 
-def test_the_nodes_page_shows_nodes_joining_serving_and_departed(
+def test_the_nodes_page_shows_nodes_joining_serving_quarantined_and_departed(
     page: Page, live_server: object
 ) -> None:
-    """Two nodes found by discovery beside seeded ones: one still joining, one departed."""
+    """Nodes found by discovery beside seeded ones: one still joining, one whose load hung,
+    one departed."""
     seed_fleet(size=Size(nodes=3, pools=1, models=5, versions=2, operations=3, events=3))
     listed = [
         {
             "labels": {"node": name, "pool": "pool-00"},
             "scrapeUrl": f"http://10.0.3.{i}:8002/metrics",
         }
-        for i, name in enumerate(["gpu-new", "gpu-gone"], start=1)
+        for i, name in enumerate(["gpu-new", "gpu-gone", "gpu-hung"], start=1)
     ]
     nodes_sync(listed, timezone.now())
     Node.objects.filter(name="gpu-gone").update(stage=Node.Stage.DEPARTED, health="unreachable")
+    hung = "model-000 v2 still LOADING 120 s after its load was sent, and not ready"
+    Node.objects.filter(name="gpu-hung").update(
+        stage=Node.Stage.QUARANTINED, health="ready", stage_reason=hung
+    )
     sign_in(page, str(live_server), make_user(Role.VIEWER).username)
     page.goto(f"{live_server}/nodes/")
-    expect(page.locator("#node-summary")).to_contain_text("1 joining; 1 departed")
+    expect(page.locator("#node-summary")).to_contain_text("1 joining, 1 quarantined; 1 departed")
+    expect(page.locator("#node-gpu-hung .badge.stage-quarantined")).to_have_attribute(
+        "title", re.compile(r"^model-000 v2 still LOADING")
+    )
     expect(page.locator("#node-gpu-new")).to_contain_text("joining")
     expect(page.locator("#node-gpu-gone")).to_contain_text("departed")
     expect(page.locator("#node-node-0001 .badge.stage-joining")).to_have_count(0)
@@ -148,4 +158,8 @@ def test_the_nodes_page_shows_nodes_joining_serving_and_departed(
     page.get_by_role("button", name="Filter").click()
     expect(page.locator("#node-table tbody tr")).to_have_count(1)
     expect(page.locator("#node-table tbody tr")).to_contain_text("gpu-new")
+    page.goto(f"{live_server}/nodes/gpu-hung/")
+    expect(page.get_by_role("alert")).to_contain_text("Quarantined")
+    expect(page.get_by_role("alert")).to_contain_text("model-000 v2 still LOADING")
+    screenshot(page, "node-quarantined")
     assert not page.console_errors  # type: ignore[attr-defined]

@@ -207,6 +207,7 @@ FLEET_REGISTRY_SERVICES = {
     pools.pool_set_protected,
     pools.pool_set_traffic,
     nodes.node_set_memory,
+    nodes.node_release,
     nodes.operation_override,
     pools.pool_set_rollback_window,
     registry.version_set_memory,
@@ -376,6 +377,15 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
     bob = accounts.user_ensure(username="bob", password="pw", role=Role.RELEASE_MANAGER)
     change = {"pool": "gpu", "model": "rag", "version": 2, "baseline": None}
     cases += [
+        Case(
+            nodes.node_release,
+            "node.release",
+            lambda: nodes.node_release(node_name="gpu-1", reason="restarted", actor="ops"),
+            lambda: (
+                Node.objects.filter(pk=node.pk).update(stage=Node.Stage.QUARANTINED),
+                nodes.node_release(node_name="gpu-1", reason="restarted", actor="ops"),
+            ),
+        ),
         Case(
             nodes.node_set_memory,
             "node.set_memory",

@@ -111,9 +111,11 @@ def test_every_series_reports_exact_values_from_the_database(
     assert matching(samples, "controlplane_node_stages") == {
         ("eu-west", "joining"): 1,
         ("eu-west", "serving"): 1,
+        ("eu-west", "quarantined"): 0,
         ("eu-west", "departed"): 1,
         ("gpu-a", "joining"): 0,
         ("gpu-a", "serving"): 3,
+        ("gpu-a", "quarantined"): 0,
         ("gpu-a", "departed"): 0,
     }
     assert matching(samples, "controlplane_analysis_verdicts") == {

@@ -4,11 +4,11 @@ from django.db import transaction
 
 from apps.accounts.permissions import authorize, second_person
 from apps.audit.services import Actor, actor_name, audit_record, audited, fields_set
-from apps.fleet import addresses, failures
+from apps.fleet import addresses, failures, quarantine
 from apps.fleet.desired import node_desired
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool, Operation
-from apps.fleet.tasks import enqueue_run
+from apps.fleet.tasks import enqueue_run, reconcile_node, send_per_node
 from apps.fleet.traffic.haproxy import name_refusal
 
 
@@ -155,4 +155,21 @@ def node_set_memory(*, node_name: str, limit_mb: int | None, actor: Actor) -> No
     if limit_mb is not None and limit_mb < 1:
         raise FleetError(f"node {node_name}: a memory limit of {limit_mb} MiB is not one")
     fields_set(node, {"memory_limit_mb": limit_mb}, actor=actor, target=f"node:{node_name}")
+    return node
+
+
+@audited("node.release", lambda node_name, **_: f"node:{node_name}", (FleetError,))
+def node_release(*, node_name: str, reason: str, actor: Actor) -> Node:
+    """Take a quarantined node back: it joins again, serving once its release reads back READY,
+    warmed (say, once its Triton was restarted by hand)."""
+    node = Node.objects.select_for_update().select_related("pool").filter(name=node_name).first()
+    if node is None:
+        raise FleetError(f"no node named {node_name!r}")
+    authorize(actor, "fleet.operate_node", node.pool)
+    if node.stage != Node.Stage.QUARANTINED:
+        raise FleetError(f"{node_name} is {node.stage}, not quarantined")
+    if not reason.strip():
+        raise FleetError("say why the node may work again: a reason is required")
+    quarantine.release(node, actor=actor, why=reason.strip())
+    transaction.on_commit(lambda: send_per_node(reconcile_node, [node.pk]), robust=True)
     return node

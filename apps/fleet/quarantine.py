@@ -1,0 +1,102 @@
+"""Nodes whose load hung. Triton's loads can stay LOADING until the server restarts
+(server#8766); such a node takes no traffic and gets no further work until a person clears it
+(`services.nodes.node_release`) or it shows the load no longer LOADING (a restart), and then it
+joins again: loaded, read back and warmed before it serves."""
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from apps.audit.services import Actor, audit_record
+from apps.fleet import failures
+from apps.fleet.models import Node, Operation
+from apps.fleet.traffic.balancer import traffic_sync
+from apps.fleet.triton import TritonClient, TritonError
+
+ACTOR = "system:reconciler"
+
+
+def stuck(client: TritonClient, op: Operation) -> str:
+    """Why `op`, a load Triton did not answer in time, is stuck, or "" when it is not (or the
+    node cannot say): its versions still LOADING in the index, and not ready when asked of the
+    model itself (an index can lag behind the model)."""
+    try:
+        loading = sorted(
+            e.version
+            for e in client.repository_index()
+            if e.version is not None
+            and (e.model, e.state) == (op.model_name, "LOADING")
+            and e.version in op.versions
+        )
+        hung = [v for v in loading if not client.version_ready(op.model_name, v)]
+    except TritonError:
+        return ""
+    if not hung:
+        return ""
+    listed = ", ".join(f"v{v}" for v in hung)
+    return (
+        f"{op.model_name} {listed} still LOADING {settings.FLEET_LOAD_TIMEOUT_S:g} s after its "
+        "load was sent, and not ready: a hung load; the node is quarantined until a person or a "
+        "restart clears it"
+    )
+
+
+def quarantine(node: Node, why: str) -> None:
+    """Out of traffic and left alone, with `why` on its page, in the trail and in /metrics."""
+    with transaction.atomic():
+        before = Node.objects.select_for_update().values_list("stage", flat=True).get(pk=node.pk)
+        Node.objects.filter(pk=node.pk).update(
+            stage=Node.Stage.QUARANTINED, stage_changed_at=timezone.now(), stage_reason=why
+        )
+        audit_record(
+            actor=ACTOR,
+            action="node.quarantine",
+            target=f"node:{node.name}",
+            before={"stage": before},
+            after={"stage": Node.Stage.QUARANTINED},
+            result="failed",
+            message=why,
+        )
+        if node.pool.traffic:
+            transaction.on_commit(lambda: traffic_sync(node.pool_id), robust=True)
+
+
+def release(node: Node, *, actor: Actor, why: str) -> None:
+    """Back to joining: it serves again once its release reads back READY, warmed; the hung
+    load may be tried again now. Call under the node's row lock."""
+    now = timezone.now()
+    Node.objects.filter(pk=node.pk).update(
+        stage=Node.Stage.JOINING, stage_changed_at=now, stage_reason=""
+    )
+    node.operations.filter(failure=failures.STUCK, retry_at__isnull=True).update(retry_at=now)
+    audit_record(
+        actor=actor,
+        action="node.release",
+        target=f"node:{node.name}",
+        before={"stage": Node.Stage.QUARANTINED, "reason": node.stage_reason},
+        after={"stage": Node.Stage.JOINING},
+        message=why,
+    )
+
+
+def restarted(node: Node) -> bool:
+    """Whether the node's index, just read, no longer shows its hung load LOADING (Triton was
+    restarted, or the load ended after all): then it is released, to join again."""
+    hung = (
+        node.operations.filter(failure=failures.STUCK)
+        .order_by("-id")
+        .values_list("model_name", "versions")
+        .first()
+    )
+    model, versions = hung or ("", [])
+    if any(
+        e["model"] == model and e.get("state") == "LOADING" and e.get("version") in versions
+        for e in node.index
+    ):
+        return False
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node.pk)
+        if locked.stage != Node.Stage.QUARANTINED:
+            return False
+        release(locked, actor=ACTOR, why=f"{model} is no longer LOADING there: restarted")
+    return True

@@ -1,0 +1,92 @@
+"""A hung load told apart from a slow one (the index cross-checked against the model's own
+readiness), and a quarantined node on its page; the hang itself, on the simulator, is in
+tests/integration/test_quarantine.py."""
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.utils import timezone
+
+from apps.accounts.roles import Role
+from apps.audit.models import AuditEvent
+from apps.fleet.models import Node, NodePool, Operation
+from apps.fleet.quarantine import stuck
+from apps.fleet.triton import IndexEntry, TritonClient, TritonUnreachable
+from tests.support.users import make_user
+
+pytestmark = pytest.mark.django_db
+
+
+class Answers(TritonClient):
+    """Triton's answers, as given: the boundary."""
+
+    def __init__(self, index: list[IndexEntry], ready: bool = False) -> None:
+        super().__init__("http://10.0.0.1:8000", node="gpu-1")
+        self.index, self.ready = index, ready
+
+    def repository_index(self) -> list[IndexEntry]:
+        if not self.index:
+            raise TritonUnreachable("gpu-1", "connection refused")
+        return self.index
+
+    def version_ready(self, model: str, version: int) -> bool:
+        return self.ready
+
+
+def load(versions: list[int]) -> Operation:
+    return Operation(kind="load", model_name="embedder", versions=versions)
+
+
+def test_a_load_still_loading_and_not_ready_is_stuck() -> None:
+    client = Answers(
+        [IndexEntry("embedder", 2, "LOADING", ""), IndexEntry("embedder", 1, "READY", "")]
+    )
+    assert stuck(client, load([2])).startswith("embedder v2 still LOADING 120 s after its load")
+
+
+def test_an_index_behind_the_model_itself_is_not_taken_for_a_hang() -> None:
+    assert stuck(Answers([IndexEntry("embedder", 2, "LOADING", "")], ready=True), load([2])) == ""
+
+
+def test_a_load_that_ended_or_a_node_that_cannot_say_is_not_stuck() -> None:
+    assert stuck(Answers([IndexEntry("embedder", 2, "UNAVAILABLE", "oom")]), load([2])) == ""
+    assert stuck(Answers([]), load([2])) == ""  # unreadable: an unknown outcome, as before
+
+
+@pytest.fixture
+def quarantined() -> Node:
+    pool = NodePool.objects.create(name="gpu")
+    return Node.objects.create(
+        name="gpu-1",
+        pool=pool,
+        http_url="http://10.0.0.1:8000",
+        stage=Node.Stage.QUARANTINED,
+        stage_changed_at=timezone.now(),
+        stage_reason="embedder v2 still LOADING 120 s after its load was sent",
+    )
+
+
+def test_a_quarantined_node_says_why_on_its_page_and_an_operator_releases_it(
+    client: Client, quarantined: Node
+) -> None:
+    operator: User = make_user(Role.OPERATOR)
+    client.force_login(operator)
+    page = client.get("/nodes/gpu-1/").content.decode()
+    assert "Quarantined" in page and "embedder v2 still LOADING" in page
+    assert 'value="release"' in page
+    listed = client.get("/nodes/").content.decode()
+    assert "1 quarantined" in listed and 'class="badge stage-quarantined"' in listed
+    form = {"kind": "release", "reason": "restarted it by hand"}
+    client.post("/nodes/gpu-1/operate/", form)
+    assert Node.objects.get().stage == Node.Stage.JOINING
+    assert AuditEvent.objects.get(action="node.release").actor == operator.username
+
+
+def test_a_viewer_sees_no_release_and_may_not_release(
+    client: Client, quarantined: Node, viewer: User
+) -> None:
+    client.force_login(viewer)
+    assert 'value="release"' not in client.get("/nodes/gpu-1/").content.decode()
+    response = client.post("/nodes/gpu-1/operate/", {"kind": "release", "reason": "why not"})
+    assert response.status_code == 403
+    assert Node.objects.get().stage == Node.Stage.QUARANTINED
