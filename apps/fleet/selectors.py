@@ -31,6 +31,13 @@ class NodeFilters:
 class NodeRow:
     node: Node
     drift: list[str]
+    serving: tuple[int, int] = (0, 0)  # models of its desired state it serves, of how many
+
+    @property
+    def progress(self) -> str:
+        """Where a joining node is: how much of its pool's release it serves already."""
+        done, wanted = self.serving
+        return f"{done} of {wanted} models READY" if wanted else "nothing to load"
 
 
 def node_rows(filters: NodeFilters = NodeFilters()) -> list[NodeRow]:
@@ -59,10 +66,13 @@ def node_rows_of(nodes: QuerySet[Node]) -> list[NodeRow]:
     desired = fleet_desired(pool_ids={node.pool_id for node in found})
     rows = []
     for node in found:
-        drift = drift_of(node_models(node, desired))
+        models = node_models(node, desired)
+        drift = drift_of(models)
         if node.traffic_drift:
             drift.append(node.traffic_drift)
-        rows.append(NodeRow(node, drift))
+        wanted = [row for row in models if row.desired]
+        serving = (sum(not row.drift for row in wanted), len(wanted))
+        rows.append(NodeRow(node, drift, serving))
     return rows
 
 

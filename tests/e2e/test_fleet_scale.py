@@ -150,7 +150,7 @@ def test_the_nodes_page_shows_nodes_joining_serving_quarantined_and_departed(
     expect(page.locator("#node-gpu-hung .badge.stage-quarantined")).to_have_attribute(
         "title", re.compile(r"^model-000 v2 still LOADING")
     )
-    expect(page.locator("#node-gpu-new")).to_contain_text("joining")
+    expect(page.locator("#node-gpu-new")).to_contain_text("joining 0 of 4 models READY")
     expect(page.locator("#node-gpu-gone")).to_contain_text("departed")
     expect(page.locator("#node-node-0001 .badge.stage-joining")).to_have_count(0)
     screenshot(page, "nodes-stages")
