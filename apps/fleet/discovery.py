@@ -23,6 +23,7 @@ from apps.audit.services import audit_record
 from apps.fleet.addresses import validate_url
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool
+from apps.fleet.stages import stage_set
 from apps.fleet.traffic.haproxy import name_refusal
 from controlplane import prometheus
 
@@ -157,20 +158,22 @@ def _join_new(target: Target, now: datetime) -> Node:
 
 
 def _join_again(node: Node, target: Target, now: datetime) -> Node:
-    before = {"stage": node.stage, **{key: getattr(node, key) for key in _addresses(target)}}
+    before = {key: getattr(node, key) for key in _addresses(target)}
     for key, value in _addresses(target).items():
         setattr(node, key, value)
-    node.stage, node.stage_changed_at, node.listed_at = Node.Stage.JOINING, now, now
-    node.save(update_fields=[*_addresses(target), "stage", "stage_changed_at", "listed_at"])
-    back = before["stage"] == Node.Stage.DEPARTED
-    audit_record(
+    node.listed_at = now
+    node.save(update_fields=[*_addresses(target), "listed_at"])
+    back = node.stage == Node.Stage.DEPARTED
+    stage_set(
+        node,
+        Node.Stage.JOINING,
         actor=ACTOR,
         action="node.return",
-        target=f"node:{node.name}",
-        before=before,
-        after={"stage": node.stage, **_addresses(target)},
         message=("listed again" if back else "listed at other addresses")
         + ": joins out of traffic until it serves its pool's release",
+        at=now,
+        before=before,
+        after=_addresses(target),
     )
     return node
 
@@ -178,16 +181,14 @@ def _join_again(node: Node, target: Target, now: datetime) -> Node:
 def _depart(node: Node, now: datetime) -> None:
     assert node.listed_at is not None  # discovered nodes are listed when found
     absent = (now - node.listed_at).total_seconds()
-    before = node.stage
-    Node.objects.filter(pk=node.pk).update(stage=Node.Stage.DEPARTED, stage_changed_at=now)
-    audit_record(
+    stage_set(
+        node,
+        Node.Stage.DEPARTED,
         actor=ACTOR,
         action="node.depart",
-        target=f"node:{node.name}",
-        before={"stage": before},
-        after={"stage": Node.Stage.DEPARTED},
         message=f"not listed by Prometheus for {absent:.0f} s "
         f"(grace {settings.DISCOVERY_GRACE_S:g} s): no longer polled",
+        at=now,
     )
 
 

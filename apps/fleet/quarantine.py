@@ -5,11 +5,11 @@ joins again: loaded, read back and warmed before it serves."""
 
 from django.conf import settings
 from django.db import transaction
-from django.utils import timezone
 
-from apps.audit.services import Actor, audit_record
+from apps.audit.services import Actor
 from apps.fleet import failures
 from apps.fleet.models import Node, Operation
+from apps.fleet.stages import stage_set
 from apps.fleet.traffic.balancer import traffic_sync
 from apps.fleet.triton import TritonClient, TritonError
 
@@ -44,38 +44,34 @@ def stuck(client: TritonClient, op: Operation) -> str:
 def quarantine(node: Node, why: str) -> None:
     """Out of traffic and left alone, with `why` on its page, in the trail and in /metrics."""
     with transaction.atomic():
-        before = Node.objects.select_for_update().values_list("stage", flat=True).get(pk=node.pk)
-        Node.objects.filter(pk=node.pk).update(
-            stage=Node.Stage.QUARANTINED, stage_changed_at=timezone.now(), stage_reason=why
-        )
-        audit_record(
+        locked = Node.objects.select_for_update().select_related("pool").get(pk=node.pk)
+        stage_set(
+            locked,
+            Node.Stage.QUARANTINED,
             actor=ACTOR,
             action="node.quarantine",
-            target=f"node:{node.name}",
-            before={"stage": before},
-            after={"stage": Node.Stage.QUARANTINED},
-            result="failed",
             message=why,
+            reason=why,
+            result="failed",
         )
-        if node.pool.traffic:
-            transaction.on_commit(lambda: traffic_sync(node.pool_id), robust=True)
+        if locked.pool.traffic:
+            transaction.on_commit(lambda: traffic_sync(locked.pool_id), robust=True)
 
 
 def release(node: Node, *, actor: Actor, why: str) -> None:
     """Back to joining: it serves again once its release reads back READY, warmed; the hung
     load may be tried again now. Call under the node's row lock."""
-    now = timezone.now()
-    Node.objects.filter(pk=node.pk).update(
-        stage=Node.Stage.JOINING, stage_changed_at=now, stage_reason=""
-    )
-    node.operations.filter(failure=failures.STUCK, retry_at__isnull=True).update(retry_at=now)
-    audit_record(
+    hung = node.stage_reason
+    stage_set(
+        node,
+        Node.Stage.JOINING,
         actor=actor,
         action="node.release",
-        target=f"node:{node.name}",
-        before={"stage": Node.Stage.QUARANTINED, "reason": node.stage_reason},
-        after={"stage": Node.Stage.JOINING},
         message=why,
+        before={"reason": hung},
+    )
+    node.operations.filter(failure=failures.STUCK, retry_at__isnull=True).update(
+        retry_at=node.stage_changed_at
     )
 
 

@@ -22,6 +22,7 @@ from apps.fleet.planner import Observed, plan
 from apps.fleet.polling import node_poll, node_read_index
 from apps.fleet.runner import RECONCILER, DesiredDigest, save_owned
 from apps.fleet.selectors import converged
+from apps.fleet.stages import stage_set
 from apps.fleet.traffic.balancer import traffic_sync
 from apps.fleet.triton import ready_in
 from apps.registry.models import Model
@@ -209,17 +210,16 @@ def _join(node: Node, desired: Desired, observed: dict[str, Observed]) -> None:
         if locked.operations.filter(status__in=Operation.OPEN).exists():
             return
         took = (now - (locked.stage_changed_at or now)).total_seconds()
-        locked.stage, locked.stage_changed_at = Node.Stage.SERVING, now
-        locked.save(update_fields=["stage", "stage_changed_at"])
         serving = {name: sorted(model.versions) for name, model in desired.items()}
-        audit_record(
+        stage_set(
+            locked,
+            Node.Stage.SERVING,
             actor=RECONCILER,
             action="node.join",
-            target=f"node:{locked.name}",
-            before={"stage": Node.Stage.JOINING},
-            after={"stage": Node.Stage.SERVING, "serving": serving, "joining_s": round(took, 1)},
             message=f"takes traffic {took:.1f} s after it joined: its pool's release read "
             "back READY, warmed, ready",
+            at=now,
+            after={"serving": serving, "joining_s": round(took, 1)},
         )
         if locked.pool.traffic:
             transaction.on_commit(lambda: traffic_sync(locked.pool_id), robust=True)
