@@ -120,7 +120,12 @@ def _node_out(node: Node, desired: FleetDesired) -> dict[str, Any]:
 
 
 def _nodes_of(deployment: Deployment) -> list[Node]:
-    return [deployment.node] if deployment.node else list(deployment.pool.nodes.all())  # type: ignore[union-attr]
+    if deployment.node:
+        return [deployment.node]
+    # A departed node is the pool's no longer: a deployment converges without it (the pool's
+    # nodes are prefetched: read here, not queried again).
+    nodes: list[Node] = list(deployment.pool.nodes.all())  # type: ignore[union-attr,misc]
+    return [n for n in nodes if n.stage != Node.Stage.DEPARTED]
 
 
 def _deployments_out(deployments: list[Deployment]) -> list[dict[str, Any]]:

@@ -30,9 +30,9 @@ def probe(tiers: Tiers, version: int) -> Probed:
     name), the nodes probed side by side."""
     model, budget = tiers.model.name, tiers.model.latency_budget_ms
     nodes = list(
-        tiers.pool.nodes.filter(health=Node.Health.READY).order_by("name")[
-            : settings.DEGRADATION_PROBE_NODES
-        ]
+        tiers.pool.nodes.serving()
+        .filter(health=Node.Health.READY)
+        .order_by("name")[: settings.DEGRADATION_PROBE_NODES]
     )
     if not nodes:
         return Probed(False, f"no ready node of {tiers.pool.name} to probe v{version} on")

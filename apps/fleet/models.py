@@ -74,6 +74,13 @@ class NodePool(models.Model):
         return [name.strip() for name in self.traffic_backends.split(",") if name.strip()]
 
 
+class NodeQuerySet(models.QuerySet["Node"]):
+    def serving(self) -> "NodeQuerySet":
+        """The nodes that take their share of traffic: a rollout's, a probe's, a share's count
+        (not those joining, quarantined or departed)."""
+        return self.filter(stage=Node.Stage.SERVING)
+
+
 class Node(models.Model):
     class Health(models.TextChoices):
         UNKNOWN = "unknown"
@@ -141,6 +148,8 @@ class Node(models.Model):
     listed_at = models.DateTimeField(
         null=True, blank=True, help_text="when discovery last listed the node's target"
     )
+
+    objects = NodeQuerySet.as_manager()
 
     class Meta:
         ordering = ["pool__name", "name"]

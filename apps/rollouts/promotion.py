@@ -84,7 +84,7 @@ def _no_room_beside(rollout: Rollout, moving: list[Member]) -> list[str]:
     }
     if not change:
         return []
-    nodes = list(rollout.pool.nodes.all())
+    nodes = list(rollout.pool.nodes.serving())
     return shortfalls(nodes, fleet_desired(pool_ids=[rollout.pool.pk]), change, new_only=False)
 
 
@@ -99,7 +99,7 @@ def aborting(rollout: Rollout) -> None:
         m.model.name: serves(d) if (d := pooled.get(m.model.name)) else {m.baseline}
         for m in released
     }
-    first = rollout.pool.nodes.first()
+    first = rollout.pool.nodes.serving().first()
     if rollout.strategy == Rollout.Strategy.BLUE_GREEN and first:  # its standby steps let go
         desired = fleet_desired(pool_ids=[rollout.pool.pk]).of(first)
         targets |= {c.model: set(desired[c.model].versions) for c in changed_steps(released[0])}

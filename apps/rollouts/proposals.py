@@ -75,7 +75,7 @@ def rollout_propose(
     pool = NodePool.objects.filter(name=pool_name).first()
     if pool is None:
         raise RolloutError(f"no pool {pool_name!r}")
-    pool_nodes = list(pool.nodes.all())
+    pool_nodes = list(pool.nodes.serving())
     nodes = [node.name for node in pool_nodes]
     if not nodes:
         raise RolloutError(f"pool {pool_name} has no nodes")

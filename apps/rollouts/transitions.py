@@ -29,7 +29,9 @@ State = Rollout.State
 
 
 def pool_nodes(rollout: Rollout) -> list[Node]:
-    return list(rollout.pool.nodes.order_by("name"))
+    """The pool's serving nodes: one joining, quarantined or departed is no rollout's (it gets
+    the pool's release when it joins)."""
+    return list(rollout.pool.nodes.serving().order_by("name"))
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
         "gate_run__baseline_node",
     )
     rollout = get_object_or_404(found, pk=pk)
-    nodes = list(rollout.pool.nodes.order_by("name").values_list("name", flat=True))
+    nodes = list(rollout.pool.nodes.serving().order_by("name").values_list("name", flat=True))
     # Each step with the share it really gets, and the current one's as now observed.
     steps = preview(parse_plan(rollout.plan), nodes, weighted=bool(rollout.pool.traffic))
     context = {

@@ -5,7 +5,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,9 +25,11 @@ def gpu_memory(readings: dict[tuple[str, str], tuple[int, int, range]]) -> str:
 
 
 @contextmanager
-def backfilled_prometheus(root: Path, openmetrics: str) -> Iterator[str]:
-    """Yields the URL of a Prometheus that holds exactly `openmetrics` (ending with `# EOF`)."""
-    (root / "input.om").write_text(openmetrics)
+def backfilled_prometheus(root: Path, openmetrics: str | Iterable[str]) -> Iterator[str]:
+    """Yields the URL of a Prometheus that holds exactly `openmetrics` (ending with `# EOF`),
+    given whole or as lines (streamed to disk: a fleet's series do not fit a string well)."""
+    with (root / "input.om").open("w") as written:
+        written.writelines([openmetrics] if isinstance(openmetrics, str) else openmetrics)
     data = root / "data"
     promtool = shutil.which("promtool") or "promtool"
     subprocess.run(

@@ -21,7 +21,10 @@ from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register
 from apps.fleet.traffic.balancer import drained
 from apps.fleet.triton import IndexEntry, ServerMetadata, TritonClient
+from apps.registry.models import ModelVersion
+from apps.rollouts.proposals import rollout_propose
 from tests.support.registry import import_demo
+from tests.support.users import bearer
 
 pytestmark = pytest.mark.django_db
 
@@ -255,3 +258,29 @@ def test_the_nodes_page_shows_joining_and_departed_nodes_apart(
     joining = client.get("/nodes/?stage=joining").content.decode()
     assert 'id="node-gpu-7"' in joining and 'id="node-gpu-8"' not in joining
     assert "nothing to load" in joining  # where it is: its pool deploys nothing
+
+
+def test_a_rollout_and_a_deployments_progress_count_only_the_nodes_that_serve(
+    client: Client, viewer: User
+) -> None:
+    """A node joining, quarantined or departed is no canary and holds no rollout back; a
+    departed one holds no deployment back either."""
+    import_demo()
+    ModelVersion.objects.update(status=ModelVersion.Status.PUBLISHED)
+    listed = [target(f"gpu-{i}", port=8002 + 10 * i) for i in range(5)]
+    nodes_sync(listed, timezone.now())
+    pool = NodePool.objects.get()
+    stages = [Node.Stage.SERVING] * 2 + [Node.Stage.JOINING, Node.Stage.QUARANTINED]
+    for i, stage in enumerate([*stages, Node.Stage.DEPARTED]):
+        Node.objects.filter(name=f"gpu-{i}").update(stage=stage)
+    deployment_set(model_name="embedder", version=1, pool=pool, actor="system:test")
+    proposal = rollout_propose(
+        model_name="embedder", pool_name="gpu", canary_version=2, plan="50%", analysis=None
+    )
+    assert proposal.preview[0].canary_nodes + proposal.preview[0].baseline_nodes == [
+        "gpu-0",
+        "gpu-1",
+    ]
+    client.force_login(viewer)
+    (progress,) = client.get("/api/deployments", headers=bearer(viewer)).json()
+    assert [n["node"] for n in progress["nodes"]] == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
