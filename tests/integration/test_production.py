@@ -51,6 +51,13 @@ def _answers(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _serves(url: str) -> bool:
+    try:
+        return get(url)[0] == 200
+    except OSError:  # refused, reset or timed out while the workers boot
+        return False
+
+
 def get(url: str) -> tuple[int, str]:
     """As through the TLS-terminating proxy production puts in front (X-Forwarded-Proto)."""
     request = urllib.request.Request(url, headers={"X-Forwarded-Proto": "https"})  # noqa: S310
@@ -99,7 +106,8 @@ def test_the_documented_production_stack_serves_and_reports_readiness(tmp_path: 
                             start_new_session=True,
                         )
                     )
-            wait_for("gunicorn answers", lambda: _answers(web), timeout=30)
+            # Its socket accepts before a worker has booted Django: wait for an answer.
+            wait_for("gunicorn serves", lambda: _serves(f"{base}/healthz"), timeout=60)
             status, page = get(f"{base}/accounts/login/")
             assert status == 200 and "Sign in" in page
             stylesheet = re.search(r'href="(/static/[^"]+\.css)"', page)
