@@ -115,6 +115,11 @@ def nodes_sync(found: list[dict], now: datetime) -> Discovered:
             elif node.stage == Node.Stage.DEPARTED or _moved(node, target):
                 outcome.joining.append(_join_again(node, target, now).pk)
         Node.objects.filter(name__in=targets, discovered_at__isnull=False).update(listed_at=now)
+        if not found:
+            # Nothing listed at all: a scrape pool misnamed or a Prometheus still discovering
+            # after a restart far more often than a fleet scaled to zero. Departing every node
+            # would take the whole fleet out of traffic: none departs on an empty listing.
+            return outcome
         gone = Node.objects.select_for_update().filter(
             discovered_at__isnull=False,
             listed_at__lt=now - timedelta(seconds=settings.DISCOVERY_GRACE_S),
@@ -193,16 +198,16 @@ def _depart(node: Node, now: datetime) -> None:
 
 
 def _note_refused(refused: dict[str, str]) -> None:
-    """Each target that is no node, said once in the trail until its reason changes."""
+    """Each target that is no node, said once in the trail until its reason changes (one read
+    for all of them, however many)."""
+    said: dict[str, str] = {}
+    earlier = AuditEvent.objects.filter(
+        action="node.discover", target_type="target", target_name__in=refused
+    ).order_by("-created_at", "-id")
+    for address, message in earlier.values_list("target_name", "message"):
+        said.setdefault(address, message)  # the newest
     for address, why in refused.items():
-        said = (
-            AuditEvent.objects.filter(
-                action="node.discover", target_type="target", target_name=address
-            )
-            .values_list("message", flat=True)
-            .first()
-        )
-        if said != why:
+        if said.get(address) != why:
             audit_record(
                 actor=ACTOR,
                 action="node.discover",

@@ -100,13 +100,16 @@ def test_a_target_gone_past_the_grace_period_departs_and_comes_back_as_the_same_
     assert departed.stage == Node.Stage.DEPARTED and departed.wanted_weight == 0
     (said,) = AuditEvent.objects.filter(action="node.depart")
     assert said.message == "not listed by Prometheus for 61 s (grace 60 s): no longer polled"
-    assert nodes_sync([], start + timedelta(seconds=200)).departed == ["gpu-8"]  # once each
+    # An empty listing departs nothing (a misnamed scrape pool would take the fleet out).
+    assert nodes_sync([], start + timedelta(seconds=200)).departed == []
+    other = target("gpu-other", port=8099)
+    assert nodes_sync([other], start + timedelta(seconds=200)).departed == ["gpu-8"]  # once each
 
     back = nodes_sync([target("gpu-7")], start + timedelta(seconds=300))
     assert back.joining == [first.pk]
     assert Node.objects.get(name="gpu-7").stage == Node.Stage.JOINING
     assert events("node.return") == ["node:gpu-7"]
-    assert Node.objects.count() == 2
+    assert Node.objects.count() == 3
 
 
 def test_a_target_listed_again_changes_nothing_and_writes_nothing_but_when() -> None:
@@ -162,9 +165,15 @@ def test_a_target_that_is_no_node_is_said_once_with_why() -> None:
 
 
 def test_a_pass_costs_the_same_statements_at_5_and_at_50_nodes() -> None:
+    """Nodes listed again, and as many targets that are no node (no pool label)."""
+
     def statements(count: int) -> int:
         listed = [target(f"n{count}-{i}", port=8002 + i) for i in range(count)]
-        nodes_sync(listed, timezone.now())  # found: their joins are events of their own
+        for i in range(count):
+            unlabelled = target(f"x{count}-{i}", port=9002 + i)
+            del unlabelled["labels"]["pool"]
+            listed.append(unlabelled)
+        nodes_sync(listed, timezone.now())  # found or refused: events of their own, once
         with CaptureQueriesContext(connection) as queries:
             nodes_sync(listed, timezone.now())
         return len(queries)
