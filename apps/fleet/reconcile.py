@@ -133,9 +133,10 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
         return []
     if node.stage == Node.Stage.DEPARTED:
         return []
-    if node.stage == Node.Stage.QUARANTINED and not quarantine.restarted(node):
-        return []  # left alone until a person or a restart clears it
-    node.refresh_from_db(fields=["stage"])
+    if node.stage == Node.Stage.QUARANTINED:
+        if not quarantine.restarted(node):
+            return []  # left alone until a person or a restart clears it
+        node.refresh_from_db(fields=["stage"])  # released: joining, it is planned for now
     try:
         desired = node_desired(node)
     except DesiredStateError as exc:

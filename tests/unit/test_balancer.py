@@ -28,6 +28,7 @@ from apps.fleet.traffic.balancer import (
     share_weights,
     traffic_sync,
 )
+from apps.fleet.traffic.haproxy import Server
 from apps.fleet.traffic.warmup import warm_up
 from apps.fleet.triton import TritonError
 from apps.registry.models import Model as RegistryModel
@@ -331,3 +332,50 @@ def test_a_sync_between_a_change_and_its_own_sync_takes_it_for_no_drift(
     pool_sync(pool.pk)
     drift = AuditEvent.objects.get(action="pool.traffic_drift")
     assert drift.before == {"weights": {"gpu-2": 7}} and balancer.weights["gpu-2"] == 100
+
+
+class Runtime:
+    """HAProxy's runtime API as it holds each backend's servers: what it was asked to add or
+    move."""
+
+    def __init__(self, servers: dict[str, Server]) -> None:
+        self.held = {backend: dict(servers) for backend in ("triton_http", "triton_grpc")}
+        self.added: dict[str, str] = {}
+        self.moved: list[tuple[str, str, int]] = []
+
+    def servers(self, backend: str) -> dict[str, Server]:
+        return dict(self.held[backend])
+
+    def weights(self, backend: str) -> dict[str, int]:
+        return {name: server.weight for name, server in self.held[backend].items()}
+
+    def add_servers(self, backend: str, servers: dict[str, str]) -> None:
+        self.added |= {f"{backend}/{name}": line for name, line in servers.items()}
+        self.held[backend] |= {name: Server(0, line.split()[0]) for name, line in servers.items()}
+
+    def move_server(self, backend: str, server: str, address: str, check_port: int) -> None:
+        self.moved.append((f"{backend}/{server}", address, check_port))
+
+    def set_weights(self, backend: str, weights: dict[str, int]) -> None:
+        held = self.held[backend]
+        held |= {n: Server(w, held[n].address) for n, w in weights.items()}
+
+
+def test_haproxy_gets_a_joined_node_as_a_server_and_a_replaced_pod_moved() -> None:
+    pool = NodePool(traffic="haproxy", traffic_backends="triton_http,triton_grpc:grpc")
+    proxy = balancing.HAProxy(pool)
+    runtime = Runtime({"old": Server(100, "10.0.0.1:8000"), "moved": Server(0, "10.0.0.2:8000")})
+    proxy.runtime = runtime  # type: ignore[assignment]
+    places = {
+        "new": balancing.Place("10.0.0.3:8000", "10.0.0.3:8001"),
+        "moved": balancing.Place("10.0.0.9:8000", "10.0.0.9:8001"),
+        "named": balancing.Place("triton-7:8000", "triton-7:8001"),
+    }
+    proxy.sync({"old": 100, "new": 0, "moved": 0, "named": 0}, places)
+    assert runtime.added["triton_http/new"] == "10.0.0.3:8000 weight 0 check"
+    assert runtime.added["triton_grpc/new"] == (
+        "10.0.0.3:8001 weight 0 proto h2 check check-proto h1 port 8000"
+    )
+    assert ("triton_http/moved", "10.0.0.9:8000", 0) in runtime.moved
+    assert ("triton_grpc/moved", "10.0.0.9:8001", 8000) in runtime.moved
+    assert not any(server.endswith("/named") for server, _, _ in runtime.moved)  # a host name

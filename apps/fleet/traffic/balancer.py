@@ -123,7 +123,9 @@ class HAProxy:
         moved = {
             name: address
             for name, address in where.items()
-            if name in servers and servers[name].address != address and _literal(address)
+            if name in servers
+            and servers[name].address != address.replace("[", "").replace("]", "")
+            and _literal(address)
         }
         if absent:
             self.runtime.add_servers(backend, absent)
