@@ -2,6 +2,7 @@
 
 import json
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -155,6 +156,20 @@ def test_metrics_parse_and_list_each_ready_version(simulator: Simulator) -> None
     assert p99 == [2500.0]
     idle = {name for name, _, _ in metric_samples(simulator.urls[1])}
     assert idle == {"nv_cpu_utilization", "nv_cpu_memory_used_bytes", "nv_cpu_memory_total_bytes"}
+
+
+def test_five_thousand_nodes_start_in_one_process_and_each_answers() -> None:
+    """The fleet size issue 30 drives: one asyncio process, its descriptors raised to the hard
+    limit as the command line does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    try:
+        with Simulator([0] * 5000) as sim:
+            assert len(set(sim.ports)) == 5000
+            for url in sim.urls[::499]:
+                assert TritonClient(url).health() == "ready"
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_fifty_nodes_answer_concurrently() -> None:

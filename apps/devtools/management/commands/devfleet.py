@@ -14,7 +14,7 @@ from apps.fleet.services.nodes import node_register
 from apps.fleet.services.pools import pool_set_traffic
 from apps.fleet.triton import TritonClient, TritonError
 
-SIMULATED_MAX = 1000
+SIMULATED_MAX = 5000  # one asyncio process starts 5,000 nodes in under a second
 
 
 class Command(BaseCommand):
