@@ -66,11 +66,14 @@ class Balancer:
     busy: list[int] = field(default_factory=list)
     down: bool = False
 
-    def sync(self, wanted: dict[str, int], places: dict[str, balancing.Place]) -> Synced:
+    def sync(
+        self, wanted: dict[str, int], places: dict[str, balancing.Place], gone: set[str]
+    ) -> Synced:
         self.placed = places
         if self.down:
             raise BalancerError("HAProxy runtime API at 10.0.0.9:9999: connection refused")
-        self.weights |= {n: wanted[n] for n in places if n not in self.weights}  # added
+        self.weights |= {n: wanted[n] for n in places if n in wanted and n not in self.weights}
+        self.weights = {n: w for n, w in self.weights.items() if n not in gone}  # deleted
         changed = {n: self.weights[n] for n, w in wanted.items() if self.weights.get(n, w) != w}
         self.weights |= {n: wanted[n] for n in changed}
         lacking = {n: "not a server of HAProxy backend triton_http" for n in wanted}
@@ -191,6 +194,10 @@ def test_a_joining_node_is_given_weight_0_and_its_place_so_the_balancer_can_add_
     Node.objects.filter(pk=gpu4.pk).update(stage=Node.Stage.SERVING)
     traffic_sync(gpu4.pool_id)
     assert balancer.weights["gpu-4"] == 100
+    Node.objects.filter(pk=gpu4.pk).update(stage=Node.Stage.DEPARTED)
+    traffic_sync(gpu4.pool_id)
+    assert "gpu-4" not in balancer.weights  # its server deleted: no pile of departed ones
+    assert node("gpu-4").traffic_error == ""
 
 
 def test_a_pools_grpc_backends_are_marked_and_named_without_the_mark() -> None:
@@ -301,9 +308,11 @@ def test_the_balancer_is_never_asked_while_a_row_lock_is_held(
     asked: list[bool] = []
     sync = balancer.sync
 
-    def watched(wanted: dict[str, int], places: dict[str, balancing.Place]) -> Synced:
+    def watched(
+        wanted: dict[str, int], places: dict[str, balancing.Place], gone: set[str]
+    ) -> Synced:
         asked.append(_free(*rows))
-        return sync(wanted, places)
+        return sync(wanted, places, gone)
 
     monkeypatch.setattr(balancer, "sync", watched)
     rollout_abort(rollout_id=rollout.pk, actor="release-manager", reason="wrong answers")
@@ -342,6 +351,7 @@ class Runtime:
         self.held = {backend: dict(servers) for backend in ("triton_http", "triton_grpc")}
         self.added: dict[str, str] = {}
         self.moved: list[tuple[str, str, int]] = []
+        self.deleted: list[str] = []
 
     def servers(self, backend: str) -> dict[str, Server]:
         return dict(self.held[backend])
@@ -356,12 +366,16 @@ class Runtime:
     def move_server(self, backend: str, server: str, address: str, check_port: int) -> None:
         self.moved.append((f"{backend}/{server}", address, check_port))
 
+    def delete_servers(self, backend: str, servers: list[str]) -> None:
+        self.deleted += [f"{backend}/{server}" for server in servers]
+        self.held[backend] = {n: s for n, s in self.held[backend].items() if n not in servers}
+
     def set_weights(self, backend: str, weights: dict[str, int]) -> None:
         held = self.held[backend]
         held |= {n: Server(w, held[n].address) for n, w in weights.items()}
 
 
-def test_haproxy_gets_a_joined_node_as_a_server_and_a_replaced_pod_moved() -> None:
+def test_haproxy_gets_a_joined_node_as_a_server_a_replaced_pod_moved_a_departed_deleted() -> None:
     pool = NodePool(traffic="haproxy", traffic_backends="triton_http,triton_grpc:grpc")
     proxy = balancing.HAProxy(pool)
     runtime = Runtime({"old": Server(100, "10.0.0.1:8000"), "moved": Server(0, "10.0.0.2:8000")})
@@ -371,7 +385,9 @@ def test_haproxy_gets_a_joined_node_as_a_server_and_a_replaced_pod_moved() -> No
         "moved": balancing.Place("10.0.0.9:8000", "10.0.0.9:8001"),
         "named": balancing.Place("triton-7:8000", "triton-7:8001"),
     }
-    proxy.sync({"old": 100, "new": 0, "moved": 0, "named": 0}, places)
+    runtime.held["triton_http"]["left"] = Server(0, "10.0.0.4:8000")
+    proxy.sync({"old": 100, "new": 0, "moved": 0, "named": 0}, places, {"left", "never-here"})
+    assert runtime.deleted == ["triton_http/left"]
     assert runtime.added["triton_http/new"] == "10.0.0.3:8000 weight 0 check"
     assert runtime.added["triton_grpc/new"] == (
         "10.0.0.3:8001 weight 0 proto h2 check check-proto h1 port 8000"

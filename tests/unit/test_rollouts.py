@@ -1036,7 +1036,9 @@ class Weights:
 
     weights: dict[str, int]
 
-    def sync(self, wanted: dict[str, int], places: dict[str, balancing.Place]) -> Synced:
+    def sync(
+        self, wanted: dict[str, int], places: dict[str, balancing.Place], gone: set[str]
+    ) -> Synced:
         changed = {n: self.weights[n] for n, w in wanted.items() if self.weights[n] != w}
         self.weights |= wanted
         return Synced(dict(self.weights), changed, {})

@@ -69,10 +69,10 @@ class Place:
 
 class Balancer(Protocol):
     """A traffic strategy: sets the weights of a pool's nodes where they differ from `wanted`
-    (adding those it does not know yet at their `places`) and reads them back; says how many
-    requests a node still answers."""
+    (adding those it does not know yet at their `places`, removing the `gone`) and reads them
+    back; says how many requests a node still answers."""
 
-    def sync(self, wanted: dict[str, int], places: dict[str, Place]) -> Synced: ...
+    def sync(self, wanted: dict[str, int], places: dict[str, Place], gone: set[str]) -> Synced: ...
 
     def in_flight(self, node: str) -> int: ...
 
@@ -81,18 +81,19 @@ class HAProxy:
     """The pool's nodes are servers, named as the nodes, of each of its HAProxy backends; a node
     that is not one yet (it joined on its own) is added, at its HTTP address, or at its gRPC one
     with HTTP/1.1 health checks on its HTTP port in a backend marked `:grpc`; a node listed at
-    a new address (a replaced pod) is moved there."""
+    a new address (a replaced pod) is moved there; a departed node's server is deleted, so that
+    a fleet whose pods come and go does not pile them up."""
 
     def __init__(self, pool: NodePool) -> None:
         self.runtime = Runtime(pool.traffic_runtime)
         self.backends = pool.backends
         self.grpc = pool.grpc_backends
 
-    def sync(self, wanted: dict[str, int], places: dict[str, Place]) -> Synced:
+    def sync(self, wanted: dict[str, int], places: dict[str, Place], gone: set[str]) -> Synced:
         reading = Synced({}, {}, {})
         try:
             for backend in self.backends:
-                current = self._placed(backend, wanted, places)
+                current = self._placed(backend, wanted, places, gone)
                 drifted = {n: w for n, w in wanted.items() if n in current and current[n] != w}
                 self.runtime.set_weights(backend, drifted)
                 after = self.runtime.weights(backend) if drifted else current
@@ -103,12 +104,14 @@ class HAProxy:
         return reading
 
     def _placed(
-        self, backend: str, wanted: dict[str, int], places: dict[str, Place]
+        self, backend: str, wanted: dict[str, int], places: dict[str, Place], gone: set[str]
     ) -> dict[str, int]:
-        """The backend's servers' weights, once the nodes it lacks are added and the nodes
-        listed elsewhere moved."""
+        """The backend's servers' weights, once the nodes it lacks are added, the nodes listed
+        elsewhere moved and the departed ones deleted."""
         grpc = backend in self.grpc
         servers = self.runtime.servers(backend)
+        if leaving := sorted(gone & set(servers)):
+            self.runtime.delete_servers(backend, leaving)
         where = {
             name: place.grpc if grpc else place.http
             for name, place in places.items()
@@ -132,7 +135,7 @@ class HAProxy:
         for name, address in moved.items():
             check = _port(places[name].http) if grpc else 0
             self.runtime.move_server(backend, name, address, check)
-        if absent or moved:
+        if absent or moved or leaving:
             servers = self.runtime.servers(backend)
         return {name: server.weight for name, server in servers.items()}
 
@@ -255,11 +258,12 @@ def _sync(pool: NodePool) -> dict[str, int]:
     lapsed = [n for n in nodes if n.draining and (n.lease_until is None or n.lease_until < at)]
     for node in lapsed:
         node.draining = False
-    wanted = {node.name: node.wanted_weight for node in nodes}
+    gone = {node.name for node in nodes if node.stage == Node.Stage.DEPARTED}
+    wanted = {node.name: node.wanted_weight for node in nodes if node.name not in gone}
     places = {n.name: p for n in nodes if n.discovered_at and (p := Place.of(n))}
     try:
         # Nothing written yet in this transaction: it holds no row while the balancer answers.
-        reading = target.sync(wanted, places)
+        reading = target.sync(wanted, places, gone)
     except BalancerError as exc:
         pool.nodes.update(traffic_error=str(exc))
         log.warning("pool %s: %s", pool.name, exc)

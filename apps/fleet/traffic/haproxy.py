@@ -105,6 +105,20 @@ class Runtime:
         if refused:
             raise HAProxyError(f"HAProxy at {self.address}, backend {backend}: {refused[0]}")
 
+    def delete_servers(self, backend: str, servers: list[str]) -> None:
+        """Servers taken out of `backend` for good (into maintenance first, as HAProxy wants);
+        one still holding connections is refused, and asked again at the next sync."""
+        _check(backend, "backend")
+        commands = []
+        for server in servers:
+            _check(server, "server")
+            commands += [f"set server {backend}/{server} state maint"]
+            commands += [f"del server {backend}/{server}"]
+        answer = self.command(*commands)
+        refused = [a for a in answer.splitlines() if a.strip() and a != "Server deleted."]
+        if refused:
+            raise HAProxyError(f"HAProxy at {self.address}, backend {backend}: {refused[0]}")
+
     def move_server(self, backend: str, server: str, address: str, check_port: int) -> None:
         """A server's new `host:port` (and health-check port, where checks go elsewhere)."""
         _check(backend, "backend")
