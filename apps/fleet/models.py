@@ -1,3 +1,5 @@
+from functools import cached_property
+
 from django.db import models
 
 from apps.fleet import failures
@@ -171,9 +173,10 @@ class Node(models.Model):
             return ""
         return f"weight {self.wanted_weight}, the balancer shows {self.served_weight}"
 
-    @property
+    @cached_property
     def ready_versions(self) -> dict[str, list[int]]:
-        """Model -> its versions READY in the last index read, in order."""
+        """Model -> its versions READY in the last index read, in order (read once per row
+        loaded: a fleet page asks it of each node several times)."""
         return {model: sorted(versions) for model, versions in ready_in(self.index).items()}
 
 
