@@ -149,6 +149,12 @@ def _switch(tiers_id: int, serving: int, position: int, evidence: str) -> str:
         tiers = Tiers.objects.select_for_update().select_related("pool", "model").get(pk=tiers_id)
         if tiers.frozen_at or tiers.pin_holds() or rollout_owning(tiers.pool, tiers.model):
             return f"{tiers.model.name} on {tiers.pool.name}: taken over meanwhile"
+        # Two ticks may judge the same readings at once (one slower than the period): the one
+        # that waited on the lock finds the pool moved, and neither moves nor counts it again.
+        now_serving = Deployment.objects.filter(pool=tiers.pool, model=tiers.model)
+        current = now_serving.values_list("version", flat=True).first()
+        if current != serving:
+            return f"{tiers.model.name} on {tiers.pool.name}: serves v{current} already"
         now = timezone.now()
         recent = [at for at in tiers.switched_at if datetime.fromisoformat(at) > now - HOUR]
         if len(recent) >= settings.DEGRADATION_MAX_SWITCHES_PER_HOUR:

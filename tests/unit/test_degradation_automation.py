@@ -330,3 +330,15 @@ def test_on_a_protected_pool_a_person_confirms_each_switch_back(
     )
     assert not AuditEvent.objects.filter(action="pool.restore").exists()
     assert Tiers.objects.get().cleared is None
+
+
+def test_two_ticks_judging_the_same_breach_switch_once(pool: NodePool) -> None:
+    """A tick slower than the period overlaps the next: both read v1 served and a breach; the
+    one that waited on the row's lock finds v4 served, and neither switches nor counts again."""
+    tiers = Tiers.objects.get()
+    first = automation._switch(tiers.pk, 1, 1, "breach")
+    second = automation._switch(tiers.pk, 1, 1, "breach")  # decided on the same reading of v1
+    assert first == "rag_pipeline on demo: v1 → v4: breach"
+    assert second == "rag_pipeline on demo: serves v4 already"
+    assert AuditEvent.objects.filter(action="pool.degrade").count() == 1
+    assert len(Tiers.objects.get().switched_at) == 1
