@@ -227,7 +227,8 @@ def test_a_lockstep_release_rolls_back_both_models_when_one_fails(
     )
     rollout = until_state(rollout, State.ROLLED_BACK, State.SUCCEEDED, State.PAUSED)
     assert rollout.state == State.ROLLED_BACK, rollout.reason
-    assert rollout.reason.startswith("failure: rag_pipeline: "), rollout.reason
+    # The pipeline's own p99 may fail beside it (v3 is 250 ms slower): the member is named.
+    assert rollout.reason.startswith("failure: ") and "rag_pipeline: " in rollout.reason
     canary = Node.objects.get(name=rollout.canary_nodes[0])
     loaded = Operation.objects.filter(node=canary, kind="load")
     assert {("embedder", 2), ("rag_pipeline", 3)} <= {
