@@ -131,9 +131,7 @@ class Devfleet:
     def _targets_write(self, state: FleetState, pool: str) -> None:
         self.targets.parent.mkdir(parents=True, exist_ok=True)
         lines = [_target_line(proc, pool) for proc in state.nodes]
-        partial = self.targets.with_suffix(".partial")  # not *.yml: Prometheus reads it whole
-        partial.write_text("".join(f"{line}\n" for line in lines))
-        partial.replace(self.targets)
+        _write_whole(self.targets, "".join(f"{line}\n" for line in lines))
 
     def add_node(self, pool: str) -> Proc:
         """One more node, started, then listed for Prometheus: the control plane finds it."""
@@ -152,9 +150,7 @@ class Devfleet:
         """A node no longer listed for Prometheus, then stopped (a pod scaled away)."""
         proc = self._proc(name)
         kept = [line for line in self.targets.read_text().splitlines() if f'"{name}"' not in line]
-        partial = self.targets.with_suffix(".partial")
-        partial.write_text("".join(f"{line}\n" for line in kept))
-        partial.replace(self.targets)
+        _write_whole(self.targets, "".join(f"{line}\n" for line in kept))
         if proc.running:
             os.killpg(proc.pid, signal.SIGTERM)
             wait_gone(proc, 15.0)
@@ -414,9 +410,7 @@ class Devfleet:
         faults.pop(model, None)
         if delay_ms or error_rate:
             faults[model] = {"delay_ms": delay_ms, "error_rate": error_rate}
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps(faults))
-        partial.replace(path)  # whole, never half-written, for the models that read it
+        _write_whole(path, json.dumps(faults))
 
     def load_release(self, client: TritonClient, model: str, version: int) -> None:
         """Load `model` at `version` from the repository; for an ensemble, its pinned steps first.
@@ -452,3 +446,11 @@ def _target_line(node: Proc, pool: str) -> str:
     labels = {"node": node.name, "pool": pool}
     labels |= {"http_port": str(node.ports["http"]), "grpc_port": str(node.ports["grpc"])}
     return "- " + json.dumps({"targets": [f"127.0.0.1:{node.ports['metrics']}"], "labels": labels})
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """`path` replaced at once, never seen half-written by whoever reads it (Prometheus' file_sd,
+    the demo models' fault file); the partial file's name matches neither's pattern."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
