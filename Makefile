@@ -24,7 +24,7 @@ lint: $(STAMP)
 	DEBUG=true $(BIN)/mypy .
 
 unit: $(STAMP)
-	$(BIN)/pytest tests/unit
+	$(BIN)/pytest -n 2 tests/unit
 
 # The integration tests mostly wait on real services: two files at a time, each worker with a
 # fleet, a Redis, a Celery worker and a database of its own; then those that measure the host.
@@ -37,7 +37,7 @@ e2e: $(STAMP) os-deps
 
 # One run per layer, each saying its time and its slowest tests.
 test: $(STAMP) os-deps lint
-	$(BIN)/pytest --durations=10 tests/unit
+	$(BIN)/pytest --durations=10 -n 2 tests/unit
 	$(BIN)/pytest --durations=10 -n 2 --dist loadfile -m "not alone" tests/integration
 	$(BIN)/pytest --durations=10 -m alone tests/integration
 	$(BIN)/pytest --durations=10 tests/e2e

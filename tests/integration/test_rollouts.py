@@ -18,7 +18,12 @@ from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.services import model_set_budget, model_set_fallback, model_set_slo
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import release_fallback, release_rollback, rollout_start
+from apps.rollouts.services import (
+    release_fallback,
+    release_rollback,
+    rollout_promote,
+    rollout_start,
+)
 from tests.support.fleet import (
     ANALYSIS,
     HEALTHY,
@@ -249,10 +254,14 @@ def test_a_lockstep_release_rolls_back_both_models_when_one_fails(
 
 
 def test_after_a_promotion_the_release_before_stays_loaded_and_a_rollback_only_narrows(
-    serving_v1: NodePool, traffic: None
+    serving_v1: NodePool,
 ) -> None:
     NodePool.objects.filter(pk=serving_v1.pk).update(rollback_window_s=300)
-    rollout = start(serving_v1, 2, "1 node, hold 5s\n100%", **HEALTHY)
+    # Promoted by a person, not judged (no traffic, nothing to judge): what follows a promotion is
+    # under test here, and a judge on two busy cores rolled this healthy v2 back in CI.
+    rollout = start(serving_v1, 2, "1 node, hold 600s\n100%")
+    wait_for("the canary is READY", lambda: Rollout.objects.get(pk=rollout.pk).step_ready_at)
+    rollout_promote(rollout_id=rollout.pk, reason="its flow is under test", actor="release-manager")
     rollout = until_state(rollout, State.SUCCEEDED, State.PAUSED, State.ROLLED_BACK)
     assert rollout.state == State.SUCCEEDED, rollout.reason
     # v1 loaded, not served: unversioned requests go to the highest version, v2.

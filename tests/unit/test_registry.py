@@ -184,6 +184,7 @@ def zip_of(entries: dict[str, bytes], *, symlink: str = "", deflate: bool = Fals
         # 20 KB that would unpack to 20 MiB of zeros: under the size cap, not under the ratio.
         (zip_of({"m/1/model.plan": bytes(20 * 2**20)}, deflate=True), "times its size"),
     ],
+    ids=["parent", "absolute", "symlink", "not-zip", "bomb"],  # the bytes embed the time
 )
 def test_unsafe_archives_are_refused(tmp_path: Path, data: bytes, message: str) -> None:
     with pytest.raises(ArchiveError, match=message):
