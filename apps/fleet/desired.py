@@ -186,6 +186,11 @@ class FleetDesired:
             raise found
         return found
 
+    @property
+    def overridden(self) -> set[int]:
+        """The nodes with deployments of their own (a canary's): their state is their own."""
+        return set(self._overrides)
+
     def names(self, node: Node) -> set[str]:
         """The models the node must serve; empty when its desired state cannot be resolved."""
         try:

@@ -2,11 +2,13 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from django.db.models import Max, Q, QuerySet
+from django.db.models import Aggregate, Max, Q, QuerySet, TextField
 
 from apps.fleet.desired import DesiredStateError, FleetDesired, fleet_desired, node_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.triton import ready_in
 
 
 def node_list() -> QuerySet[Node]:
@@ -40,12 +42,106 @@ class NodeRow:
         return f"{done} of {wanted} models READY" if wanted else "nothing to load"
 
 
-def node_rows(filters: NodeFilters = NodeFilters()) -> list[NodeRow]:
-    """Every node that passes `filters`, with its drift: one query for the nodes and a handful
-    for the desired state of their pools, however many nodes."""
+class _Ids(Aggregate):
+    """A group's primary keys, comma-separated: STRING_AGG on PostgreSQL, GROUP_CONCAT on
+    SQLite."""
+
+    function = "STRING_AGG"
+    template = "%(function)s(CAST(%(expressions)s AS text), ',')"
+    output_field = TextField()
+
+    def as_sqlite(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        template = "GROUP_CONCAT(%(expressions)s)"
+        return self.as_sql(compiler, connection, template=template, **extra)
+
+
+# Nodes of one pool, in one stage and health, whose index, owned models and balancer weights
+# are the same drift alike: every node of a converged pool is one shape.
+_ALIKE = (
+    "pool_id",
+    "pool__traffic",
+    "stage",
+    "health",
+    "index",
+    "owned",
+    "weight",
+    "served_weight",
+    "draining",
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Nodes alike (`_ALIKE`): the pages count, filter and summarise shapes, so that 5,000 nodes
+    cost what 5 do; only the nodes of a page are read whole."""
+
+    row: NodeRow  # of a representative, built from the shape's fields
+    ids: list[int]
+
+
+def node_shapes(nodes: QuerySet[Node], desired: FleetDesired) -> list[Shape]:
+    """The shapes of `nodes`, in one query however many nodes. A node with deployments of its
+    own (a canary) is a shape alone."""
+    own = desired.overridden
+    shapes = []
+    for group in nodes.order_by().values(*_ALIKE).annotate(ids=_Ids("pk")):
+        ids = sorted(int(pk) for pk in group.pop("ids").split(","))
+        pool = NodePool(pk=group.pop("pool_id"), traffic=group.pop("pool__traffic"))
+        if alike := [pk for pk in ids if pk not in own]:
+            shapes.append(Shape(node_row(Node(pool=pool, **group), desired), alike))
+        shapes += [
+            Shape(node_row(Node(pk=pk, pool=pool, **group), desired), [pk])
+            for pk in ids
+            if pk in own
+        ]
+    return shapes
+
+
+def nodes_serving(model: str, version: int | None) -> QuerySet[Node]:
+    """The nodes whose last index shows `model` at `version` READY, found among the distinct
+    indexes (one query, however many nodes share each) rather than read node by node."""
+    ids = [
+        int(pk)
+        for group in Node.objects.order_by().values("index").annotate(ids=_Ids("pk"))
+        if version in ready_in(group["index"]).get(model, set())
+        for pk in group["ids"].split(",")
+    ]
+    return node_list().filter(pk__in=ids)
+
+
+def node_row(node: Node, desired: FleetDesired) -> NodeRow:
+    models = node_models(node, desired)
+    drift = drift_of(models)
+    if node.traffic_drift:
+        drift.append(node.traffic_drift)
+    wanted = [row for row in models if row.desired]
+    return NodeRow(node, drift, (sum(not row.drift for row in wanted), len(wanted)))
+
+
+@dataclass(frozen=True)
+class NodeSearch:
+    """The nodes that pass some filters: their shapes, to count, and a query for a page."""
+
+    shapes: list[Shape]
+    nodes: QuerySet[Node]  # in the pages' order
+    desired: FleetDesired
+
+    @property
+    def summary(self) -> "FleetSummary":
+        return fleet_summary(self.shapes)
+
+    def rows(self, nodes: Iterable[Node]) -> list[NodeRow]:
+        """A page's rows: its nodes as read for it."""
+        return [node_row(node, self.desired) for node in nodes]
+
+
+def node_search(filters: NodeFilters = NodeFilters()) -> NodeSearch:
+    """The nodes that pass `filters`, in a handful of queries however many nodes."""
     nodes = node_list()
+    pool_ids = None
     if filters.pool:
         nodes = nodes.filter(pool__name=filters.pool)
+        pool_ids = list(NodePool.objects.filter(name=filters.pool).values_list("pk", flat=True))
     if filters.health:
         nodes = nodes.filter(health=filters.health)
     if filters.stage:
@@ -53,27 +149,15 @@ def node_rows(filters: NodeFilters = NodeFilters()) -> list[NodeRow]:
     if filters.search:
         found = Q(name__icontains=filters.search) | Q(http_url__icontains=filters.search)
         nodes = nodes.filter(found)
-    rows = node_rows_of(nodes)
+    desired = fleet_desired(pool_ids=pool_ids)
+    shapes = node_shapes(nodes, desired)
     if filters.model:
-        rows = [r for r in rows if filters.model in r.node.ready_versions]
+        shapes = [s for s in shapes if filters.model in s.row.node.ready_versions]
     if filters.drift:
-        rows = [r for r in rows if r.drift]
-    return rows
-
-
-def node_rows_of(nodes: QuerySet[Node]) -> list[NodeRow]:
-    found = list(nodes)
-    desired = fleet_desired(pool_ids={node.pool_id for node in found})
-    rows = []
-    for node in found:
-        models = node_models(node, desired)
-        drift = drift_of(models)
-        if node.traffic_drift:
-            drift.append(node.traffic_drift)
-        wanted = [row for row in models if row.desired]
-        serving = (sum(not row.drift for row in wanted), len(wanted))
-        rows.append(NodeRow(node, drift, serving))
-    return rows
+        shapes = [s for s in shapes if s.row.drift]
+    if filters.model or filters.drift:
+        nodes = nodes.filter(pk__in=[pk for shape in shapes for pk in shape.ids])
+    return NodeSearch(shapes, nodes, desired)
 
 
 def converged(ready: Iterable[int], wanted: Iterable[int] | None) -> bool:
@@ -100,15 +184,23 @@ class FleetSummary:
         return self.nodes - self.drifted
 
 
-def fleet_summary(rows: list[NodeRow]) -> FleetSummary:
-    stages = Counter(r.node.stage for r in rows)
-    here = [r for r in rows if r.node.stage != Node.Stage.DEPARTED]
+def fleet_summary(shapes: Iterable[Shape]) -> FleetSummary:
+    stages: Counter[str] = Counter()
+    healths: Counter[str] = Counter()
+    drifted = models_ready = 0
+    for shape in shapes:
+        node, n = shape.row.node, len(shape.ids)
+        stages[node.stage] += n
+        if node.stage != Node.Stage.DEPARTED:
+            healths[node.health] += n
+            drifted += n if shape.row.drift else 0
+            models_ready += n * sum(len(v) for v in node.ready_versions.values())
     return FleetSummary(
-        nodes=len(here),
-        ready=sum(r.node.health == Node.Health.READY for r in here),
-        unreachable=sum(r.node.health == Node.Health.UNREACHABLE for r in here),
-        drifted=sum(bool(r.drift) for r in here),
-        models_ready=sum(len(v) for r in here for v in r.node.ready_versions.values()),
+        nodes=healths.total(),
+        ready=healths[Node.Health.READY],
+        unreachable=healths[Node.Health.UNREACHABLE],
+        drifted=drifted,
+        models_ready=models_ready,
         joining=stages[Node.Stage.JOINING],
         quarantined=stages[Node.Stage.QUARANTINED],
         departed=stages[Node.Stage.DEPARTED],
@@ -214,29 +306,43 @@ def failing_operations(limit: int = 10) -> list[Operation]:
     return bad[:limit]
 
 
+DRIFTING_SHOWN = 5
+
+
 @dataclass(frozen=True)
 class PoolView:
     pool: NodePool
     deployments: list[Deployment]
-    rows: list[NodeRow]
+    shapes: list[Shape]
+    drifting: list[NodeRow]  # the first few nodes that drift, for a glance; the nodes page has all
 
     @property
     def summary(self) -> FleetSummary:
-        return fleet_summary(self.rows)
-
-    @property
-    def drifting(self) -> list[NodeRow]:
-        """The first few nodes that drift, for a glance; the nodes page lists them all."""
-        return [row for row in self.rows if row.drift][:5]
+        return fleet_summary(self.shapes)
 
 
 def pool_views(pools: Iterable[NodePool]) -> list[PoolView]:
     """Each pool with its deployments and its nodes' drift, in a bounded number of queries."""
     pools = list(pools)
-    rows: dict[int, list[NodeRow]] = {pool.pk: [] for pool in pools}
-    for row in node_rows_of(node_list().filter(pool__in=pools)):
-        rows[row.node.pool_id].append(row)
+    desired = fleet_desired(pool_ids=[pool.pk for pool in pools])
+    shapes: dict[int, list[Shape]] = {pool.pk: [] for pool in pools}
+    for shape in node_shapes(Node.objects.filter(pool__in=pools), desired):
+        shapes[shape.row.node.pool_id].append(shape)
+    glance = []
+    for found in shapes.values():
+        ids = (
+            pk
+            for shape in found
+            if shape.row.drift and shape.row.node.stage != Node.Stage.DEPARTED
+            for pk in shape.ids
+        )
+        glance += sorted(ids)[:DRIFTING_SHOWN]
+    drifting: dict[int, list[NodeRow]] = {pool.pk: [] for pool in pools}
+    for node in node_list().filter(pk__in=glance):
+        drifting[node.pool_id].append(node_row(node, desired))
     deployments: dict[int, list[Deployment]] = {pool.pk: [] for pool in pools}
     for deployment in Deployment.objects.filter(pool__in=pools).select_related("model"):
         deployments[deployment.pool_id].append(deployment)  # type: ignore[index]
-    return [PoolView(pool, deployments[pool.pk], rows[pool.pk]) for pool in pools]
+    return [
+        PoolView(pool, deployments[pool.pk], shapes[pool.pk], drifting[pool.pk]) for pool in pools
+    ]

@@ -3,6 +3,7 @@ from urllib.parse import urlencode
 from django.conf import settings
 from django.contrib import messages
 from django.core.paginator import Paginator
+from django.db.models import Count
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.template.loader import render_to_string
@@ -20,7 +21,8 @@ from apps.fleet.selectors import (
     failing_operations,
     fleet_summary,
     node_models,
-    node_rows,
+    node_search,
+    nodes_serving,
     pool_views,
 )
 from apps.fleet.services.deployments import deployment_remove, deployment_set
@@ -38,7 +40,7 @@ def overview(request: HttpRequest) -> HttpResponse:
     """The fleet summarised per pool, each with a drill-down to its nodes."""
     views = pool_views(NodePool.objects.all())
     context = {
-        "summary": fleet_summary([row for view in views for row in view.rows]),
+        "summary": fleet_summary(shape for view in views for shape in view.shapes),
         "pools": views,
         "failing": failing_operations(),
         "events": AuditEvent.objects.all()[:8],
@@ -46,16 +48,18 @@ def overview(request: HttpRequest) -> HttpResponse:
     return render(request, "fleet/overview.html", context)
 
 
+SERVING_SHOWN = 10
+
+
 def serving(request: HttpRequest) -> HttpResponse:
-    """Nodes whose index shows `model` at `version` READY (a fragment for other pages)."""
+    """Nodes whose index shows `model` at `version` READY (a fragment for other pages): counted
+    per pool, the first few named."""
     model, version = request.GET.get("model", ""), request.GET.get("version", "")
     number = int(version) if version.isascii() and version.isdecimal() else None
-    found = [
-        node
-        for node in Node.objects.only("name", "index").order_by("name")
-        if number in node.ready_versions.get(model, [])
-    ]
-    return render(request, "fleet/partials/serving.html", {"nodes": found})
+    found = nodes_serving(model, number)
+    pools = found.order_by("pool__name").values("pool__name").annotate(nodes=Count("pk"))
+    context = {"model": model, "pools": pools, "nodes": found.order_by("name")[:SERVING_SHOWN]}
+    return render(request, "fleet/partials/serving.html", context)
 
 
 def footprints(request: HttpRequest) -> HttpResponse:
@@ -86,12 +90,13 @@ def nodes(request: HtmxHttpRequest) -> HttpResponse:
         drift=request.GET.get("drift", "") in ("1", "on", "true"),
         search=request.GET.get("q", "").strip(),
     )
-    rows = node_rows(filters)
-    page = Paginator(rows, NODES_PER_PAGE).get_page(request.GET.get("page"))
+    found = node_search(filters)
+    page = Paginator(found.nodes, NODES_PER_PAGE).get_page(request.GET.get("page"))
+    page.object_list = found.rows(page.object_list)  # type: ignore[assignment]
     query = urlencode({k: v for k, v in request.GET.items() if k != "page" and v})
     context = {
         "page": page,
-        "summary": fleet_summary(rows),
+        "summary": found.summary,
         "filters": filters,
         "query": query,
         "pools": NodePool.objects.values_list("name", flat=True),

@@ -5,7 +5,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
 
-from apps.fleet.models import Node, NodePool
+from apps.fleet.models import NodePool
 from apps.observability.breakdown import serving_version, step_breakdown, worst_p99_ms
 from apps.observability.charts import Chart, metric_chart
 from apps.observability.tiles import fleet_tiles
@@ -75,10 +75,10 @@ def metrics(request: HtmxHttpRequest) -> HttpResponse:
         "refresh_s": REFRESH_S,
     }
     if not request.htmx:
-        # The filters' choices: only the whole page shows them, the chart fragment does not.
+        # The filters' choices: only the whole page shows them, the chart fragment does not. A
+        # node is typed, not chosen: 5,000 options would be the page's weight.
         context["models"] = Model.objects.values_list("name", flat=True)
         context["pools"] = NodePool.objects.values_list("name", flat=True)
-        context["nodes"] = Node.objects.values_list("name", flat=True)
         return render(request, "observability/metrics.html", context)
     window = chart_window(request.GET.dict())
     if isinstance(window, str):

@@ -11,7 +11,7 @@ from apps.audit.models import AuditEvent
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState, Proc
 from apps.fleet.models import Node, NodePool, Operation
-from apps.fleet.selectors import NodeFilters, fleet_summary, node_rows
+from apps.fleet.selectors import NodeFilters, node_search
 from tests.support.fleet import (
     STEPS_V1,
     answered_through,
@@ -56,7 +56,7 @@ def test_a_node_started_under_traffic_joins_warmed_and_departs_once_gone(
     devfleet.remove_node(name)
     wait_for(f"{name} departs", lambda: Node.objects.get(name=name).stage == "departed", 60)
     assert time.monotonic() - stopped >= DISCOVERY_GRACE_S
-    summary = fleet_summary(node_rows(NodeFilters(pool="trio")))
+    summary = node_search(NodeFilters(pool="trio")).summary
     assert (summary.nodes, summary.departed, summary.unreachable) == (3, 1, 0)
     wait_for(
         f"HAProxy no longer has {name} as a server",

@@ -349,6 +349,28 @@ def test_the_nodes_page_filters_searches_and_pages_on_the_server(
     assert body.count('<tr id="node-') == 10
 
 
+def test_nodes_alike_are_counted_together_and_a_canary_node_apart(
+    client: Client, viewer: User, node: Node
+) -> None:
+    """The pages count shapes of nodes, not nodes: a node with a deployment of its own (a
+    canary) is judged on its own desired state, though its index is its neighbours'."""
+    deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
+    for name in ("n2", "n3"):
+        Node.objects.create(name=name, pool=node.pool, http_url=f"http://{name}:8000")
+    v1 = [{"model": "embedder", "version": "1", "state": "READY", "reason": ""}]
+    Node.objects.update(index=v1, health="ready")
+    canary = Node.objects.get(name="n3")
+    deployment_set(model_name="embedder", version=2, node=canary, actor="system:test")
+    client.force_login(viewer)
+    body = client.get("/nodes/").content.decode()
+    assert "3 nodes: 3 ready, 0 unreachable, 1 drifting." in body
+    drifting = client.get("/nodes/?drift=1").content.decode()
+    assert re.findall(r'<tr id="node-([\w-]+)"', drifting) == ["n3"]
+    assert "embedder: READY [1], desired [2]" in drifting
+    glance = client.get("/deployments/").content.decode()
+    assert '<a href="/nodes/n3/">n3</a>' in glance and '<a href="/nodes/n2/">' not in glance
+
+
 def test_an_unmanaged_model_can_be_adopted_and_only_then_unloaded(
     client: Client, operator: User, node: Node
 ) -> None:

@@ -172,3 +172,4 @@ def test_the_serving_fragment_names_the_nodes_with_the_version_ready(
     assert response.status_code == 200
     body = response.content.decode()
     assert "gpu-2" in body and "gpu-1" not in body
+    assert 'READY on <a href="/nodes/?pool=gpu&amp;model=embedder">1 node of gpu</a>' in body

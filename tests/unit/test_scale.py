@@ -35,6 +35,7 @@ def pages() -> list[str]:
         "/",
         "/nodes/",
         "/nodes/?drift=1",
+        "/nodes/serving/?model=a-model-000&version=3",
         f"/nodes/{node.name}/",
         "/deployments/",
         f"/pools/{pool.name}/capacity/",  # the largest pool
@@ -46,6 +47,7 @@ def pages() -> list[str]:
         "/rollouts/approvals/",
         "/audit/",
         "/audit/timeline/",
+        "/metrics/",
         "/incidents/",
         f"/incidents/{incident.pk}/",
         f"/incidents/{incident.pk}/report.md",
