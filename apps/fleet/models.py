@@ -318,7 +318,11 @@ class Operation(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
-        indexes = [models.Index(fields=["node", "status", "seq"])]
+        indexes = [
+            models.Index(fields=["node", "status", "seq"]),
+            # The overview's latest finished operations, read from the end of the table.
+            models.Index(fields=["-finished_at", "-id"], name="fleet_operation_finished"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.kind} {self.model_name} {self.versions} on {self.node}"

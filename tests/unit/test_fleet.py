@@ -13,7 +13,7 @@ from apps.accounts.roles import Role
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.fleet import tasks
-from apps.fleet.desired import node_desired
+from apps.fleet.desired import fleet_desired, node_desired
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.reconcile import node_reconcile
@@ -136,6 +136,17 @@ def test_a_change_made_while_a_desired_state_is_computed_is_never_kept_as_the_on
     assert node_desired(node)["embedder"].versions == (2,)  # what it read: the canary
     Deployment.objects.filter(node=node).delete()  # the canary dropped: inputs as at first
     assert node_desired(node)["embedder"].versions == (1,)
+
+
+def test_a_fleet_desired_state_is_built_again_only_after_a_change(node: Node) -> None:
+    deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
+    first = fleet_desired(pool_ids=[node.pool_id])
+    assert fleet_desired(pool_ids=[node.pool_id]) is first  # a page shown again
+    deployment_set(model_name="embedder", version=2, node=node, actor="system:test")
+    canary = fleet_desired(pool_ids=[node.pool_id])
+    assert canary is not first and canary.of(node)["embedder"].versions == (2,)
+    Deployment.objects.filter(node=node).delete()  # inputs as at first: its state again
+    assert fleet_desired(pool_ids=[node.pool_id]).of(node)["embedder"].versions == (1,)
 
 
 def test_a_double_click_deploys_once(

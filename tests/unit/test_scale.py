@@ -13,6 +13,7 @@ from django.utils import timezone
 from apps.accounts.services import token_create
 from apps.approvals.models import Approval
 from apps.devtools.seed import Size, seed_fleet
+from apps.fleet import desired
 from apps.fleet.desired import fleet_desired
 from apps.fleet.models import Node, NodePool
 from apps.incidents.models import Incident
@@ -88,6 +89,8 @@ def incidents(n: int, prefix: str) -> None:
 
 
 def count(client: Client, url: str, token: str) -> int:
+    """The page's queries as a first view: no fleet desired state kept from another page."""
+    desired._FLEETS.clear()
     headers = {"Authorization": f"Bearer {token}"} if url.startswith("/api/") else {}
     with CaptureQueriesContext(connection) as captured:
         response = client.get(url, headers=headers)
