@@ -1,5 +1,8 @@
+from datetime import timedelta
+
 from django.conf import settings
 from django.contrib import messages
+from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -9,6 +12,9 @@ from apps.accounts.models import ApiToken
 from apps.accounts.permissions import current_user
 from apps.accounts.services import TokenError, token_create, token_revoke
 from controlplane.guard import takes_post
+
+TOKENS_PER_PAGE = 20
+TOKEN_EXPIRY_WARNING_DAYS = 7  # a token expiring within this is marked, to be replaced in time
 
 
 @takes_post
@@ -29,11 +35,14 @@ def tokens(request: HttpRequest) -> HttpResponse:
             context |= {"created": record, "value": value}
         except TokenError as exc:
             context["error"] = str(exc)
+    now = timezone.now()
+    page = Paginator(ApiToken.objects.filter(user=user), TOKENS_PER_PAGE)
     context |= {
-        "tokens": ApiToken.objects.filter(user=user),
+        "page": page.get_page(request.GET.get("page")),
         "scopes": ApiToken.Scope.choices,
         "max_days": settings.API_TOKEN_MAX_DAYS,
-        "now": timezone.now(),
+        "now": now,
+        "soon": now + timedelta(days=TOKEN_EXPIRY_WARNING_DAYS),
     }
     response = render(request, "accounts/tokens.html", context)
     response["Cache-Control"] = "no-store"  # the new token must not linger in a cache

@@ -13,6 +13,7 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from apps.accounts.models import ApiToken
@@ -316,3 +317,36 @@ def test_the_tokens_page_sets_scope_and_expiry(client: Client, viewer: User) -> 
     assert token.scope == "read" and abs(life - timedelta(days=30)) < timedelta(seconds=1)
     shown = client.post("/accounts/tokens/", {"name": "x", "days": "9999"}).content.decode()
     assert "a token lives 1 to 90 days, not 9999" in shown
+
+
+def _tokens(user: User, n: int) -> None:
+    """`n` tokens of `user`, the first expiring in 3 days, the others in 60."""
+    now = timezone.now()
+    ApiToken.objects.bulk_create(
+        ApiToken(
+            user=user,
+            name=f"t{i}",
+            prefix=f"p{i}",
+            digest=f"{user.pk}-{i}",
+            expires_at=now + timedelta(days=3 if i == 0 else 60),
+            scope="read",
+        )
+        for i in range(n)
+    )
+
+
+def test_the_tokens_page_is_paginated_and_marks_those_expiring_within_a_week(
+    client: Client, viewer: User
+) -> None:
+    client.force_login(viewer)
+    _tokens(viewer, 5)
+    with CaptureQueriesContext(connection) as few:
+        body = client.get("/accounts/tokens/").content.decode()
+    assert body.count('<tr id="token-') == 5 and "read only" in body
+    assert body.count("expires in 2\xa0days") + body.count("expires in 3\xa0days") == 1
+    ApiToken.objects.filter(user=viewer).delete()
+    _tokens(viewer, 500)
+    with CaptureQueriesContext(connection) as many:
+        body = client.get("/accounts/tokens/").content.decode()
+    assert body.count('<tr id="token-') == 20 and "Page 1 of 25" in body
+    assert len(many) == len(few)
