@@ -11,7 +11,12 @@ from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, ApiError
 from apps.api.paging import Limit, Offset
 from apps.approvals.models import Approval
-from apps.approvals.services import APPROVER_PERMISSION, ApprovalError, approval_approve
+from apps.approvals.services import (
+    APPROVER_PERMISSION,
+    ApprovalError,
+    approval_approve,
+    approval_reject,
+)
 
 router = Router(tags=["rollouts"], auth=Token())
 
@@ -27,6 +32,8 @@ class ApprovalOut(Schema):
     status: str
     approved_by: str | None
     result: str
+    rejected_by: str | None
+    reason: str  # a rejection's, or a withdrawal's if one was given
 
 
 def _approval_out(approval: Approval) -> dict[str, Any]:
@@ -41,6 +48,8 @@ def _approval_out(approval: Approval) -> dict[str, Any]:
         "status": approval.status,
         "approved_by": approval.approved_by.username if approval.approved_by else None,
         "result": approval.result,
+        "rejected_by": approval.rejected_by.username if approval.rejected_by else None,
+        "reason": approval.reason,
     }
 
 
@@ -50,7 +59,7 @@ def list_approvals(
 ) -> list[dict[str, Any]]:
     """Changes to protected pools, newest first: a change there answers 202 with its approval,
     which waits for a second person (POST /approvals/{id}/approve) until `expires_at`."""
-    found = Approval.objects.select_related("pool", "requested_by", "approved_by")
+    found = Approval.objects.select_related("pool", "requested_by", "approved_by", "rejected_by")
     return [_approval_out(a) for a in found[offset : offset + limit]]
 
 
@@ -64,6 +73,26 @@ def approve(request: HttpRequest, approval_id: int) -> dict[str, Any]:
     through (approved) or the change itself was refused (failed, with `result`)."""
     try:
         approval = approval_approve(approval_id=approval_id, actor=current_user(request))
+    except ApprovalError as exc:
+        raise ApiError(409, "conflict", str(exc)) from None
+    return _approval_out(approval)
+
+
+class Decision(Schema):
+    reason: str = ""
+
+
+@router.post(
+    "/approvals/{approval_id}/reject",
+    response={200: ApprovalOut, **ERRORS},
+    auth=can(APPROVER_PERMISSION, "approval.reject"),
+)
+def reject(request: HttpRequest, approval_id: int, body: Decision) -> dict[str, Any]:
+    """Refuse someone else's pending change, with a `reason` (required) its requester reads."""
+    try:
+        approval = approval_reject(
+            approval_id=approval_id, reason=body.reason, actor=current_user(request)
+        )
     except ApprovalError as exc:
         raise ApiError(409, "conflict", str(exc)) from None
     return _approval_out(approval)

@@ -12,6 +12,8 @@ class Approval(models.Model):
         PENDING = "pending"
         APPROVED = "approved"
         FAILED = "failed"  # approved, but the change itself was refused (the pool moved on)
+        REJECTED = "rejected"  # refused by an approver, who said why
+        WITHDRAWN = "withdrawn"  # taken back by its requester
 
     pool = models.ForeignKey(NodePool, on_delete=models.CASCADE, related_name="approvals")
     action = models.CharField(max_length=30)
@@ -32,6 +34,15 @@ class Approval(models.Model):
         related_name="approvals_given",
     )
     approved_at = models.DateTimeField(null=True, blank=True)
+    rejected_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        related_name="approvals_rejected",
+    )
+    closed_at = models.DateTimeField(null=True, blank=True)  # when rejected or withdrawn
+    reason = models.TextField(blank=True)  # a rejection's, or a withdrawal's if one was given
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.PENDING)
     result = models.TextField(blank=True)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.core.exceptions import PermissionDenied
 from django.utils import timezone
 
 from apps.accounts.permissions import APPROVING, ApprovalRequired, authorize
@@ -19,6 +20,7 @@ from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.services.nodes import node_adopt, operation_override
+from apps.rollouts.notify import notify_approval
 from apps.rollouts.plans import PlanError
 from apps.rollouts.services import (
     RolloutError,
@@ -116,6 +118,13 @@ def approval_request(*, refused: ApprovalRequired, actor: User) -> Approval:
         target=f"pool:{refused.pool.name}",
         after={"approval": approval.pk, "action": refused.action, "params": refused.params},
     )
+    notify_approval(
+        approval_id=approval.pk,
+        pool=refused.pool.name,
+        event="approval_pending",
+        what=f"{refused.action} ({approval.summary}) asked by {actor.username} waits for a "
+        f"second person until {approval.expires_at:%H:%M} UTC",
+    )
     return approval
 
 
@@ -123,9 +132,8 @@ def _approval_target(*, approval_id: int, **_: object) -> str:
     return f"approval:{approval_id}"
 
 
-@audited("approval.approve", _approval_target, (ApprovalError,))
-def approval_approve(*, approval_id: int, actor: User) -> Approval:
-    """Carry out a pending request of someone else's, as theirs, now."""
+def _pending(approval_id: int) -> Approval:
+    """The approval, locked, while it still waits for a decision."""
     approval = (
         Approval.objects.select_for_update()
         .select_related("pool", "requested_by")
@@ -140,6 +148,13 @@ def approval_approve(*, approval_id: int, actor: User) -> Approval:
         raise ApprovalError(
             f"approval #{approval_id} expired at {approval.expires_at:%H:%M:%S} UTC"
         )
+    return approval
+
+
+@audited("approval.approve", _approval_target, (ApprovalError,))
+def approval_approve(*, approval_id: int, actor: User) -> Approval:
+    """Carry out a pending request of someone else's, as theirs, now."""
+    approval = _pending(approval_id)
     if approval.requested_by_id == actor.pk:
         raise ApprovalError("a change needs a second person: you cannot approve your own")
     authorize(actor, APPROVER_PERMISSION, approval.pool)
@@ -161,6 +176,51 @@ def approval_approve(*, approval_id: int, actor: User) -> Approval:
     finally:
         APPROVING.reset(token)
     approval.save()
+    _record(approval, actor, approval.result)
+    return approval
+
+
+@audited("approval.reject", _approval_target, (ApprovalError,))
+def approval_reject(*, approval_id: int, reason: str, actor: User) -> Approval:
+    """Refuse someone else's pending request, saying why: its requester reads the reason on the
+    approvals page, and nothing of the change is carried out."""
+    if not reason.strip():
+        raise ApprovalError("say why it is rejected: its requester reads the reason")
+    approval = _pending(approval_id)
+    if approval.requested_by_id == actor.pk:
+        raise ApprovalError("it is your own request: withdraw it instead")
+    authorize(actor, APPROVER_PERMISSION, approval.pool)
+    approval.status, approval.rejected_by = Approval.Status.REJECTED, actor
+    approval.closed_at, approval.reason = timezone.now(), reason.strip()
+    approval.save()
+    _record(approval, actor, approval.reason)
+    return approval
+
+
+@audited("approval.withdraw", _approval_target, (ApprovalError,))
+def approval_withdraw(*, approval_id: int, actor: User, reason: str = "") -> Approval:
+    """Take back one's own pending request: no one can approve it any more."""
+    approval = _pending(approval_id)
+    if approval.requested_by_id != actor.pk:
+        raise PermissionDenied(
+            f"only {approval.requested_by.username}, who asked, can withdraw #{approval_id}"
+        )
+    approval.status, approval.closed_at = Approval.Status.WITHDRAWN, timezone.now()
+    approval.reason = reason.strip()
+    approval.save()
+    _record(approval, actor, approval.reason)
+    return approval
+
+
+def _record(approval: Approval, actor: User, message: str) -> None:
+    """The decision in the trail, and told to the webhook: the requester learns it there too."""
+    notify_approval(
+        approval_id=approval.pk,
+        pool=approval.pool.name,
+        event=f"approval_{approval.status}",
+        what=f"{approval.action} asked by {approval.requested_by.username} is "
+        f"{approval.status} by {actor.username}" + (f": {message}" if message else ""),
+    )
     audit_record(
         actor=actor,
         target=f"approval:{approval.pk}",
@@ -169,6 +229,5 @@ def approval_approve(*, approval_id: int, actor: User) -> Approval:
             "requested_by": approval.requested_by.username,
             "status": approval.status,
         },
-        message=approval.result,
+        message=message,
     )
-    return approval

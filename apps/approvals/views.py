@@ -1,3 +1,5 @@
+from urllib.parse import urlencode
+
 from django.contrib import messages
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
@@ -8,15 +10,38 @@ from django.views.decorators.http import require_POST
 
 from apps.accounts.permissions import current_user, require
 from apps.approvals.models import Approval
-from apps.approvals.services import APPROVER_PERMISSION, ApprovalError, approval_approve
+from apps.approvals.services import (
+    APPROVER_PERMISSION,
+    ApprovalError,
+    approval_approve,
+    approval_reject,
+    approval_withdraw,
+)
+from apps.fleet.models import NodePool
+from controlplane.guard import takes_post
 from controlplane.htmx import back
 
 
 def approval_list(request: HttpRequest) -> HttpResponse:
-    """Changes to protected pools waiting for a second person, then the ones decided."""
-    found = Approval.objects.select_related("pool", "requested_by", "approved_by")
+    """Changes to protected pools waiting for a second person, then the ones decided; filtered
+    by state and pool."""
+    status, pool = request.GET.get("status", ""), request.GET.get("pool", "")
+    found = Approval.objects.select_related("pool", "requested_by", "approved_by", "rejected_by")
+    if status:
+        found = found.filter(status=status)
+    if pool:
+        found = found.filter(pool__name=pool)
     page = Paginator(found, 25).get_page(request.GET.get("page"))
-    context = {"page": page, "now": timezone.now(), "user_id": current_user(request).pk}
+    context = {
+        "page": page,
+        "now": timezone.now(),
+        "user_id": current_user(request).pk,
+        "status": status,
+        "pool": pool,
+        "statuses": Approval.Status.choices,
+        "pools": NodePool.objects.filter(protected=True).values_list("name", flat=True),
+        "query": urlencode({k: v for k, v in (("status", status), ("pool", pool)) if v}),
+    }
     return render(request, "approvals/approvals.html", context)
 
 
@@ -32,4 +57,33 @@ def approval_approve_view(request: HttpRequest, pk: int) -> HttpResponse:
         (messages.success if not approval.result else messages.error)(
             request, done + (f": {approval.result}" if approval.result else ".")
         )
+    return back(request, reverse("approvals:list"))
+
+
+@require_POST
+@require(APPROVER_PERMISSION, "approval.reject")
+def approval_reject_view(request: HttpRequest, pk: int) -> HttpResponse:
+    try:
+        approval_reject(
+            approval_id=pk, reason=request.POST.get("reason", ""), actor=current_user(request)
+        )
+    except ApprovalError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Rejected #{pk}: its requester sees why.")
+    return back(request, reverse("approvals:list"))
+
+
+@takes_post
+@require_POST
+def approval_withdraw_view(request: HttpRequest, pk: int) -> HttpResponse:
+    """One's own request taken back: the service refuses anyone but its requester."""
+    try:
+        approval_withdraw(
+            approval_id=pk, reason=request.POST.get("reason", ""), actor=current_user(request)
+        )
+    except ApprovalError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Withdrew #{pk}: no one can approve it now.")
     return back(request, reverse("approvals:list"))

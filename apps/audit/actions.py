@@ -121,7 +121,7 @@ _BY_KIND: dict[Kind, list[str]] = {
         "token.revoke",
     ],
     Kind.QUALITY: ["evaluation.start"],
-    Kind.APPROVAL: ["approval.request", "approval.approve"],
+    Kind.APPROVAL: ["approval.request", "approval.approve", "approval.reject", "approval.withdraw"],
     Kind.INCIDENT: [
         "incident.open",
         "incident.update",

@@ -6,6 +6,7 @@ import json
 import urllib.request
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlencode
 
 from celery import current_app
 from django.conf import settings
@@ -63,6 +64,17 @@ def notify_pool(*, pool: str, model: str, event: str, what: str) -> Notification
     link = f"{settings.SITE_URL}/pools/{pool}/tiers/"
     title = f"{slack_text(model)} on {slack_text(pool)}"
     about = {"pool": {"name": pool, "model": model, "event": event, "url": link}}
+    return _send(title, slack_text(what), link, event, about)
+
+
+def notify_approval(*, approval_id: int, pool: str, event: str, what: str) -> Notification | None:
+    """A message about a change waiting on a protected pool (asked, approved, rejected,
+    withdrawn), linking to the pool's approvals."""
+    if not settings.ROLLOUT_WEBHOOK_URL:
+        return None
+    link = f"{settings.SITE_URL}/rollouts/approvals/?{urlencode({'pool': pool})}"
+    title = f"Approval #{approval_id} on {slack_text(pool)}"
+    about = {"approval": {"id": approval_id, "pool": pool, "event": event, "url": link}}
     return _send(title, slack_text(what), link, event, about)
 
 

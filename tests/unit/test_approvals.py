@@ -18,7 +18,12 @@ from apps.accounts.permissions import ApprovalRequired
 from apps.accounts.roles import Role
 from apps.accounts.services import user_ensure
 from apps.approvals.models import Approval
-from apps.approvals.services import ApprovalError, approval_approve, approval_request
+from apps.approvals.services import (
+    ApprovalError,
+    approval_approve,
+    approval_reject,
+    approval_request,
+)
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.services.deployments import deployment_set
@@ -27,7 +32,7 @@ from apps.fleet.services.pools import pool_role_set
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_rollback
 from apps.registry.models import Model, ModelVersion
-from apps.rollouts.models import Rollout
+from apps.rollouts.models import Notification, Rollout
 from apps.rollouts.plans import Analysis
 from apps.rollouts.services import (
     RolloutError,
@@ -367,3 +372,87 @@ def test_a_release_by_hand_during_a_rollout_is_refused_with_the_rollout_named(
     assert refused.status_code == 409
     assert f"rollout #{rollout.pk} of embedder v1 → v2" in refused.json()["error"]["message"]
     assert deployed(pool) == 1
+
+
+def test_a_request_is_rejected_with_a_reason_or_withdrawn_and_never_carried_out(
+    pool: NodePool,
+) -> None:
+    ann, bob, cat = person("ann"), person("bob"), person("cat")
+    pages = {who: Client() for who in (ann, bob, cat)}
+    for who, page in pages.items():
+        page.force_login(who)
+    pages[ann].post("/deployments/gpu/", {"model_version": "embedder:2"})
+    first = Approval.objects.get()
+    refused = pages[bob].post(f"/rollouts/approvals/{first.pk}/reject/", {"reason": " "})
+    assert "say why it is rejected" in pages[bob].get(refused["Location"]).content.decode()
+    mine = pages[ann].post(f"/rollouts/approvals/{first.pk}/reject/", {"reason": "no"})
+    assert "withdraw it instead" in pages[ann].get(mine["Location"]).content.decode()
+    pages[bob].post(f"/rollouts/approvals/{first.pk}/reject/", {"reason": "not before the demo"})
+    first.refresh_from_db()
+    assert (first.status, first.rejected_by, first.reason) == (
+        "rejected",
+        bob,
+        "not before the demo",
+    )
+    seen = pages[ann].get("/rollouts/approvals/").content.decode()
+    assert 'rejected</span> by bob: <q class="reason">not before the demo</q>' in seen
+    with pytest.raises(ApprovalError, match="is rejected already"):
+        approval_approve(approval_id=first.pk, actor=cat)
+    # Asked again, then taken back by its requester alone.
+    pages[ann].post("/deployments/gpu/", {"model_version": "embedder:2"})
+    second = Approval.objects.get(status="pending")
+    assert pages[bob].post(f"/rollouts/approvals/{second.pk}/withdraw/").status_code == 403
+    pages[ann].post(f"/rollouts/approvals/{second.pk}/withdraw/", {"reason": "wrong pool"})
+    second.refresh_from_db()
+    assert (second.status, second.reason) == ("withdrawn", "wrong pool")
+    assert deployed(pool) == 1  # neither was carried out
+    actions = AuditEvent.objects.filter(action__in=["approval.reject", "approval.withdraw"])
+    assert sorted((e.action, e.result, e.actor) for e in actions) == [
+        ("approval.reject", "failed", "ann"),
+        ("approval.reject", "failed", "bob"),
+        ("approval.reject", "ok", "bob"),
+        ("approval.withdraw", "denied", "bob"),
+        ("approval.withdraw", "ok", "ann"),
+    ]
+    # The page filters by state and pool.
+    rejected = pages[cat].get("/rollouts/approvals/", {"status": "rejected", "pool": "gpu"})
+    assert re.findall(r'<tr id="approval-(\d+)"', rejected.content.decode()) == [str(first.pk)]
+    other = pages[cat].get("/rollouts/approvals/", {"pool": "cpu"}).content.decode()
+    assert "No approval matches these filters." in other
+
+
+def test_a_request_and_its_rejection_are_told_to_the_webhook(
+    pool: NodePool, settings: object
+) -> None:
+    settings.ROLLOUT_WEBHOOK_URL = "http://127.0.0.1:1/hook"  # type: ignore[attr-defined]
+    ann, bob = person("ann"), person("bob")
+    page = Client()
+    page.force_login(ann)
+    page.post("/deployments/gpu/", {"model_version": "embedder:2"})
+    approval = Approval.objects.get()
+    approval_reject(approval_id=approval.pk, reason="not before <!channel> the demo", actor=bob)
+    sent = [n.payload for n in Notification.objects.order_by("id")]
+    assert [p["approval"]["event"] for p in sent] == ["approval_pending", "approval_rejected"]
+    assert "asked by ann waits for a second person until" in sent[0]["text"]
+    assert (
+        "deployment.set asked by ann is rejected by bob: not before &lt;!channel&gt; the demo"
+        in sent[1]["text"]
+    )
+    assert sent[1]["approval"]["url"].endswith("/rollouts/approvals/?pool=gpu")
+
+
+def test_the_api_rejects_with_a_reason(pool: NodePool, client: Client) -> None:
+    ann, bob = person("ann"), person("bob")
+    body = {"model": "embedder", "version": 2, "pool": "gpu"}
+    client.post("/api/deployments", body, "application/json", headers=bearer(ann))
+    number = Approval.objects.get().pk
+    url = f"/api/approvals/{number}/reject"
+    blank = client.post(url, {"reason": ""}, "application/json", headers=bearer(bob))
+    assert blank.status_code == 409 and "say why" in blank.json()["error"]["message"]
+    done = client.post(url, {"reason": "freeze"}, "application/json", headers=bearer(bob))
+    assert done.status_code == 200
+    assert (done.json()["status"], done.json()["rejected_by"], done.json()["reason"]) == (
+        "rejected",
+        "bob",
+        "freeze",
+    )

@@ -5,6 +5,7 @@ import io
 import json
 import re
 from collections.abc import Callable
+from datetime import timedelta
 from types import ModuleType
 
 import pytest
@@ -12,6 +13,7 @@ from django.contrib.auth.models import User
 from django.db import DatabaseError, connection, transaction
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver
+from django.utils import timezone
 
 from apps.accounts import services as accounts
 from apps.accounts.models import ApiToken
@@ -213,6 +215,8 @@ FLEET_REGISTRY_SERVICES = {
     registry.version_set_memory,
     approvals.approval_request,
     approvals.approval_approve,
+    approvals.approval_reject,
+    approvals.approval_withdraw,
     quality.evaluation_set_import,
     quality.evaluation_start,
     quality.synthetic_load_start,
@@ -376,6 +380,17 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
     )
     bob = accounts.user_ensure(username="bob", password="pw", role=Role.RELEASE_MANAGER)
     change = {"pool": "gpu", "model": "rag", "version": 2, "baseline": None}
+
+    def pending() -> int:
+        """A request of ann's, written directly: its own event is not the case's."""
+        return Approval.objects.create(
+            pool=pool,
+            action="deployment.set",
+            params=change,
+            requested_by=ann(),
+            expires_at=timezone.now() + timedelta(hours=1),
+        ).pk
+
     cases += [
         Case(
             nodes.node_release,
@@ -445,6 +460,18 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             "approval.approve",
             lambda: approvals.approval_approve(approval_id=0, actor=bob),
             lambda: approvals.approval_approve(approval_id=Approval.objects.get().pk, actor=bob),
+        ),
+        Case(
+            approvals.approval_reject,
+            "approval.reject",
+            lambda: approvals.approval_reject(approval_id=pending(), reason=" ", actor=bob),
+            lambda: approvals.approval_reject(approval_id=pending(), reason="no", actor=bob),
+        ),
+        Case(
+            approvals.approval_withdraw,
+            "approval.withdraw",
+            lambda: approvals.approval_withdraw(approval_id=0, actor=ann()),
+            lambda: approvals.approval_withdraw(approval_id=pending(), actor=ann()),
         ),
         Case(
             quality.evaluation_set_import,

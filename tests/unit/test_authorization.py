@@ -106,6 +106,8 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "rollouts:rollout_act": ({"pk": world.rollout_b.pk, "action": "resume"}, {}),
         "rollouts:release_roll_back": ({"pool": "b", "model": "embedder", "to": "last-good"}, {}),
         "approvals:approve": ({"pk": world.approval_b.pk}, {}),
+        "approvals:reject": ({"pk": world.approval_b.pk}, {"reason": "not now"}),
+        "approvals:withdraw": ({"pk": world.approval_b.pk}, {"reason": "not needed"}),
         "accounts:token_revoke": ({"token_id": world.token_id}, {}),
         "quality:set_import": ({"name": "embedder"}, {"name": "x", "text": "{}"}),
         "quality:run_start": ({"name": "embedder", "set_name": "x", "version": 1}, {"version": 1}),
@@ -253,6 +255,7 @@ API_BODIES: dict[tuple[str, str], dict[str, Any]] = {
         "plan": "100%",
     },
     ("post", "/api/rollouts/{rollout_id}/promote"): {"reason": "tested"},
+    ("post", "/api/approvals/{approval_id}/reject"): {"reason": "not now"},
     ("put", "/api/pools/{pool}/models/{model}/tiers"): {"versions": [1, 2]},
     ("post", "/api/pools/{pool}/models/{model}/tiers/pin"): {"tier": 0, "reason": "drill"},
 }
