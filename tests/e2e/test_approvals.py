@@ -58,4 +58,28 @@ def test_on_a_protected_pool_a_rollback_goes_alone_and_a_deployment_waits(
     expect(page.locator("#approvals tbody tr").first).to_contain_text("approved by bob")
     screenshot(page, "approvals-approved")
     assert Deployment.objects.get(pool=pool).version == 2
+    # Another request of ann's, which bob rejects with a reason she reads.
+    page.context.clear_cookies()
+    sign_in(page, base, "ann")
+    page.goto(f"{base}/deployments/")
+    section = page.locator("#pool-gpu")
+    section.get_by_label("Deploy").select_option(label="embedder v2")
+    page.once("dialog", lambda dialog: dialog.accept())
+    section.get_by_role("button", name="Deploy to gpu").click()
+    expect(page).to_have_url(f"{base}/rollouts/approvals/")
+    page.context.clear_cookies()
+    sign_in(page, base, "bob")
+    page.goto(f"{base}/rollouts/approvals/")
+    waiting = page.locator("#approvals tbody tr", has_text="pending until")
+    waiting.get_by_label("Reason").fill("not during the demo")
+    waiting.get_by_role("button", name="Reject").click()
+    expect(page.locator(".flash")).to_contain_text("its requester sees why")
+    page.context.clear_cookies()
+    sign_in(page, base, "ann")
+    page.goto(f"{base}/rollouts/approvals/")
+    expect(page.locator("#approvals tbody tr").first).to_contain_text(
+        "rejected by bob: not during the demo"
+    )
+    screenshot(page, "approvals-rejected")
+    assert not Deployment.objects.filter(pool=pool, model__name="embedder").exists()
     assert page.console_errors == []  # type: ignore[attr-defined]

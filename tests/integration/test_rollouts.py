@@ -93,7 +93,10 @@ def test_a_better_release_rolls_out_by_itself(
     ours = [m for m in webhook.received if m["rollout"]["id"] == rollout.pk]  # the session's
     assert all(f"/rollouts/{rollout.pk}/" in m["text"] for m in ours)
     notifications = rollout.notifications.all()
-    assert all(n.status == "sent" for n in notifications)
+    # The receiver has a message before its worker records it sent: wait for the records.
+    wait_for(
+        "every message recorded sent", lambda: all(n.status == "sent" for n in notifications.all())
+    )
     assert notifications.get(event="started").attempts == 2  # refused once, then delivered
 
 

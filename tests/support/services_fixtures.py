@@ -217,7 +217,7 @@ def weighted(
 
     def settled() -> bool:
         done = (
-            len(set(loaded)) == 3 * len(STEPS_V1)
+            len(set(loaded.all())) == 3 * len(STEPS_V1)  # read again: `all`, not its cache
             and not ops.filter(status__in=Operation.OPEN).exists()
         )
         return done and weights(haproxy) == equal(trio[1])
