@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from urllib.parse import urlencode
 
 from django.contrib import messages
@@ -63,27 +64,24 @@ def approval_approve_view(request: HttpRequest, pk: int) -> HttpResponse:
 @require_POST
 @require(APPROVER_PERMISSION, "approval.reject")
 def approval_reject_view(request: HttpRequest, pk: int) -> HttpResponse:
-    try:
-        approval_reject(
-            approval_id=pk, reason=request.POST.get("reason", ""), actor=current_user(request)
-        )
-    except ApprovalError as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, f"Rejected #{pk}: its requester sees why.")
-    return back(request, reverse("approvals:list"))
+    return _close(request, pk, approval_reject, f"Rejected #{pk}: its requester sees why.")
 
 
 @takes_post
 @require_POST
 def approval_withdraw_view(request: HttpRequest, pk: int) -> HttpResponse:
     """One's own request taken back: the service refuses anyone but its requester."""
+    return _close(request, pk, approval_withdraw, f"Withdrew #{pk}: no one can approve it now.")
+
+
+def _close(
+    request: HttpRequest, pk: int, service: Callable[..., Approval], done: str
+) -> HttpResponse:
+    """A request rejected or withdrawn, with the form's reason; the page says how it went."""
     try:
-        approval_withdraw(
-            approval_id=pk, reason=request.POST.get("reason", ""), actor=current_user(request)
-        )
+        service(approval_id=pk, reason=request.POST.get("reason", ""), actor=current_user(request))
     except ApprovalError as exc:
         messages.error(request, str(exc))
     else:
-        messages.success(request, f"Withdrew #{pk}: no one can approve it now.")
+        messages.success(request, done)
     return back(request, reverse("approvals:list"))
