@@ -61,3 +61,33 @@ document.addEventListener("htmx:configRequest", function (event) {
   if (!elt.getAttribute || !/(^|,)\s*every /.test(elt.getAttribute("hx-trigger") || "")) return;
   event.detail.headers["X-Poll"] = "1";
 });
+
+// A refused or failed action says why where it was clicked, as an alert a screen reader
+// announces: the page's own message for a 4xx or 5xx (a role that does not allow it, a
+// conflict, bad input, too many tries), or that the server could not be reached. htmx swaps
+// nothing on an error by itself, so without this a refused click changed nothing visible.
+(function () {
+  function say(elt, text) {
+    var near = (elt.closest && elt.closest("form")) || elt;
+    var alert = near.nextElementSibling;
+    if (!alert || !alert.classList.contains("refusal")) {
+      alert = document.createElement("p");
+      alert.className = "flash error refusal";
+      alert.setAttribute("role", "alert");
+      near.insertAdjacentElement("afterend", alert);
+    }
+    alert.textContent = text;
+  }
+  function reason(xhr) {
+    var page = new DOMParser().parseFromString(xhr.responseText || "", "text/html");
+    var found = page.querySelector(".flash.error, main .card p, main p");
+    var text = found ? found.textContent.replace(/\s+/g, " ").trim() : "";
+    return text || "Refused by the server (HTTP " + xhr.status + "): nothing was done.";
+  }
+  document.addEventListener("htmx:responseError", function (event) {
+    say(event.detail.elt, reason(event.detail.xhr));
+  });
+  document.addEventListener("htmx:sendError", function (event) {
+    say(event.detail.elt, "The server could not be reached: nothing was done. Try again.");
+  });
+})();

@@ -33,7 +33,7 @@ from apps.fleet.services.nodes import (
     operation_request,
 )
 from apps.registry.models import ModelVersion
-from controlplane.htmx import HtmxHttpRequest, back
+from controlplane.htmx import HtmxHttpRequest, back, refused
 
 
 def overview(request: HttpRequest) -> HttpResponse:
@@ -127,9 +127,10 @@ def node_detail(request: HtmxHttpRequest, name: str) -> HttpResponse:
 
 
 def _deploy_from_form(
-    request: HttpRequest, *, pool: NodePool | None = None, node: Node | None = None
-) -> None:
-    """Set the deployment chosen in a `model_version` select ("model:version"), with a message."""
+    request: HttpRequest, url: str, *, pool: NodePool | None = None, node: Node | None = None
+) -> HttpResponse:
+    """Set the deployment chosen in a `model_version` select ("model:version"); a refusal (a
+    rollout holding the model, a version not in the registry) is said where the form is."""
     model, _, version = request.POST.get("model_version", "").partition(":")
     where = node.name if node else f"pool {pool.name}"  # type: ignore[union-attr]
     try:
@@ -141,17 +142,17 @@ def _deploy_from_form(
             actor=current_user(request),
         )
     except (FleetError, DesiredStateError, ValueError) as exc:
-        messages.error(request, f"{where}: {exc}")
-    else:
-        messages.success(request, f"Loading {model} v{version} on {where}.")
+        return refused(request, f"{where}: {exc}", url)
+    messages.success(request, f"Loading {model} v{version} on {where}.")
+    return back(request, url)
 
 
 @require_POST
 @require("fleet.operate_node", "deployment.set")
 def node_load(request: HttpRequest, name: str) -> HttpResponse:
     """Load a registry version on this node: a node-level deployment that the workers converge."""
-    _deploy_from_form(request, node=get_object_or_404(Node, name=name))
-    return back(request, reverse("fleet:node_detail", args=[name]))
+    url = reverse("fleet:node_detail", args=[name])
+    return _deploy_from_form(request, url, node=get_object_or_404(Node, name=name))
 
 
 @require_POST
@@ -249,8 +250,8 @@ def pool_fit(request: HttpRequest, pool: str) -> HttpResponse:
 @require_POST
 @require("fleet.operate_node", "deployment.set")
 def deployment_create(request: HttpRequest, pool: str) -> HttpResponse:
-    _deploy_from_form(request, pool=get_object_or_404(NodePool, name=pool))
-    return back(request, reverse("fleet:deployments"))
+    url = reverse("fleet:deployments")
+    return _deploy_from_form(request, url, pool=get_object_or_404(NodePool, name=pool))
 
 
 @require_POST

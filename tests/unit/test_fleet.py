@@ -219,6 +219,21 @@ def test_a_release_manager_deploys_to_a_pool_from_the_page_and_an_operator_may_n
     assert NodePool.objects.get(name="p").deployments.count() == 1
 
 
+def test_a_refused_deployment_answers_htmx_with_its_message_and_status(
+    client: Client, node: Node
+) -> None:
+    """htmx swaps nothing on an error by itself: static/app.js says the message where the form
+    is, so the refusal must come back as an error with the reason in it."""
+    client.force_login(make_user(Role.RELEASE_MANAGER))
+    htmx = {"HX-Request": "true"}
+    response = client.post("/deployments/p/", {"model_version": "rag_pipeline:99"}, headers=htmx)
+    assert response.status_code == 409
+    assert response.content.decode().startswith('<p class="flash error">pool p: ')
+    assert "rag_pipeline v99" in response.content.decode() and not Deployment.objects.exists()
+    plain = client.post("/deployments/p/", {"model_version": "rag_pipeline:99"}, follow=True)
+    assert "pool p: " in plain.content.decode()  # a plain form: on the page it goes back to
+
+
 def test_one_worker_at_a_time_holds_a_node_and_a_lapsed_lease_frees_it(node: Node) -> None:
     from apps.fleet.runner import Lease
 
