@@ -270,15 +270,7 @@ def desired_inputs(node: Node) -> tuple:
     """What a node's desired state is computed from, in two small queries: the deployments that
     target it, each as of its last change, and a stamp of the registry (`_registry_stamp`). The
     deployments' part can come back, which `node_desired` allows for."""
-    deployments = targeting(node).order_by("id")
-    return (
-        tuple(
-            deployments.values_list(
-                "id", "version", "baseline_version", "standby_version", "updated_at"
-            )
-        ),
-        _registry_stamp(),
-    )
+    return _fleet_inputs(targeting(node))
 
 
 # Desired states lately computed, by their inputs: the nodes of a pool share one, so a worker
