@@ -22,6 +22,7 @@ import random
 import re
 import resource
 import signal
+import socket
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -471,14 +472,19 @@ def main(argv: list[str] | None = None) -> None:
     # usual soft limit of 1024 descriptors, so take the hard limit.
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    # Blocked before the server thread starts, so it inherits the mask and sigwait() gets them.
-    stop_signals = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    # The kernel hands a stop signal to any thread, numpy's OpenBLAS threads (started on import,
+    # before any mask could be set) included: Python's own handler, whichever thread runs it,
+    # writes the signal's number to the wakeup socket this thread reads.
+    wakeup, wakeup_writer = socket.socketpair()
+    wakeup_writer.setblocking(False)
+    signal.set_wakeup_fd(wakeup_writer.fileno())
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, lambda *_: None)
     simulator.start()
     for number, url in enumerate(simulator.urls, start=1):
         print(f"node {number}: {url} (metrics {url}/metrics)")
     print(f"ready: {len(simulator.urls)} simulated Triton nodes", flush=True)
-    received = signal.sigwait(stop_signals)
+    received = wakeup.recv(1)[0]
     simulator.stop()
     print(f"stopped on {signal.Signals(received).name}", flush=True)
 
