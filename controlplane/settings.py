@@ -153,6 +153,7 @@ TEMPLATES = [
                 "django.contrib.messages.context_processors.messages",
                 "csp.context_processors.nonce",
             ],
+            "builtins": ["controlplane.times"],
         },
     }
 ]

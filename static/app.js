@@ -1,10 +1,22 @@
 // Draws every Plotly figure on the page (and in fragments htmx swaps in) from its JSON script tag.
 (function () {
+  // In the dark theme a chart takes the page's ground, inks and lines (static/app.css).
+  function themed(layout) {
+    if (!window.matchMedia("(prefers-color-scheme: dark)").matches) return layout;
+    var css = getComputedStyle(document.documentElement);
+    var ink = css.getPropertyValue("--ink").trim(), line = css.getPropertyValue("--line").trim();
+    layout.paper_bgcolor = layout.plot_bgcolor = "rgba(0,0,0,0)";
+    layout.font = Object.assign({}, layout.font, {color: ink});
+    ["xaxis", "yaxis"].forEach(function (name) {
+      if (layout[name]) Object.assign(layout[name], {gridcolor: line, zerolinecolor: line, linecolor: line});
+    });
+    return layout;
+  }
   function draw(root) {
     root.querySelectorAll("[data-figure-id]").forEach(function (el) {
       if (el.dataset.drawn || !window.Plotly) return;
       var figure = JSON.parse(document.getElementById(el.dataset.figureId).textContent);
-      window.Plotly.newPlot(el, figure.data, figure.layout, {displaylogo: false, responsive: true});
+      window.Plotly.newPlot(el, figure.data, themed(figure.layout), {displaylogo: false, responsive: true});
       el.dataset.drawn = "1";
     });
   }
@@ -24,16 +36,17 @@ document.addEventListener("htmx:confirm", function (event) {
   if (window.confirm(form.dataset.confirm.replace("{choice}", choice))) event.detail.issueRequest(true);
 });
 
-// Times are stored and sent in UTC; each viewer reads them in their own zone (UTC on hover).
+// Times are shown in UTC, said so (controlplane/times.py), so people in several zones read the
+// same time; hovering one shows it in the viewer's own zone as well.
 (function () {
+  var zone = Intl.DateTimeFormat().resolvedOptions().timeZone;
   function localise(root) {
-    root.querySelectorAll("time[datetime]:not([data-local])").forEach(function (el) {
+    root.querySelectorAll("time[datetime]:not([title])").forEach(function (el) {
       var at = new Date(el.getAttribute("datetime"));
       if (isNaN(at)) return;
-      el.title = el.textContent.trim() + " UTC";
-      var date = at.toLocaleDateString("sv-SE"), time = at.toLocaleTimeString("sv-SE");
-      el.textContent = el.textContent.trim().length > 8 ? date + " " + time : time;
-      el.dataset.local = "1";
+      var local = at.toLocaleDateString("sv-SE") + " " + at.toLocaleTimeString("sv-SE");
+      var utc = at.toISOString().slice(0, 19).replace("T", " ");
+      el.title = utc + " UTC; " + local + " your time (" + zone + ")";
     });
   }
   window.addEventListener("DOMContentLoaded", function () { localise(document); });

@@ -9,8 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from axe_playwright_python.sync_playwright import Axe
 from django.contrib.auth.models import User
 from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Error as PlaywrightError
 
 from apps.accounts.roles import Role
 from tests.support.users import make_user
@@ -79,5 +81,27 @@ def page(browser: Browser) -> Iterator[Page]:
     page = context.new_page()
     page.console_errors = []  # type: ignore[attr-defined]
     page.on("console", lambda m: m.type == "error" and page.console_errors.append(m.text))  # type: ignore[attr-defined]
+    barriers: list[str] = []
+    page.on("load", lambda loaded: barriers.extend(accessibility_barriers(loaded)))
     yield page
     context.close()
+    assert not barriers, "axe-core found serious barriers:\n" + "\n".join(barriers)
+
+
+AXE = Axe()
+
+
+def accessibility_barriers(page: Page) -> list[str]:
+    """axe-core's serious and critical violations on the document just loaded, one line each
+    (rule, what it asks, where); every page a browser test visits is checked on its load."""
+    try:
+        found = AXE.run(page).response["violations"]
+    except PlaywrightError:
+        # The page moved on while being checked: the next document is checked on its own load.
+        return []
+    return [
+        f"{page.url}: {rule['id']} ({rule['impact']}) {rule['help']}: "
+        + "; ".join(" ".join(node["target"]) for node in rule["nodes"][:5])
+        for rule in found
+        if rule["impact"] in ("serious", "critical")
+    ]

@@ -12,6 +12,7 @@ urlpatterns = [
     path("nodes/<slug:name>/load/", views.node_load, name="node_load"),
     path("nodes/<slug:name>/operate/", views.node_operate, name="node_operate"),
     path("deployments/", views.deployments, name="deployments"),
+    path("pools/roles/", views.pool_roles, name="pool_roles"),
     path("pools/<slug:pool>/capacity/", views.pool_capacity, name="pool_capacity"),
     path("pools/<slug:pool>/fit/", views.pool_fit, name="pool_fit"),
     path("deployments/<slug:pool>/", views.deployment_create, name="deployment_create"),

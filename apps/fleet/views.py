@@ -10,7 +10,9 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
+from apps.accounts.models import PoolRole
 from apps.accounts.permissions import current_user, require
+from apps.accounts.services import RoleError
 from apps.audit.models import AuditEvent
 from apps.fleet.desired import DesiredStateError, Want, Wanted, fleet_desired
 from apps.fleet.errors import FleetError
@@ -32,6 +34,7 @@ from apps.fleet.services.nodes import (
     operation_override,
     operation_request,
 )
+from apps.fleet.services.pools import pool_role_set
 from apps.registry.models import ModelVersion
 from controlplane.htmx import HtmxHttpRequest, back, refused
 
@@ -261,3 +264,34 @@ def deployment_delete(request: HttpRequest, deployment_id: int) -> HttpResponse:
     deployment_remove(deployment_id=found.pk, actor=current_user(request))
     messages.success(request, f"Removed {found}; its models unload from the nodes.")
     return back(request, reverse("fleet:deployments"))
+
+
+ROLES_PER_PAGE = 50
+
+
+@require("fleet.change_nodepool", "user.set_pool_role")
+def pool_roles(request: HttpRequest) -> HttpResponse:
+    """Who holds which role on which pool, above their own role, a page at a time (filtered by
+    pool); an admin grants one here, or revokes it (an empty role), audited like the command."""
+    here = reverse("fleet:pool_roles")
+    if request.method == "POST":
+        username, pool, role = (request.POST.get(f, "").strip() for f in ("user", "pool", "role"))
+        try:
+            pool_role_set(username=username, pool_name=pool, role=role, actor=current_user(request))
+        except RoleError as exc:
+            return refused(request, str(exc), here, status=422)
+        done = f"{username} is now {role.replace('_', ' ')} of {pool}." if role else ""
+        messages.success(request, done or f"{username} holds no role of their own on {pool} now.")
+        return back(request, here)
+    pool = request.GET.get("pool", "")
+    held = PoolRole.objects.select_related("user", "pool").order_by("pool__name", "user__username")
+    context = {
+        "page": Paginator(held.filter(pool__name=pool) if pool else held, ROLES_PER_PAGE).get_page(
+            request.GET.get("page")
+        ),
+        "pool": pool,
+        "pools": NodePool.objects.order_by("name").values_list("name", flat=True),
+        "roles": PoolRole.Role.choices,
+        "query": urlencode({"pool": pool}) if pool else "",
+    }
+    return render(request, "fleet/pool_roles.html", context)

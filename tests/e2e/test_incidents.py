@@ -24,7 +24,7 @@ from apps.incidents.models import Incident
 from apps.incidents.suspects import suspects
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import rollout_start
-from tests.support.browser import screenshot, sign_in
+from tests.support.browser import dark, screenshot, sign_in
 from tests.support.fleet import ANALYSIS, ready_on, wait_for
 from tests.support.users import make_user
 
@@ -128,6 +128,9 @@ def test_an_alert_opens_an_incident_whose_first_suspect_is_rolled_back_in_one_cl
         expect(first).to_contain_text(f"rollout #{rollout.pk}: rag_pipeline v1 → v3 on trio")
         expect(page.locator("#evidence .js-plotly-plot")).to_be_visible(timeout=20000)
         screenshot(page, "incident")
+        with dark(page):
+            expect(page.locator("#evidence .js-plotly-plot")).to_be_visible(timeout=20000)
+            screenshot(page, "incident-dark")
         page.once("dialog", lambda dialog: dialog.accept())
         first.get_by_role("button", name="Roll back rag_pipeline on trio").click()
         expect(page.locator(".flash")).to_contain_text(

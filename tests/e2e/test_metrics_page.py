@@ -17,7 +17,7 @@ from apps.fleet.triton import TritonClient
 from apps.observability.markers import SAME_TICK
 from apps.registry.imports import repository_import
 from tests.support import REPOSITORY
-from tests.support.browser import screenshot, sign_in
+from tests.support.browser import dark, screenshot, sign_in
 from tests.support.fleet import Fleet
 from tests.support.services import Celery
 from tests.support.users import make_user
@@ -73,6 +73,9 @@ def test_p99_chart_draws_redraws_and_marks_a_deployment_made_in_the_product(
     expect(tiles).to_contain_text("req/s", timeout=20_000)
     expect(tiles).to_contain_text("budget")
     screenshot(page, "overview")
+    with dark(page):
+        expect(tiles).to_contain_text("req/s", timeout=20_000)
+        screenshot(page, "overview-dark")
     traffic.join()
 
     # The whole traffic, every step of the pipeline, in a custom window around it.

@@ -6,7 +6,7 @@ from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.fleet.models import NodePool
-from tests.support.browser import screenshot, sign_in
+from tests.support.browser import dark, screenshot, sign_in
 from tests.support.users import make_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -33,6 +33,9 @@ def test_a_rollout_started_from_the_form_progresses_and_is_aborted(
     expect(page.locator("#rollout-state")).to_have_text("Progressing", timeout=20_000)
     expect(page.locator("table.measurements")).to_contain_text("success", timeout=60_000)
     screenshot(page, "rollout-detail")
+    with dark(page):
+        expect(page.locator("table.measurements")).to_contain_text("success")
+        screenshot(page, "rollout-detail-dark")
     page.once("dialog", lambda dialog: dialog.accept())
     page.get_by_role("button", name="Abort and roll back").click()
     expect(page.locator("#rollout-state")).to_have_text("Rolled back", timeout=60_000)

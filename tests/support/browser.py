@@ -3,6 +3,8 @@
 import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from playwright.sync_api import Page, expect
@@ -24,6 +26,16 @@ def screenshot(page: Page, name: str) -> Path:
     if os.environ.get("README_SCREENSHOTS") and name in README_PICTURES:
         shutil.copyfile(path, README_SCREENSHOTS / f"{README_PICTURES[name]}.png")
     return path
+
+
+@contextmanager
+def dark(page: Page) -> Iterator[None]:
+    """The page reloaded in the dark theme, as a system that prefers it shows it (and checked by
+    axe-core on that load like any page: its contrast too); the light theme again after."""
+    page.emulate_media(color_scheme="dark")
+    page.reload()
+    yield
+    page.emulate_media(color_scheme="light")
 
 
 def sign_in(page: Page, base: str, username: str) -> None:

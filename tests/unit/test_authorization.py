@@ -94,6 +94,7 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     } | {"model": "embedder", "pool": "b", "canary_version": 2, "start": "1"}
     node, version = {"name": "b-1"}, {"name": "embedder", "version": 1}
     pool_model = {"pool": "b", "model": "embedder"}
+    viewer = ApiToken.objects.get(pk=world.token_id).user.username
     return {
         "fleet:node_load": (node, {"model_version": "embedder:2"}),
         "fleet:node_operate": (node, {"kind": "reload", "model": "embedder"}),
@@ -115,6 +116,7 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "degradation:unpin": (pool_model, {}),
         "degradation:confirm": (pool_model, {}),
         "degradation:set": ({"pool": "b"}, {"model": "embedder", "versions": "1,2"}),
+        "fleet:pool_roles": ({}, {"user": viewer, "pool": "b", "role": "operator"}),
     }
 
 
@@ -151,6 +153,7 @@ def changes() -> tuple[int, ...]:
         EvaluationSet.objects.count(),
         EvaluationRun.objects.count(),
         Tiers.objects.filter(pinned__isnull=False).count(),
+        PoolRole.objects.count(),
     )
 
 

@@ -4,10 +4,13 @@ import itertools
 import pytest
 from django.contrib.auth.models import Group, User
 from django.core.management import CommandError, call_command
+from django.test import Client
 
+from apps.accounts.models import PoolRole
 from apps.accounts.roles import ROLE_ORDER, Role, role_permissions
 from apps.accounts.services import user_role
 from apps.audit.models import AuditEvent
+from apps.fleet.models import NodePool
 
 
 @pytest.mark.django_db
@@ -36,9 +39,6 @@ def test_only_operators_and_above_may_operate_nodes(viewer: User, operator: User
 
 @pytest.mark.django_db
 def test_a_pool_role_is_set_and_taken_away_by_command(viewer: User) -> None:
-    from apps.accounts.models import PoolRole
-    from apps.fleet.models import NodePool
-
     NodePool.objects.create(name="gpu")
     call_command("set_pool_role", "viewer-user", "gpu", "operator", stdout=io.StringIO())
     assert PoolRole.objects.get().role == "operator"
@@ -54,3 +54,44 @@ def test_a_pool_role_is_set_and_taken_away_by_command(viewer: User) -> None:
         ("", "operator"),
         ("operator", ""),
     ]
+
+
+@pytest.mark.django_db
+def test_an_admin_grants_and_revokes_a_pool_role_on_its_page(
+    client: Client, admin_user: User, viewer: User
+) -> None:
+    NodePool.objects.create(name="gpu")
+    client.force_login(admin_user)
+    grant = {"user": "viewer-user", "pool": "gpu", "role": "release_manager"}
+    granted = client.post("/pools/roles/", grant, follow=True)
+    assert "viewer-user is now release manager of gpu." in granted.content.decode()
+    listed = client.get("/pools/roles/?pool=gpu").content.decode()
+    assert "<td>gpu</td><td>viewer-user</td><td>Release Manager</td>" in listed
+    assert client.get("/pools/roles/?pool=cpu").content.decode().count("viewer-user") == 0
+    client.post("/pools/roles/", grant | {"role": ""})
+    assert not PoolRole.objects.exists()
+    events = AuditEvent.objects.filter(action="user.set_pool_role").order_by("id")
+    assert [(e.actor, e.after["role"]) for e in events] == [
+        ("admin-user", "release_manager"),
+        ("admin-user", ""),
+    ]
+
+
+@pytest.mark.django_db
+def test_a_refused_grant_says_why_in_place_and_changes_nothing(
+    client: Client, admin_user: User
+) -> None:
+    NodePool.objects.create(name="gpu")
+    client.force_login(admin_user)
+    htmx = client.post(
+        "/pools/roles/",
+        {"user": "ghost", "pool": "gpu", "role": "operator"},
+        HTTP_HX_REQUEST="true",
+    )
+    assert (htmx.status_code, htmx.content.decode()) == (
+        422,
+        '<p class="flash error">no user named &#x27;ghost&#x27;</p>',
+    )
+    plain = client.post("/pools/roles/", {"user": "admin-user", "pool": "cpu", "role": "operator"})
+    assert "no pool named &#x27;cpu&#x27;" in client.get(plain["Location"]).content.decode()
+    assert not PoolRole.objects.exists()

@@ -10,6 +10,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from apps.accounts.models import PoolRole
 from apps.accounts.services import token_create
 from apps.approvals.models import Approval
 from apps.devtools.seed import Size, seed_fleet
@@ -46,6 +47,7 @@ def pages() -> list[str]:
         "/rollouts/",
         f"/rollouts/{rollout.pk}/",
         "/rollouts/approvals/",
+        "/pools/roles/",
         "/audit/",
         "/audit/timeline/",
         "/metrics/",
@@ -78,6 +80,14 @@ def approvals(n: int, prefix: str) -> None:
         )
 
 
+def pool_roles(n: int, prefix: str) -> None:
+    """`n` people, each an operator of every pool."""
+    for i in range(n):
+        user = User.objects.create(username=f"{prefix}op{i}")
+        for pool in NodePool.objects.all():
+            PoolRole.objects.create(user=user, pool=pool, role=PoolRole.Role.OPERATOR)
+
+
 def incidents(n: int, prefix: str) -> None:
     """`n` incidents over the last hour, every one in the same pool and model."""
     pool, model = NodePool.objects.order_by("id").first(), Model.objects.order_by("id").first()
@@ -106,10 +116,12 @@ def test_every_page_and_api_list_costs_the_same_queries_at_any_fleet_size(
     _, token = token_create(user=admin_user, name="ci", actor="system:test")
     seed_fleet(size=SMALL, prefix="a-")
     approvals(2, "a-")
+    pool_roles(1, "a-")
     incidents(2, "a-")
     small = {at: count(client, url, token) for at, url in enumerate(pages())}
     seed_fleet(size=BIGGER, prefix="b-")
     approvals(20, "b-")
+    pool_roles(10, "b-")
     incidents(30, "b-")
     urls = pages()
     big = {at: count(client, url, token) for at, url in enumerate(urls)}
