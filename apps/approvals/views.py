@@ -20,7 +20,7 @@ from apps.approvals.services import (
 )
 from apps.fleet.models import NodePool
 from controlplane.guard import takes_post
-from controlplane.htmx import back
+from controlplane.htmx import back, refused
 
 
 def approval_list(request: HttpRequest) -> HttpResponse:
@@ -52,12 +52,11 @@ def approval_approve_view(request: HttpRequest, pk: int) -> HttpResponse:
     try:
         approval = approval_approve(approval_id=pk, actor=current_user(request))
     except ApprovalError as exc:
-        messages.error(request, str(exc))
-    else:
-        done = f"Approved #{pk}: {approval.action} on {approval.pool.name} is {approval.status}"
-        (messages.success if not approval.result else messages.error)(
-            request, done + (f": {approval.result}" if approval.result else ".")
-        )
+        return refused(request, str(exc), reverse("approvals:list"))
+    done = f"Approved #{pk}: {approval.action} on {approval.pool.name} is {approval.status}"
+    (messages.success if not approval.result else messages.error)(
+        request, done + (f": {approval.result}" if approval.result else ".")
+    )
     return back(request, reverse("approvals:list"))
 
 
@@ -81,7 +80,6 @@ def _close(
     try:
         service(approval_id=pk, reason=request.POST.get("reason", ""), actor=current_user(request))
     except ApprovalError as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, done)
+        return refused(request, str(exc), reverse("approvals:list"))
+    messages.success(request, done)
     return back(request, reverse("approvals:list"))

@@ -17,7 +17,7 @@ from apps.degradation.services import (
     tiers_set,
 )
 from apps.fleet.models import Deployment, NodePool
-from controlplane.htmx import back
+from controlplane.htmx import back, refused
 
 PER_PAGE = 25
 
@@ -53,8 +53,7 @@ def pin(request: HttpRequest, pool: str, model: str) -> HttpResponse:
     try:
         tier, hours = int(request.POST.get("tier", "")), float(request.POST.get("hours", ""))
     except ValueError:
-        messages.error(request, "tier and hours: numbers, such as 1 and 4")
-        return back(request, here)
+        return refused(request, "tier and hours: numbers, such as 1 and 4", here, status=422)
     try:
         tiers = tier_pin(
             pool_name=pool,
@@ -65,41 +64,41 @@ def pin(request: HttpRequest, pool: str, model: str) -> HttpResponse:
             actor=current_user(request),
         )
     except TierError as exc:
-        messages.error(request, f"{model} on {pool}: {exc}")
-    else:
-        version = tiers.versions[tiers.pinned or 0]
-        messages.success(request, f"{model} on {pool}: pinned to tier {tiers.pinned} (v{version})")
+        return refused(request, f"{model} on {pool}: {exc}", here)
+    version = tiers.versions[tiers.pinned or 0]
+    messages.success(request, f"{model} on {pool}: pinned to tier {tiers.pinned} (v{version})")
     return back(request, here)
 
 
 @require_POST
 @require("rollouts.rollback_release", "pool.unpin_tier")
 def unpin(request: HttpRequest, pool: str, model: str) -> HttpResponse:
+    here = reverse("degradation:tiers", args=[pool])
     try:
         tier_unpin(pool_name=pool, model_name=model, actor=current_user(request))
     except TierError as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, f"{model} on {pool}: unpinned")
-    return back(request, reverse("degradation:tiers", args=[pool]))
+        return refused(request, str(exc), here)
+    messages.success(request, f"{model} on {pool}: unpinned")
+    return back(request, here)
 
 
 @require_POST
 @require("rollouts.rollback_release", "pool.confirm_restore")
 def confirm(request: HttpRequest, pool: str, model: str) -> HttpResponse:
+    here = reverse("degradation:tiers", args=[pool])
     try:
         tiers = tier_confirm(pool_name=pool, model_name=model, actor=current_user(request))
     except TierError as exc:
-        messages.error(request, str(exc))
-    else:
-        version = Deployment.objects.get(pool=tiers.pool, model=tiers.model).version
-        messages.success(request, f"{model} on {pool}: back up to v{version}")
-    return back(request, reverse("degradation:tiers", args=[pool]))
+        return refused(request, str(exc), here)
+    version = Deployment.objects.get(pool=tiers.pool, model=tiers.model).version
+    messages.success(request, f"{model} on {pool}: back up to v{version}")
+    return back(request, here)
 
 
 @require_POST
 @require("rollouts.add_rollout", "pool.set_tiers")
 def set_tiers(request: HttpRequest, pool: str) -> HttpResponse:
+    here = reverse("degradation:tiers", args=[pool])
     model = request.POST.get("model", "").strip()
     try:
         tiers = tiers_set(
@@ -109,8 +108,7 @@ def set_tiers(request: HttpRequest, pool: str) -> HttpResponse:
             actor=current_user(request),
         )
     except TierError as exc:
-        messages.error(request, f"{model or 'a model'} on {pool}: {exc}")
-    else:
-        listed = " > ".join(f"v{v}" for v in tiers.versions)
-        messages.success(request, f"{model} on {pool}: tiers {listed}")
-    return back(request, reverse("degradation:tiers", args=[pool]))
+        return refused(request, f"{model or 'a model'} on {pool}: {exc}", here)
+    listed = " > ".join(f"v{v}" for v in tiers.versions)
+    messages.success(request, f"{model} on {pool}: tiers {listed}")
+    return back(request, here)

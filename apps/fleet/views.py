@@ -185,9 +185,8 @@ def node_operate(request: HttpRequest, name: str) -> HttpResponse:
         else:
             raise FleetError(f"unknown action {kind!r}")
     except (FleetError, DesiredStateError) as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, done)
+        return refused(request, str(exc), reverse("fleet:node_detail", args=[name]))
+    messages.success(request, done)
     return back(request, reverse("fleet:node_detail", args=[name]))
 
 

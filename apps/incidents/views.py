@@ -39,7 +39,7 @@ from apps.incidents.timeline import (
     window_valid,
 )
 from apps.observability.charts import Chart, metric_chart
-from controlplane.htmx import back
+from controlplane.htmx import back, refused
 
 MAX_CHARTS = 8
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
@@ -250,8 +250,7 @@ def incident_open_view(request: HttpRequest) -> HttpResponse:
             actor=current_user(request),
         )
     except IncidentError as exc:
-        messages.error(request, str(exc))
-        return back(request, reverse("incidents:incident_list"))
+        return refused(request, str(exc), reverse("incidents:incident_list"), status=422)
     messages.success(request, f"Incident #{incident.pk} opened.")
     return back(request, reverse("incidents:incident_detail", args=[incident.pk]))
 
@@ -269,9 +268,8 @@ def incident_update_view(request: HttpRequest, pk: int) -> HttpResponse:
             actor=current_user(request),
         )
     except IncidentError as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, f"Incident #{pk} updated.")
+        return refused(request, str(exc), reverse("incidents:incident_detail", args=[pk]))
+    messages.success(request, f"Incident #{pk} updated.")
     return back(request, reverse("incidents:incident_detail", args=[pk]))
 
 
@@ -289,7 +287,6 @@ def incident_rollback_view(request: HttpRequest, pk: int) -> HttpResponse:
             actor=current_user(request),
         )
     except IncidentError as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, f"{done[:1].upper()}{done[1:]}.")
+        return refused(request, str(exc), reverse("incidents:incident_detail", args=[pk]))
+    messages.success(request, f"{done[:1].upper()}{done[1:]}.")
     return back(request, reverse("incidents:incident_detail", args=[pk]))

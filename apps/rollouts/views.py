@@ -34,7 +34,7 @@ from apps.rollouts.services import (
     rollout_retry,
     rollout_start,
 )
-from controlplane.htmx import HtmxHttpRequest, back
+from controlplane.htmx import HtmxHttpRequest, back, refused
 
 
 def rollout_list(request: HttpRequest) -> HttpResponse:
@@ -262,9 +262,8 @@ def rollout_act(request: HttpRequest, pk: int, action: str) -> HttpResponse:
         else:
             raise RolloutError(f"unknown action {action!r}")
     except RolloutError as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, f"Rollout #{target}: {action} done.")
+        return refused(request, str(exc), reverse("rollouts:rollout_detail", args=[target]))
+    messages.success(request, f"Rollout #{target}: {action} done.")
     return back(request, reverse("rollouts:rollout_detail", args=[target]))
 
 
@@ -273,15 +272,14 @@ def rollout_act(request: HttpRequest, pk: int, action: str) -> HttpResponse:
 def release_roll_back(request: HttpRequest, pool: str, model: str, to: str) -> HttpResponse:
     """One click for on-call: the pool to its last good release, or to the model's fallback."""
     service = {"last-good": release_rollback, "fallback": release_fallback}.get(to)
+    following = request.POST.get("next", "")
+    if not url_has_allowed_host_and_scheme(following, allowed_hosts={request.get_host()}):
+        following = reverse("fleet:deployments")
     try:
         if service is None:
             raise RolloutError(f"unknown target {to!r}")
         version = service(model_name=model, pool_name=pool, actor=current_user(request))
     except RolloutError as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, f"Pool {pool} is switching {model} to v{version}.")
-    following = request.POST.get("next", "")
-    if not url_has_allowed_host_and_scheme(following, allowed_hosts={request.get_host()}):
-        following = reverse("fleet:deployments")
+        return refused(request, str(exc), following)
+    messages.success(request, f"Pool {pool} is switching {model} to v{version}.")
     return back(request, following)
