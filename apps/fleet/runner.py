@@ -109,6 +109,8 @@ def node_run(*, node_id: int, wanted: "DesiredDigest | None" = None) -> None:
     just planned them, knows what that was)."""
     with Lease(node_id).hold() as lease:
         if not lease.held:
+            if not Node.objects.filter(pk=node_id).exists():
+                return  # removed since the run was asked for: its operations went with it
             raise NodeBusy(node_id)
         # We hold the lease, so an operation still marked running lost its worker mid-way.
         Operation.objects.filter(node_id=node_id, status=Operation.Status.RUNNING).update(

@@ -251,6 +251,18 @@ def test_one_worker_at_a_time_holds_a_node_and_a_lapsed_lease_frees_it(node: Nod
         assert taken.held
 
 
+def test_a_run_asked_for_a_node_since_removed_ends_instead_of_waiting_its_turn(
+    node: Node,
+) -> None:
+    from apps.fleet.runner import Lease, NodeBusy, node_run
+
+    with Lease(node.pk).hold(), pytest.raises(NodeBusy):  # another worker's: tried again later
+        node_run(node_id=node.pk)
+    gone = node.pk
+    node.delete()
+    node_run(node_id=gone)  # nothing to hold, nothing left to run: no retries
+
+
 def test_a_stale_plan_is_cancelled_not_executed(node: Node) -> None:
     from apps.fleet.runner import node_run
 
