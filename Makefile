@@ -33,14 +33,14 @@ integration: $(STAMP) os-deps
 	$(BIN)/pytest -m alone tests/integration
 
 e2e: $(STAMP) os-deps
-	$(BIN)/pytest tests/e2e
+	$(BIN)/pytest -n 2 --dist loadfile tests/e2e
 
 # One run per layer, each saying its time and its slowest tests.
 test: $(STAMP) os-deps lint
 	$(BIN)/pytest --durations=10 -n 2 tests/unit
 	$(BIN)/pytest --durations=10 -n 2 --dist loadfile -m "not alone" tests/integration
 	$(BIN)/pytest --durations=10 -m alone tests/integration
-	$(BIN)/pytest --durations=10 tests/e2e
+	$(BIN)/pytest --durations=10 -n 2 --dist loadfile tests/e2e
 
 # The README's pictures, taken by the browser tests that check those pages (tests/support/browser.py).
 screenshots: $(STAMP) os-deps

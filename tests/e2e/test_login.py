@@ -72,7 +72,7 @@ def test_a_csp_violation_reaches_the_console_the_tests_check(
 ) -> None:
     """The pages' console is asserted empty: this shows a violation would be in it."""
     page.goto(f"{live_server}/accounts/login/")
-    foreign = '<img src="http://203.0.113.9/x.png">'  # img-src is 'self' and data: only
+    foreign = '<img alt="" src="http://203.0.113.9/x.png">'  # img-src is 'self' and data: only
     with page.expect_console_message(lambda m: "CSP violation: img-src" in m.text):
         page.evaluate("html => document.body.insertAdjacentHTML('beforeend', html)", foreign)
     assert page.console_errors  # type: ignore[attr-defined]
