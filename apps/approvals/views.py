@@ -49,15 +49,16 @@ def approval_list(request: HttpRequest) -> HttpResponse:
 @require_POST
 @require(APPROVER_PERMISSION, "approval.approve")
 def approval_approve_view(request: HttpRequest, pk: int) -> HttpResponse:
+    here = reverse("approvals:list")
     try:
         approval = approval_approve(approval_id=pk, actor=current_user(request))
     except ApprovalError as exc:
-        return refused(request, str(exc), reverse("approvals:list"))
+        return refused(request, str(exc), here)
     done = f"Approved #{pk}: {approval.action} on {approval.pool.name} is {approval.status}"
     (messages.success if not approval.result else messages.error)(
         request, done + (f": {approval.result}" if approval.result else ".")
     )
-    return back(request, reverse("approvals:list"))
+    return back(request, here)
 
 
 @require_POST
@@ -77,9 +78,10 @@ def _close(
     request: HttpRequest, pk: int, service: Callable[..., Approval], done: str
 ) -> HttpResponse:
     """A request rejected or withdrawn, with the form's reason; the page says how it went."""
+    here = reverse("approvals:list")
     try:
         service(approval_id=pk, reason=request.POST.get("reason", ""), actor=current_user(request))
     except ApprovalError as exc:
-        return refused(request, str(exc), reverse("approvals:list"))
+        return refused(request, str(exc), here)
     messages.success(request, done)
-    return back(request, reverse("approvals:list"))
+    return back(request, here)

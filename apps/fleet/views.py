@@ -164,6 +164,7 @@ def node_operate(request: HttpRequest, name: str) -> HttpResponse:
     node = get_object_or_404(Node, name=name)
     kind, model = request.POST.get("kind", ""), request.POST.get("model", "")
     actor = current_user(request)
+    here = reverse("fleet:node_detail", args=[name])
     try:
         if kind == "adopt":
             node_adopt(node_id=node.pk, model_name=model, actor=actor)
@@ -185,9 +186,9 @@ def node_operate(request: HttpRequest, name: str) -> HttpResponse:
         else:
             raise FleetError(f"unknown action {kind!r}")
     except (FleetError, DesiredStateError) as exc:
-        return refused(request, str(exc), reverse("fleet:node_detail", args=[name]))
+        return refused(request, str(exc), here)
     messages.success(request, done)
-    return back(request, reverse("fleet:node_detail", args=[name]))
+    return back(request, here)
 
 
 POOLS_PER_PAGE = 10
@@ -279,8 +280,10 @@ def pool_roles(request: HttpRequest) -> HttpResponse:
             pool_role_set(username=username, pool_name=pool, role=role, actor=current_user(request))
         except RoleError as exc:
             return refused(request, str(exc), here, status=422)
-        done = f"{username} is now {role.replace('_', ' ')} of {pool}." if role else ""
-        messages.success(request, done or f"{username} holds no role of their own on {pool} now.")
+        if role:
+            messages.success(request, f"{username} is now {role.replace('_', ' ')} of {pool}.")
+        else:
+            messages.success(request, f"{username} holds no role of their own on {pool} now.")
         return back(request, here)
     pool = request.GET.get("pool", "")
     held = PoolRole.objects.select_related("user", "pool").order_by("pool__name", "user__username")

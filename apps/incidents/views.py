@@ -258,6 +258,7 @@ def incident_open_view(request: HttpRequest) -> HttpResponse:
 @require_POST
 @require(MANAGE, "incident.update")
 def incident_update_view(request: HttpRequest, pk: int) -> HttpResponse:
+    here = reverse("incidents:incident_detail", args=[pk])
     post = request.POST
     try:
         incident_update(
@@ -268,15 +269,16 @@ def incident_update_view(request: HttpRequest, pk: int) -> HttpResponse:
             actor=current_user(request),
         )
     except IncidentError as exc:
-        return refused(request, str(exc), reverse("incidents:incident_detail", args=[pk]))
+        return refused(request, str(exc), here)
     messages.success(request, f"Incident #{pk} updated.")
-    return back(request, reverse("incidents:incident_detail", args=[pk]))
+    return back(request, here)
 
 
 @require_POST
 @require(MANAGE, "incident.rollback")
 def incident_rollback_view(request: HttpRequest, pk: int) -> HttpResponse:
     """A suspect's one click: its rollout rolled back, or its pool to the last good release."""
+    here = reverse("incidents:incident_detail", args=[pk])
     post = request.POST.get
     try:
         done = incident_rollback(
@@ -287,6 +289,6 @@ def incident_rollback_view(request: HttpRequest, pk: int) -> HttpResponse:
             actor=current_user(request),
         )
     except IncidentError as exc:
-        return refused(request, str(exc), reverse("incidents:incident_detail", args=[pk]))
+        return refused(request, str(exc), here)
     messages.success(request, f"{done[:1].upper()}{done[1:]}.")
-    return back(request, reverse("incidents:incident_detail", args=[pk]))
+    return back(request, here)
