@@ -171,7 +171,7 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
         actions = plan(desired, observed, managed, room)
         digest = plan_digest(desired)
         if wanted is not None:
-            wanted.seed(node, digest)
+            wanted.seed(locked, digest)  # read under the lock: its owned models as pruned
         if actions and not REQUEST_ID.get():
             _follow_the_change(locked, digest)
         ops = Operation.objects.bulk_create(

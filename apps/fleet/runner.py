@@ -30,7 +30,7 @@ from apps.fleet.triton import (
     TritonUnreachable,
     ready_in,
 )
-from apps.registry.codec import ensemble_steps, from_dict
+from apps.registry.codec import stored_steps
 
 log = logging.getLogger(__name__)
 RECONCILER = "system:reconciler"  # the actor of what the reconcile plans
@@ -122,22 +122,26 @@ def node_run(*, node_id: int, wanted: "DesiredDigest | None" = None) -> None:
             wanted = DesiredDigest()
             wanted.node = Node.objects.select_related("pool").get(pk=node_id)
         node = wanted.node
-        queued = node.operations.filter(status=Operation.Status.QUEUED).select_related("node")
-        if not queued.exists():
+        queued = node.operations.filter(status=Operation.Status.QUEUED)  # each op.node is `node`
+        if not (first := _next_batch(queued)):
             return
-        if _loads_nothing(node, queued):
+        if _loads_nothing(node, first):
             # A move back (a rollback inside the window, an abort, a fallback to a warm version)
             # or a pipeline switching to steps already loaded (a blue-green switch): every node
             # at once, in traffic, with nothing to warm up.
-            _run_queued(node, queued, wanted, lease)
+            _run_queued(node, first, queued, wanted, lease)
             return
         # Out of traffic, on a pool with a traffic strategy: loads never meet live requests.
         with drained(node):
-            loaded = _run_queued(node, queued, wanted, lease)
+            loaded = _run_queued(node, first, queued, wanted, lease)
             warm_up(node, loaded)
 
 
-def _loads_nothing(node: Node, queued: "QuerySet[Operation]") -> bool:
+def _next_batch(queued: "QuerySet[Operation]") -> list[Operation]:
+    return list(queued.order_by("seq", "id"))
+
+
+def _loads_nothing(node: Node, queued: list[Operation]) -> bool:
     """Whether no queued operation loads weights: each is an unload, a load of versions all
     READY on the node already (a narrower version policy), or a pipeline's load whose steps
     are all READY at the versions it pins (Triton keeps serving the pipeline it replaces
@@ -147,22 +151,27 @@ def _loads_nothing(node: Node, queued: "QuerySet[Operation]") -> bool:
     def light(op: Operation) -> bool:
         if op.kind == Operation.Kind.UNLOAD or set(op.versions) <= ready.get(op.model_name, set()):
             return True
-        steps = ensemble_steps(from_dict(op.config)) if op.config else []
+        steps = stored_steps(op.config or {})
         return bool(steps) and all(v in ready.get(name, set()) for name, v in steps)
 
     return all(light(op) for op in queued)
 
 
 def _run_queued(
-    node: Node, queued: "QuerySet[Operation]", wanted: "DesiredDigest", lease: Lease
+    node: Node,
+    batch: list[Operation],
+    queued: "QuerySet[Operation]",
+    wanted: "DesiredDigest",
+    lease: Lease,
 ) -> dict[str, dict | None]:
     """Returns the models loaded, with the config each was loaded with."""
     loaded: dict[str, dict | None] = {}
     # A batch at a time: each claim is conditional (queued -> running), so an operation
     # cancelled since the batch was read is skipped; a cancel reads the queue afresh.
-    while batch := list(queued.order_by("seq", "id")):
+    while batch:
         for op in batch:
-            if op.requested_by == RECONCILER and wanted.digest() != op.plan_digest:
+            digest = wanted.digest()  # and the node's memory fields, as of a second ago at most
+            if op.requested_by == RECONCILER and digest != op.plan_digest:
                 _cancel_plan(op, "superseded: the desired state changed after it was planned")
                 break
             if not lease.held:
@@ -177,6 +186,7 @@ def _run_queued(
                 step = f"step {op.seq} ({op.kind} {op.model_name})"
                 _cancel_plan(op, f"not run: {step} {status}")
                 break
+        batch = _next_batch(queued)
     return loaded
 
 
@@ -191,9 +201,10 @@ def _cancel_plan(op: Operation, why: str) -> None:
 
 
 class DesiredDigest:
-    """The digest of the node's desired state, looked at again once a second at most: a load
-    takes longer than that on a real node, and a plan's quick steps need not each pay for a
-    look (`node_desired` recomputes only when what it is computed from changed)."""
+    """The digest of the node's desired state, and the node's memory fields, looked at again
+    once a second at most: a load takes longer than that on a real node, and a plan's quick
+    steps need not each pay for a look (`node_desired` recomputes only when what it is computed
+    from changed)."""
 
     RECHECK_S = 1.0
 
@@ -211,6 +222,9 @@ class DesiredDigest:
         if time.monotonic() - self.looked < self.RECHECK_S:
             return self.value
         self.looked = time.monotonic()
+        # A limit may have been set since the run read the node (a long plan, or a limit set
+        # just as the plan was made).
+        self.node.refresh_from_db(fields=["memory_limit_mb", "gpus"])
         try:
             self.value = plan_digest(node_desired(self.node))
         except DesiredStateError:
@@ -234,9 +248,6 @@ def _execute(node: Node, op: Operation) -> str:
             # planner unloads our own ensembles by name, before their steps.
             client.unload(op.model_name)
         else:
-            # As the node is now: its limit may have been set since the run read it (a long
-            # plan, or a limit set just as the plan was made).
-            node.refresh_from_db(fields=["memory_limit_mb", "gpus"])
             if memory.aware(node):
                 refused, measured = _memory_check(node, client, op)
                 refused = "" if op.override else refused  # a person vouched for the room
@@ -349,7 +360,7 @@ def _finish(op: Operation, error: str, status: str = "", failure: str = "") -> s
         # reconcile prunes the node's models, so `owned` as read with the operation still holds.
         loaded = op.kind != Operation.Kind.UNLOAD
         if status == Operation.Status.SUCCEEDED and loaded != (op.model_name in op.node.owned):
-            _own(op.node_id, op.model_name, loaded)
+            _own(op.node, op.model_name, loaded)
         audit_record(
             actor=op.requested_by,
             action=f"operation.{op.kind}",
@@ -374,10 +385,12 @@ def _tries(op: Operation) -> int:
     return 1 + (failed.filter(finished_at__gt=since) if since else failed).count()
 
 
-def _own(node_id: int, model_name: str, owned: bool) -> None:
+def _own(node: Node, model_name: str, owned: bool) -> None:
     """What we loaded is ours to unload; what we unloaded is no longer ours."""
-    node = Node.objects.select_for_update().get(pk=node_id)
-    save_owned(node, set(node.owned) | {model_name} if owned else set(node.owned) - {model_name})
+    locked = Node.objects.select_for_update().get(pk=node.pk)
+    names = set(locked.owned)
+    save_owned(locked, names | {model_name} if owned else names - {model_name})
+    node.owned = locked.owned
 
 
 def save_owned(node: Node, names: set[str]) -> None:

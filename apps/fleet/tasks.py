@@ -6,6 +6,7 @@ Work on a node goes to its pool's queue, so a pool can be driven by workers next
 import logging
 import random
 from collections.abc import Iterable
+from typing import Any
 
 from celery import Task, shared_task
 from django.conf import settings
@@ -23,21 +24,34 @@ from controlplane.prometheus import PrometheusUnavailable
 log = logging.getLogger(__name__)
 
 
-def send_per_node(task: Task, node_ids: Iterable[int] | None = None) -> None:
-    """One `task` per node (every node when None), each on its pool's queue; a node that has
-    departed gets none."""
+def send_per_node(
+    task: Task, node_ids: Iterable[int] | None = None, *, expires: float | None = None
+) -> None:
+    """One `task` per node (every node when None), each on its pool's queue, expiring after the
+    task's own time unless `expires` says otherwise; a node that has departed gets none."""
     nodes = Node.objects.exclude(stage=Node.Stage.DEPARTED)
     nodes = nodes if node_ids is None else nodes.filter(pk__in=node_ids)
     for node_id, queue in nodes.values_list("id", "pool__queue"):
-        send_to(queue, task, node_id)
+        send_to(queue, task, node_id, expires=expires)
 
 
-def send_to(queue: str, task: Task, argument: int) -> None:
+def send_to(queue: str, task: Task, argument: int, *, expires: float | None = None) -> None:
     """`task(argument)` on `queue`, or on the default queue when empty."""
-    if queue:
-        task.apply_async((argument,), queue=queue)
-    else:
-        task.apply_async((argument,))
+    options: dict[str, Any] = {"queue": queue} if queue else {}
+    if expires:
+        options["expires"] = expires
+    task.apply_async((argument,), **options)
+
+
+# A change's reconcile (a release, a node that joined or was released) must reach every node
+# however long the queue ahead of it: a release to 5,000 nodes queues minutes of work at once.
+# The periodic reconcile's expire sooner: the next period replaces them.
+CHANGE_EXPIRES_S = 1800.0
+
+
+def reconcile_change(node_ids: Iterable[int]) -> None:
+    """Reconcile these nodes now: what they should run, or where they are, has changed."""
+    send_per_node(reconcile_node, node_ids, expires=CHANGE_EXPIRES_S)
 
 
 # A late heartbeat is worthless: one that waited in the queue says nothing about now.
@@ -59,7 +73,7 @@ def discover_nodes() -> None:
         log.warning("discovery: %s", exc)
         return
     send_per_node(poll_node, found.joining)
-    send_per_node(reconcile_node, found.joining)
+    reconcile_change(found.joining)
 
 
 @shared_task(name="fleet.poll_nodes", acks_late=True, expires=10)

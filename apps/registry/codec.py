@@ -74,4 +74,11 @@ def ensemble_steps(config: Any) -> list[tuple[str, int]]:
 
 def step_names(config: dict[str, Any]) -> set[str]:
     """The models an ensemble's stored (JSON) config calls; empty for any other model."""
-    return {s.get("model_name", "") for s in config.get("ensemble_scheduling", {}).get("step", [])}
+    return {name for name, _ in stored_steps(config)}
+
+
+def stored_steps(config: dict[str, Any]) -> list[tuple[str, int]]:
+    """`ensemble_steps` of a stored (JSON) config, without parsing it: empty for any model but an
+    ensemble (JSON writes int64 as a string)."""
+    steps = config.get("ensemble_scheduling", {}).get("step", [])
+    return [(s.get("model_name", ""), int(s.get("model_version", -1))) for s in steps]

@@ -30,7 +30,7 @@ def test_a_deployment_commits_and_answers_though_the_broker_is_away(
     ModelVersion.objects.update(status=ModelVersion.Status.PUBLISHED)
     pool = NodePool.objects.create(name="gpu")
     Node.objects.create(name="gpu-1", pool=pool, http_url="http://127.0.0.1:1")
-    monkeypatch.setattr(deployments, "send_per_node", broker_away)
+    monkeypatch.setattr(deployments, "reconcile_change", broker_away)
     body = {"model": "embedder", "version": 1, "pool": "gpu"}
     made = client.post(
         "/api/deployments", body, "application/json", headers=bearer(make_user(Role.ADMIN))

@@ -187,7 +187,7 @@ def test_a_departed_node_is_neither_polled_nor_reconciled(
     nodes_sync([target("gpu-7"), target("gpu-8", port=8012)], timezone.now())
     Node.objects.filter(name="gpu-7").update(stage=Node.Stage.DEPARTED)
     sent: list[int] = []
-    monkeypatch.setattr(tasks, "send_to", lambda queue, task, node_id: sent.append(node_id))
+    monkeypatch.setattr(tasks, "send_to", lambda queue, task, node_id, **_: sent.append(node_id))
     tasks.poll_nodes()
     tasks.reconcile_all()
     assert sent == [Node.objects.get(name="gpu-8").pk] * 2

@@ -13,7 +13,7 @@ from apps.audit.context import REQUEST_ID
 from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool, Release
-from apps.fleet.tasks import reconcile_node, send_per_node
+from apps.fleet.tasks import reconcile_change
 from apps.registry.models import Model, ModelVersion
 
 # Who else decides what a pool runs of a model, asked before a person's pool-wide change: each
@@ -25,7 +25,7 @@ POOL_OWNERS: list[Callable[[NodePool, Model], str]] = []
 def reconcile_later(node_ids: list[int]) -> None:
     # Robust: with the broker away the change is committed all the same (never a 500), and the
     # periodic reconcile carries it out.
-    transaction.on_commit(lambda: send_per_node(reconcile_node, node_ids), robust=True)
+    transaction.on_commit(lambda: reconcile_change(node_ids), robust=True)
 
 
 def _deployment_target(

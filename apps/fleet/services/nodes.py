@@ -8,7 +8,7 @@ from apps.fleet import addresses, failures, quarantine
 from apps.fleet.desired import node_desired
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool, Operation
-from apps.fleet.tasks import enqueue_run, reconcile_node, send_per_node
+from apps.fleet.tasks import enqueue_run, reconcile_change
 from apps.fleet.traffic.haproxy import name_refusal
 
 
@@ -171,5 +171,5 @@ def node_release(*, node_name: str, reason: str, actor: Actor) -> Node:
     if not reason.strip():
         raise FleetError("say why the node may work again: a reason is required")
     quarantine.release(node, actor=actor, why=reason.strip())
-    transaction.on_commit(lambda: send_per_node(reconcile_node, [node.pk]), robust=True)
+    transaction.on_commit(lambda: reconcile_change([node.pk]), robust=True)
     return node
