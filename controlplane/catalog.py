@@ -241,3 +241,42 @@ def suspect_queries(*, model: str, pool: str) -> dict[str, str]:
         "p99": f'max(nv_inference_request_summary_us{{quantile="0.99",{selector}}}) / 1000',
         "errors": f"{failed} / ({served} + {failed})",
     }
+
+
+# Where a pipeline's time goes: its steps' counters, never the ensemble's own timings ---------
+
+# Per step (by model): counters' increase over the window, and pending requests averaged over it.
+STEP_MEASURES = {
+    "requests": "nv_inference_request_success",
+    "queue_us": "nv_inference_queue_duration_us",
+    "input_us": "nv_inference_compute_input_duration_us",
+    "infer_us": "nv_inference_compute_infer_duration_us",
+    "output_us": "nv_inference_compute_output_duration_us",
+    "inferences": "nv_inference_count",
+    "executions": "nv_inference_exec_count",
+}
+
+
+def bottleneck_query(*, steps: list[str], pool: str, window_s: int) -> str:
+    """One query, whatever the number of steps and nodes: each measure of STEP_MEASURES by model,
+    pending requests and the nodes that served it by model, and the pool's GPUs' mean and peak
+    utilization and memory (no model label), each series labelled with its `measure`."""
+    names = escape_label("|".join(re.escape(name) for name in sorted(steps)))
+    chain = f'{_selector(pool=pool)},model=~"{names}"'.lstrip(",")
+    gpus, window = _selector(pool=pool), f"{window_s}s"
+    parts = {
+        measure: f"sum by (model) (increase({counter}{{{chain}}}[{window}]))"
+        for measure, counter in STEP_MEASURES.items()
+    } | {
+        "pending": f"sum by (model) (avg_over_time(nv_inference_pending_request_count"
+        f"{{{chain}}}[{window}]))",
+        "nodes": "count by (model) (sum by (model, node) (increase(nv_inference_request_success"
+        f"{{{chain}}}[{window}])) > 0)",
+        "gpu_util": f"avg(avg_over_time(nv_gpu_utilization{{{gpus}}}[{window}]))",
+        "gpu_util_peak": f"max(max_over_time(nv_gpu_utilization{{{gpus}}}[{window}]))",
+        "gpu_used_bytes": f"sum(nv_gpu_memory_used_bytes{{{gpus}}})",
+        "gpu_total_bytes": f"sum(nv_gpu_memory_total_bytes{{{gpus}}})",
+    }
+    return " or ".join(
+        f'label_replace({expr}, "measure", "{measure}", "", "")' for measure, expr in parts.items()
+    )

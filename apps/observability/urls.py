@@ -7,4 +7,5 @@ urlpatterns = [
     path("", views.metrics, name="metrics"),
     path("breakdown/<str:name>/", views.breakdown, name="breakdown"),
     path("tiles/", views.tiles, name="tiles"),
+    path("bottleneck/<str:name>/", views.bottleneck, name="bottleneck"),
 ]

@@ -2,10 +2,11 @@ import dataclasses
 from datetime import UTC, datetime, timedelta
 
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.shortcuts import get_object_or_404, render
 from django.utils import timezone
 
-from apps.fleet.models import NodePool
+from apps.fleet.models import Deployment, NodePool
+from apps.observability import bottleneck as pipeline
 from apps.observability.breakdown import serving_version, step_breakdown, worst_p99_ms
 from apps.observability.charts import Chart, metric_chart
 from apps.observability.tiles import fleet_tiles
@@ -125,3 +126,40 @@ def breakdown(request: HttpRequest, name: str) -> HttpResponse:
     context["version"] = number
     context["rows"] = step_breakdown((name, number), steps, budgets, p99)
     return render(request, "observability/partials/breakdown.html", context)
+
+
+def bottleneck(request: HttpRequest, name: str) -> HttpResponse:
+    """Where an ensemble's time goes in a pool (its deployment's version there, else its newest
+    published one), from its steps' counters, and what to change about the slowest step."""
+    ensemble = get_object_or_404(Model, name=name, kind=Model.Kind.ENSEMBLE)
+    deployed = Deployment.objects.filter(model=ensemble, pool__isnull=False).select_related("pool")
+    pools = list(NodePool.objects.order_by("name").values_list("name", flat=True))
+    first = deployed.order_by("pool__name").first()
+    pool = request.GET.get("pool") or (first.pool.name if first and first.pool else "")
+    context: dict[str, object] = {"model": ensemble, "pools": pools, "pool": pool}
+    if pool not in pools:
+        context["error"] = f"No pool named {pool!r}." if pool else "There is no pool yet."
+        return render(
+            request, "observability/bottleneck.html", context, status=404 if pool else 200
+        )
+    here = deployed.filter(pool__name=pool).first()
+    published = ensemble.versions.filter(status=ModelVersion.Status.PUBLISHED)
+    number = (
+        here.version
+        if here
+        else published.order_by("-version").values_list("version", flat=True).first()
+    )
+    version = ensemble.versions.filter(version=number).first() if number else None
+    if version is None:
+        context["error"] = f"{name} has no version deployed to {pool} or published."
+        return render(request, "observability/bottleneck.html", context)
+    context["version"] = version.version
+    try:
+        steps = pinned_steps(from_dict(version.config), registry_resolver())
+        context["found"] = pipeline.bottleneck(steps, pool)
+    except UnresolvedStep as exc:
+        context["error"] = f"{name} v{version.version}: {exc}"
+    except PrometheusUnavailable as exc:
+        context["error"] = f"Where the time goes is read from Prometheus: {exc}"
+    context["window_min"] = pipeline.WINDOW_S // 60
+    return render(request, "observability/bottleneck.html", context)

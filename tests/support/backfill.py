@@ -24,6 +24,48 @@ def gpu_memory(readings: dict[tuple[str, str], tuple[int, int, range]]) -> str:
     return "\n".join(lines) + "\n# EOF\n"
 
 
+# Per node and second: requests, and per request ms waiting and computing; pending now.
+PIPELINE_STEPS = {
+    "embedder": (40, 0.5, 2.0, 0),
+    "retriever": (40, 0.5, 3.0, 0),
+    "reranker": (40, 40.0, 10.0, 3),
+    "generator": (40, 1.0, 8.0, 0),
+    "rag_pipeline": (40, 0.0, 0.0, 0),  # the ensemble's own: Triton says it never queues
+}
+
+
+def pipeline_steps(times: range) -> str:
+    """rag_pipeline's steps' counters on nodes gpu-1 and gpu-2 of pool gpu, as PIPELINE_STEPS
+    says, at each of `times`, for `backfilled_prometheus`: the reranker queues."""
+    rows: list[tuple[str, str, float, bool]] = []  # name, labels, per second (or gauge), counter
+    for node in ("gpu-1", "gpu-2"):
+        rows.append(
+            ("nv_gpu_utilization", f'gpu_uuid="{node}-0",node="{node}",pool="gpu"', 0.3, False)
+        )
+        for model, (rate, queue_ms, compute_ms, pending) in PIPELINE_STEPS.items():
+            labels = f'model="{model}",node="{node}",pool="gpu",version="1"'
+            rows += [
+                ("nv_inference_request_success", labels, rate, True),
+                ("nv_inference_count", labels, rate, True),
+                ("nv_inference_exec_count", labels, rate, True),
+                ("nv_inference_queue_duration_us", labels, rate * queue_ms * 1000, True),
+                ("nv_inference_compute_input_duration_us", labels, 0, True),
+                ("nv_inference_compute_infer_duration_us", labels, rate * compute_ms * 1000, True),
+                ("nv_inference_compute_output_duration_us", labels, 0, True),
+                ("nv_inference_pending_request_count", labels, pending, False),
+            ]
+    lines = []
+    for name in dict.fromkeys(name for name, *_ in rows):
+        lines += [f"# HELP {name} backfilled", f"# TYPE {name} gauge"]
+        lines += [
+            f"{name}{{{labels}}} {value * (t - times[0]) if counter else value} {t}"
+            for each, labels, value, counter in rows
+            if each == name
+            for t in times
+        ]
+    return "\n".join(lines) + "\n# EOF\n"
+
+
 @contextmanager
 def backfilled_prometheus(root: Path, openmetrics: str | Iterable[str]) -> Iterator[str]:
     """Yields the URL of a Prometheus that holds exactly `openmetrics` (ending with `# EOF`),

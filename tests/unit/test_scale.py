@@ -44,6 +44,7 @@ def pages() -> list[str]:
         f"/pools/{pool.name}/fit/?model_version=a-model-000:2",
         "/models/",
         "/models/a-model-000/",
+        "/metrics/bottleneck/a-pipeline-00/",
         "/rollouts/",
         f"/rollouts/{rollout.pk}/",
         "/rollouts/approvals/",
