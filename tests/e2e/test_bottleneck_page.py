@@ -45,3 +45,11 @@ def test_the_bottleneck_is_named_with_its_evidence_and_advice(
         expect(rows.nth(2)).to_contain_text("reranker v1 slowest")
         expect(page.get_by_text("The pool's GPUs: 30% busy on average")).to_be_visible()
         screenshot(page, "bottleneck")
+
+        # What the reranker's requests cost its GPUs, over time: where a tuning release shows
+        # what it saved.
+        page.goto(f"{live_server}/metrics/?metric=cost&model=reranker&pool=gpu&range=15m")
+        chart = page.locator("#chart")
+        expect(chart.locator("svg.main-svg").first).to_be_visible(timeout=20_000)
+        expect(chart).to_contain_text("Compute per 1,000 requests")
+        screenshot(page, "metrics-cost")

@@ -2,14 +2,18 @@
 nodes of pool gpu (backfilled by promtool): the reranker, one instance that queues, is named
 first with its queue and compute times, and its advice is more instances."""
 
+import json
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
 from django.test import Client
+from django.utils import timezone
 
 from apps.fleet.models import Deployment, NodePool
+from apps.observability.charts import metric_chart
 from apps.registry.models import Model, ModelVersion
 from tests.support.backfill import backfilled_prometheus, pipeline_steps
 from tests.support.registry import import_demo
@@ -42,3 +46,21 @@ def test_the_step_that_queues_is_named_first_with_its_evidence_and_advice(
     assert "1 instance(s) a node compute 40% of the time at 80.0 requests/s, GPUs 30% busy" in body
     assert "Advice: more instances: 1 -&gt; 2" in body
     assert "rag_pipeline v" not in body.split('id="steps"')[1]  # its own timings are no step
+
+
+def test_cost_per_request_and_gpu_utilization_are_charted(
+    steps_prometheus: str, settings: object
+) -> None:
+    settings.PROMETHEUS_URL = steps_prometheus  # type: ignore[attr-defined]
+    end = timezone.now()
+
+    def chart(metric: str, model: str = "") -> dict[str, list[float]]:
+        drawn = metric_chart(metric, start=end - timedelta(minutes=10), end=end, model=model)
+        traces = json.loads(drawn.figure_json)["data"]
+        return {t["name"]: [y for y in t["y"] if y is not None] for t in traces if "y" in t}
+
+    # The reranker computes 10 ms a request, one request an execution: 10 GPU-seconds per 1,000.
+    (reranker,) = chart("cost", "reranker").values()
+    assert reranker and all(abs(y - 10.0) < 0.01 for y in reranker)
+    by_node = chart("gpu_util")
+    assert len(by_node) == 2 and all(abs(y - 30.0) < 0.01 for ys in by_node.values() for y in ys)
