@@ -35,10 +35,12 @@ task_prerun.connect(adopt_request_id)
 
 @task_prerun.connect
 @task_postrun.connect
-def keep_connections(**_: object) -> None:
+def keep_connections(sender: Any = None, **_: object) -> None:
     """As around a request: a connection lives up to CONN_MAX_AGE, is health-checked before its
-    first use in a task, and is closed once an error left it unusable."""
-    close_old_connections()
+    first use in a task, and is closed once an error left it unusable. Not around a task run in
+    the caller's process (`apply()`), whose connection and transaction are the caller's."""
+    if not getattr(sender.request, "is_eager", False):
+        close_old_connections()
 
 
 @task_success.connect

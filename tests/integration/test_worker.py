@@ -1,6 +1,7 @@
 import time
 
 import pytest
+from django.db import connection
 
 from apps.fleet.models import Node
 from apps.fleet.services.nodes import node_register
@@ -48,3 +49,24 @@ def test_worker_polls_every_node_and_records_what_triton_reports(
     gone = Node.objects.get(name="gone")
     # Beat kept polling it: unreachable after a few failures in a row, saying why.
     assert "gone:" in gone.last_error and gone.failed_polls >= 3
+
+
+def test_a_worker_keeps_its_database_connection_from_task_to_task(celery: Celery) -> None:
+    """Beat's heartbeat and polls keep the worker busy: connections it opened before `t0` still
+    answer its tasks after it (Celery's own default would open a new one for every task)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("a connection is a PostgreSQL backend, seen in pg_stat_activity")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now()")
+        (t0,) = cursor.fetchone()
+    poll_nodes.delay()
+    time.sleep(8)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND backend_start < %s"
+            " AND state_change > %s + interval '4 seconds'",
+            [t0, t0],
+        )
+        (kept,) = cursor.fetchone()
+    assert kept >= 1
