@@ -234,6 +234,26 @@ def custom_query(
     return re.sub(rf"\$({'|'.join(PLACEHOLDERS)})\b", lambda m: values[m[1]], template)
 
 
+def tuning_queries(*, pipeline: str, step: str) -> dict[str, str]:
+    """What a tuning release of `step` is judged by beside latency, as templates of the
+    analysis's own metrics (one query per side, `$nodes` that side's nodes): the pipeline's
+    requests served per second and node, and the step's mean queue time per request (ms)."""
+
+    def on_side(model: str) -> str:
+        return f'model="{escape_label(model)}",pool="$pool",node=~"$nodes"'
+
+    served = f"nv_inference_request_success{{{on_side(pipeline)}}}"
+
+    def step_increase(counter: str) -> str:
+        return f"sum(increase({counter}{{{on_side(step)}}}[$window]))"
+
+    return {
+        "throughput": f"sum(rate({served}[$window])) / count(count by (node) ({served}))",
+        "queue": f"{step_increase('nv_inference_queue_duration_us')}"
+        f" / {step_increase('nv_inference_request_success')} / 1000",
+    }
+
+
 def sample_queries(*, model: str, pool: str, step_s: int) -> dict[str, str]:
     """Per node, one sample every `step_s` (which must hold two scrapes at least): mean latency
     (ms) and error ratio from counters, which forget the past, unlike a summary's quantiles."""

@@ -20,6 +20,7 @@ from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.services.nodes import node_adopt, operation_override
+from apps.observability.bottleneck import Advice
 from apps.rollouts.notify import notify_approval
 from apps.rollouts.plans import PlanError
 from apps.rollouts.services import (
@@ -28,6 +29,7 @@ from apps.rollouts.services import (
     rollout_retry,
     rollout_start,
 )
+from apps.rollouts.tuning import tuning_start
 
 APPROVER_PERMISSION = "rollouts.change_rollout"  # a release manager's, on the pool
 
@@ -69,6 +71,15 @@ ACTIONS: dict[str, Callable[[dict[str, Any], User], object]] = {
         actor=actor,
     ),
     "rollout.retry": lambda p, actor: rollout_retry(rollout_id=p["rollout_id"], actor=actor),
+    "rollout.tune": lambda p, actor: tuning_start(
+        pipeline=p["pipeline"],
+        pool_name=p["pool"],
+        advice=Advice(**p["advice"]),
+        plan=p["plan"],
+        template=p["template"],
+        analysis=p["analysis"],
+        actor=actor,
+    ),
     "operation.override": lambda p, actor: operation_override(
         operation_id=p["operation_id"], reason=p["reason"], actor=actor
     ),

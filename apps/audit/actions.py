@@ -55,6 +55,7 @@ _BY_KIND: dict[Kind, list[str]] = {
     # the transition they made (`rollout.paused`...).
     Kind.ROLLOUT: [
         "rollout.start",
+        "rollout.tune",  # an advice accepted: new versions and their rollout's start
         "rollout.progressing",
         "rollout.standby",
         "rollout.paused",

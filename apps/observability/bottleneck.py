@@ -6,8 +6,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from apps.fleet.models import Deployment
+from apps.registry.codec import from_dict
+from apps.registry.ensembles import UnresolvedStep, pinned_steps
+from apps.registry.models import Model, ModelVersion
+from apps.registry.selectors import registry_resolver
 from controlplane.catalog import bottleneck_query
-from controlplane.prometheus import instant_query
+from controlplane.prometheus import PrometheusUnavailable, instant_query
 
 WINDOW_S = 300
 # Judgement needs evidence: under this many requests of a step in the window, nothing is named.
@@ -224,3 +229,29 @@ def advise(step: Step, gpus: Gpus) -> list[Advice]:
             )
         )
     return found
+
+
+class BottleneckUnread(Exception):
+    """Why a pool's bottleneck could not be read; the message says it."""
+
+
+def bottleneck_in(ensemble: Model, pool: str) -> tuple[int, Bottleneck]:
+    """The version of `ensemble` in `pool` (its deployment there, else its newest published
+    one) and its bottleneck; raises BottleneckUnread."""
+    here = Deployment.objects.filter(model=ensemble, pool__name=pool, node=None).first()
+    published = ensemble.versions.filter(status=ModelVersion.Status.PUBLISHED)
+    number = (
+        here.version
+        if here
+        else published.order_by("-version").values_list("version", flat=True).first()
+    )
+    version = ensemble.versions.filter(version=number).first() if number else None
+    if version is None:
+        raise BottleneckUnread(f"{ensemble.name} has no version deployed to {pool} or published.")
+    try:
+        steps = pinned_steps(from_dict(version.config), registry_resolver())
+        return version.version, bottleneck(steps, pool)
+    except UnresolvedStep as exc:
+        raise BottleneckUnread(f"{ensemble.name} v{version.version}: {exc}") from None
+    except PrometheusUnavailable as exc:
+        raise BottleneckUnread(f"Where the time goes is read from Prometheus: {exc}") from None

@@ -136,30 +136,19 @@ def bottleneck(request: HttpRequest, name: str) -> HttpResponse:
     pools = list(NodePool.objects.order_by("name").values_list("name", flat=True))
     first = deployed.order_by("pool__name").first()
     pool = request.GET.get("pool") or (first.pool.name if first and first.pool else "")
-    context: dict[str, object] = {"model": ensemble, "pools": pools, "pool": pool}
+    context: dict[str, object] = {
+        "model": ensemble,
+        "pools": pools,
+        "pool": pool,
+        "window_min": pipeline.WINDOW_S // 60,
+    }
     if pool not in pools:
         context["error"] = f"No pool named {pool!r}." if pool else "There is no pool yet."
         return render(
             request, "observability/bottleneck.html", context, status=404 if pool else 200
         )
-    here = deployed.filter(pool__name=pool).first()
-    published = ensemble.versions.filter(status=ModelVersion.Status.PUBLISHED)
-    number = (
-        here.version
-        if here
-        else published.order_by("-version").values_list("version", flat=True).first()
-    )
-    version = ensemble.versions.filter(version=number).first() if number else None
-    if version is None:
-        context["error"] = f"{name} has no version deployed to {pool} or published."
-        return render(request, "observability/bottleneck.html", context)
-    context["version"] = version.version
     try:
-        steps = pinned_steps(from_dict(version.config), registry_resolver())
-        context["found"] = pipeline.bottleneck(steps, pool)
-    except UnresolvedStep as exc:
-        context["error"] = f"{name} v{version.version}: {exc}"
-    except PrometheusUnavailable as exc:
-        context["error"] = f"Where the time goes is read from Prometheus: {exc}"
-    context["window_min"] = pipeline.WINDOW_S // 60
+        context["version"], context["found"] = pipeline.bottleneck_in(ensemble, pool)
+    except pipeline.BottleneckUnread as exc:
+        context["error"] = str(exc)
     return render(request, "observability/bottleneck.html", context)

@@ -56,7 +56,7 @@ def extract_repository(data: bytes, target: Path) -> Path:
     return target
 
 
-def _inside_roots(path: Path, roots: list[Path]) -> bool:
+def inside_roots(path: Path, roots: list[Path]) -> bool:
     resolved = path.resolve()
     return any(resolved.is_relative_to(root.resolve()) for root in roots)
 
@@ -76,7 +76,7 @@ def release_archive(members: list[Member], *, roots: list[Path]) -> Iterator[byt
     files: list[list[Path] | None] = []
     for _, _, _, artifact in members:
         local = Path(artifact)
-        if not (artifact and local.is_dir() and _inside_roots(local, roots)):
+        if not (artifact and local.is_dir() and inside_roots(local, roots)):
             files.append(None)
             continue
         found = (p for p in local.rglob("*") if p.is_file() and not p.is_symlink())

@@ -3,6 +3,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.contrib import messages
+from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db.models import Count, F, Q
 from django.http import HttpRequest, HttpResponse
@@ -13,13 +14,16 @@ from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme, urlencode
 from django.views.decorators.http import require_POST
 
-from apps.accounts.permissions import current_user, require
+from apps.accounts.permissions import authorize, current_user, require
 from apps.audit.models import AuditEvent
-from apps.fleet.models import Deployment
+from apps.audit.services import audit_record
+from apps.fleet.models import Deployment, NodePool
+from apps.observability.bottleneck import BottleneckUnread, bottleneck_in
 from apps.observability.charts import Chart, distributions
 from apps.quality.selectors import run_rows, shown_rows
+from apps.registry.models import Model
 from apps.rollouts.analysis import Share, observed_share
-from apps.rollouts.forms import RolloutForm
+from apps.rollouts.forms import DEFAULT_PLAN, RolloutForm
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.plans import Analysis, PlanError, parse_plan, preview
 from apps.rollouts.proposals import RolloutError, rollout_propose
@@ -34,6 +38,7 @@ from apps.rollouts.services import (
     rollout_retry,
     rollout_start,
 )
+from apps.rollouts.tuning import tuning_start
 from controlplane.htmx import HtmxHttpRequest, back, refused
 
 
@@ -283,3 +288,48 @@ def release_roll_back(request: HttpRequest, pool: str, model: str, to: str) -> H
         return refused(request, str(exc), following)
     messages.success(request, f"Pool {pool} is switching {model} to v{version}.")
     return back(request, following)
+
+
+@require_POST
+@require("rollouts.add_rollout", "rollout.tune")
+def tune(request: HttpRequest, name: str) -> HttpResponse:
+    """An advice accepted: read afresh (the page may be old), it becomes a tuning release, a
+    rollout of a new pipeline version (apps/rollouts/tuning.py)."""
+    ensemble = get_object_or_404(Model, name=name, kind=Model.Kind.ENSEMBLE)
+    pool = request.POST.get("pool", "")
+    here = reverse("observability:bottleneck", args=[name]) + "?" + urlencode({"pool": pool})
+    step, change = request.POST.get("step", ""), request.POST.get("change", "")
+    actor = current_user(request)
+    where = NodePool.objects.filter(name=pool).first()
+    if where is None:
+        return refused(request, f"no pool {pool!r}", here, status=404)
+    try:  # before Prometheus is asked anything on this person's behalf
+        authorize(actor, "rollouts.add_rollout", where)
+    except PermissionDenied as exc:
+        audit_record(
+            actor=actor,
+            action="rollout.tune",
+            target=f"pool:{pool}",
+            result="denied",
+            message=str(exc),
+        )
+        raise
+    try:
+        _, found = bottleneck_in(ensemble, pool)
+        advice = next((a for a in found.advice if (a.step, a.change) == (step, change)), None)
+        if advice is None:
+            raise RolloutError(
+                f"the advice {change!r} for {step} no longer holds: the page shows what does now"
+            )
+        rollout = tuning_start(
+            pipeline=name,
+            pool_name=pool,
+            advice=advice,
+            plan=request.POST.get("plan") or DEFAULT_PLAN,
+            template=request.POST.get("template", ""),
+            actor=actor,
+        )
+    except (BottleneckUnread, RolloutError, PlanError) as exc:
+        return refused(request, str(exc), here)
+    messages.success(request, f"Rollout #{rollout.pk}: {advice.change} for {step}, as a release.")
+    return back(request, reverse("rollouts:rollout_detail", args=[rollout.pk]))

@@ -31,6 +31,7 @@ from tests.support.fleet import (
     STEPS_V2,
     converged,
     ready_on,
+    until_state,
     wait_for,
 )
 from tests.support.services import Celery, Webhook
@@ -39,24 +40,6 @@ from tests.support.users import make_user
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 State = Rollout.State
-
-
-def until_state(rollout: Rollout, *states: str, timeout: float = 150) -> Rollout:
-    try:
-        wait_for(
-            f"rollout #{rollout.pk} is {' or '.join(states)}",
-            lambda: Rollout.objects.get(pk=rollout.pk).state in states,
-            timeout,
-        )
-    finally:
-        found = Rollout.objects.get(pk=rollout.pk)
-        print(f"\n#{found.pk} {found.state} step {found.step}: {found.reason}")
-        for m in found.measurements.order_by("taken_at")[:40]:
-            print(
-                f"  {m.taken_at:%H:%M:%S} {m.metric}: {m.canary_value} vs {m.baseline_value}"
-                f" (threshold {m.threshold}) {m.verdict} {m.detail}"
-            )
-    return found
 
 
 def start(pool: NodePool, canary: int, plan: str, **analysis: object) -> Rollout:

@@ -142,6 +142,79 @@ def traffic_to(state: FleetState, *, through: str = "", rps: float = 8) -> Itera
         thread.join(10)
 
 
+@dataclass
+class Load:
+    """What `saturating` users were answered: `node ok|failed` counts, and each answer's time."""
+
+    answered: Counter[str] = field(default_factory=Counter)
+    seconds: list[float] = field(default_factory=list)
+
+    def served(self, over_s: float) -> tuple[float, float]:
+        """(requests answered a second, their P99 in ms) over the next `over_s` seconds."""
+        first = len(self.seconds)
+        time.sleep(over_s)
+        took = sorted(self.seconds[first:])
+        assert took, f"nothing answered in {over_s} s"
+        return len(took) / over_s, 1000 * took[min(len(took) - 1, int(0.99 * len(took)))]
+
+
+@contextmanager
+def saturating(state: FleetState, *, per_node: int) -> Iterator[Load]:
+    """`per_node` users on each node, each sending unversioned rag_pipeline requests one after
+    the other while it lasts: every node under the same load, as busy as its slowest step lets
+    it be."""
+    clients = [TritonClient(state.node_urls(p)["http_url"], node=p.name) for p in state.nodes]
+    spec = wait_for_model(clients[0], "rag_pipeline", timeout=30)
+    stop, lock, load = threading.Event(), threading.Lock(), Load()
+
+    def user(client: TritonClient, seed: int) -> None:
+        rng = random.Random(seed)
+        with client.session(timeout=60) as session:
+            while not stop.is_set():
+                start = time.monotonic()
+                try:
+                    session.infer("rag_pipeline", sample_inputs(spec, rng, texts=QUESTIONS))
+                    outcome = "ok"
+                except (TritonError, OSError):
+                    outcome = "failed"
+                    stop.wait(0.2)
+                with lock:
+                    load.answered[f"{client.node} {outcome}"] += 1
+                    if outcome == "ok":
+                        load.seconds.append(time.monotonic() - start)
+
+    users = [
+        threading.Thread(target=user, args=(client, n), daemon=True)
+        for n, client in enumerate(clients * per_node)
+    ]
+    for thread in users:
+        thread.start()
+    try:
+        yield load
+    finally:
+        stop.set()
+        for thread in users:
+            thread.join(70)
+
+
+def until_state(rollout: Rollout, *states: str, timeout: float = 150) -> Rollout:
+    try:
+        wait_for(
+            f"rollout #{rollout.pk} is {' or '.join(states)}",
+            lambda: Rollout.objects.get(pk=rollout.pk).state in states,
+            timeout,
+        )
+    finally:
+        found = Rollout.objects.get(pk=rollout.pk)
+        print(f"\n#{found.pk} {found.state} step {found.step}: {found.reason}")
+        for m in found.measurements.order_by("taken_at")[:40]:
+            print(
+                f"  {m.taken_at:%H:%M:%S} {m.metric}: {m.canary_value} vs {m.baseline_value}"
+                f" (threshold {m.threshold}) {m.verdict} {m.detail}"
+            )
+    return found
+
+
 def runtime(haproxy: Proc) -> Runtime:
     return Runtime(f"127.0.0.1:{haproxy.ports['runtime']}")
 

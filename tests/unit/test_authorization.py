@@ -117,6 +117,10 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "degradation:confirm": (pool_model, {}),
         "degradation:set": ({"pool": "b"}, {"model": "embedder", "versions": "1,2"}),
         "fleet:pool_roles": ({}, {"user": viewer, "pool": "b", "role": "operator"}),
+        "rollouts:tune": (
+            {"name": "rag_pipeline"},
+            {"pool": "b", "step": "reranker", "change": "more instances: 1 -> 2"},
+        ),
     }
 
 
