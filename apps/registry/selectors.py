@@ -58,3 +58,9 @@ def ensembles_using(model_name: str) -> list[ModelVersion]:
         "model"
     )
     return [v for v in candidates if model_name in step_names(v.config)]
+
+
+def next_version(model_name: str) -> int:
+    """The number a new version of `model_name` gets unless it names its own."""
+    versions = ModelVersion.objects.filter(model__name=model_name)
+    return (versions.order_by("-version").values_list("version", flat=True).first() or 0) + 1

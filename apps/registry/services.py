@@ -9,7 +9,7 @@ from apps.audit.services import Actor, audit_record, audited, fields_set
 from apps.registry.codec import ConfigSyntaxError, from_dict, parse_pbtxt, to_dict
 from apps.registry.ensembles import Resolver, validate_ensemble
 from apps.registry.models import Model, ModelVersion
-from apps.registry.selectors import ensembles_using, registry_resolver
+from apps.registry.selectors import ensembles_using, next_version, registry_resolver
 from apps.registry.validation import Problem, errors, is_ensemble, validate_config
 
 
@@ -106,8 +106,7 @@ def version_create(
         raise RegistryError(
             [Problem("error", model_name, "platform", f"{model_name} is a {model.kind} model")]
         )
-    latest = model.versions.order_by("-version").values_list("version", flat=True).first() or 0
-    number = version if version is not None else latest + 1
+    number = version if version is not None else next_version(model_name)
     if model.versions.filter(version=number).exists():
         raise RegistryError(
             [

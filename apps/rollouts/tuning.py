@@ -24,7 +24,7 @@ from apps.observability.bottleneck import Advice
 from apps.registry.archives import inside_roots
 from apps.registry.codec import from_dict, to_pbtxt
 from apps.registry.models import ModelVersion
-from apps.registry.selectors import registry_resolver
+from apps.registry.selectors import next_version, registry_resolver
 from apps.registry.services import RegistryError, version_create
 from apps.rollouts.models import AnalysisTemplate, Rollout
 from apps.rollouts.plans import PlanError
@@ -107,8 +107,8 @@ def tuning_start(
     if resolved.version is None:
         raise RolloutError(f"{pipeline} v{serving.version}: {resolved.reason}")
     source = ModelVersion.objects.get(model__name=advice.step, version=resolved.version)
-    step_number = _next_number(advice.step)
-    pipeline_number = _next_number(pipeline)
+    step_number = next_version(advice.step)
+    pipeline_number = next_version(pipeline)
     for pin in pins:
         pin.model_version = step_number
     step_config = from_dict(tuned(source.config, advice.fields))
@@ -164,11 +164,6 @@ def tuning_start(
         },
     )
     return rollout
-
-
-def _next_number(model: str) -> int:
-    latest = ModelVersion.objects.filter(model__name=model).order_by("-version").first()
-    return latest.version + 1 if latest else 1
 
 
 @contextmanager
