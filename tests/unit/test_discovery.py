@@ -15,6 +15,7 @@ from django.utils import timezone
 from apps.audit.models import AuditEvent
 from apps.fleet import polling, tasks
 from apps.fleet.discovery import nodes_sync
+from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool
 from apps.fleet.reconcile import node_reconcile
 from apps.fleet.services.deployments import deployment_set
@@ -149,6 +150,24 @@ def test_a_node_registered_by_hand_is_never_touched_by_discovery() -> None:
     nodes_sync([], timezone.now() + timedelta(days=1))
     node = Node.objects.get()
     assert (node.stage, node.http_url) == (Node.Stage.SERVING, "http://10.0.0.1:8000")
+
+
+def test_a_discovered_node_is_never_registered_again_by_hand() -> None:
+    # Its addresses follow its target: changed by hand, the next pass would change them back.
+    nodes_sync([target("gpu-7")], timezone.now())
+    with pytest.raises(FleetError, match=r"node gpu-7 is discovered .* register it under another"):
+        node_register(
+            name="gpu-7",
+            pool="gpu",
+            http_url="http://10.0.0.1:8000",
+            grpc_url="",
+            metrics_url="",
+            actor="system:test",
+        )
+    node = Node.objects.get()
+    assert (node.http_url, node.discovered_at is not None) == ("http://10.0.0.5:8000", True)
+    refused = AuditEvent.objects.get(action="node.register")
+    assert (refused.result, refused.target) == ("failed", "node:gpu-7")
 
 
 def test_a_target_that_is_no_node_is_said_once_with_why() -> None:

@@ -28,6 +28,12 @@ def node_register(
     wanted = {"pool": node_pool, "http_url": http_url, "grpc_url": grpc_url}
     wanted["metrics_url"] = metrics_url
     node = Node.objects.select_for_update().filter(name=name).first()
+    if node is not None and node.discovered_at is not None:
+        # Changed by hand, its addresses would be changed back by the next discovery pass.
+        raise FleetError(
+            f"node {name} is discovered from Prometheus' targets (at {node.metrics_url}): its "
+            "addresses follow its target; register it under another name"
+        )
     before = {} if node is None else {k: str(getattr(node, k)) for k in wanted}
     after = {k: str(v) for k, v in wanted.items()}
     if node is None:
