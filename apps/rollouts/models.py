@@ -193,11 +193,19 @@ class Measurement(models.Model):
         default=dict, blank=True, help_text="the statistical judge's samples, U, p and effect"
     )
 
+    # An analysis's own metric (plans.CustomMetric) is stored under its name after this.
+    CUSTOM = "custom: "
+
     class Meta:
         ordering = ["-taken_at", "-id"]
 
     def __str__(self) -> str:
         return f"{self.metric}: {self.verdict}"
+
+    @property
+    def custom_name(self) -> str:
+        """The name of the analysis's own metric this measures; empty for the built-in ones."""
+        return self.metric.removeprefix(self.CUSTOM) if self.metric.startswith(self.CUSTOM) else ""
 
 
 class Notification(models.Model):

@@ -105,9 +105,10 @@ def _step(nodes: object, percent: object, hold_s: int, where: str) -> Step:
 
 
 @dataclass(frozen=True)
-class QualityMetric:
-    """A series of the application's own (a helpful-answer ratio, say), queried once per side
-    with that side's `$nodes` or `$version`, and judged canary against baseline."""
+class CustomMetric:
+    """A series of the analysis's own (the application's helpful-answer ratio, a pipeline's
+    requests a node), queried once per side with that side's `$nodes` or `$version`, and judged
+    canary against baseline."""
 
     name: str
     query: str
@@ -117,7 +118,7 @@ class QualityMetric:
     max: float | None = None
 
     @classmethod
-    def from_dict(cls, raw: object, where: str) -> "QualityMetric":
+    def from_dict(cls, raw: object, where: str) -> "CustomMetric":
         if not isinstance(raw, dict):
             raise PlanError(f"{where}: {raw!r} is not an object with a name and a query")
         known = [f.name for f in fields(cls)]
@@ -157,7 +158,7 @@ class QualityMetric:
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
-    def looser_than(self, other: "QualityMetric") -> list[str]:
+    def looser_than(self, other: "CustomMetric") -> list[str]:
         """Where this metric lets through what `other` (of the same name) would stop."""
         found = [] if self.query == other.query else ["another query"]
         if self.higher_is_better != other.higher_is_better:
@@ -230,7 +231,7 @@ class Analysis:
     # nodes at this rate (requests per second) for the rest of the step; 0: never.
     synthetic_rps: float = 0.0
     # The application's own quality series, judged like latency (apps/rollouts/analysis.py).
-    metrics: tuple[QualityMetric, ...] = ()
+    metrics: tuple[CustomMetric, ...] = ()
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Analysis":
@@ -297,12 +298,12 @@ class Analysis:
         return found
 
 
-def _metrics(raw: object) -> tuple[QualityMetric, ...]:
+def _metrics(raw: object) -> tuple[CustomMetric, ...]:
     if not isinstance(raw, list | tuple):
         raise PlanError(f"analysis.metrics: {raw!r} is not a list")
-    found: list[QualityMetric] = []
+    found: list[CustomMetric] = []
     for number, each in enumerate(raw):
-        metric = QualityMetric.from_dict(each, f"analysis.metrics[{number}]")
+        metric = CustomMetric.from_dict(each, f"analysis.metrics[{number}]")
         if any(m.name == metric.name for m in found):
             raise PlanError(f"analysis.metrics[{number}].name: {metric.name!r} is named twice")
         found.append(metric)

@@ -113,6 +113,8 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
     nodes = list(rollout.pool.nodes.serving().order_by("name").values_list("name", flat=True))
     # Each step with the share it really gets, and the current one's as now observed.
     steps = preview(parse_plan(rollout.plan), nodes, weighted=bool(rollout.pool.traffic))
+    events = rollout_events(rollout)
+    now = timezone.now()
     context = {
         "rollout": rollout,
         "steps": steps,
@@ -121,10 +123,11 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
         "measurements": rollout.measurements.all()[:60],
         "evidence": evidence_charts(rollout),
         "notifications": rollout.notifications.all()[:20],
-        "events": rollout_events(rollout),
+        "events": events,
+        "tuning": tuning(rollout, events, now),
         "gate": quality_gate(rollout),
         "switch": switch_evaluations(rollout),
-        "chart_query": chart_query(rollout, timezone.now()),
+        "chart_query": chart_query(rollout, now),
     }
     if request.htmx and request.htmx.target == "rollout-live":
         response = render(request, "rollouts/rollout_detail.html#rollout-live", context)
@@ -185,17 +188,18 @@ def switch_evaluations(rollout: Rollout) -> dict[str, Any] | None:
     }
 
 
-def chart_query(rollout: Rollout, now: datetime) -> str:
-    """The chart's query: from shortly before the rollout began to now, or to shortly after it
-    finished, so that a young rollout is not squeezed into the last pixels of a fixed range."""
+def chart_query(rollout: Rollout, now: datetime, metric: str = "p99_nodes", model: str = "") -> str:
+    """A chart's query (`rollout`'s model by default): from shortly before the rollout began to
+    now, or to shortly after it finished, so that a young rollout is not squeezed into the last
+    pixels of a fixed range."""
     end = min(now, rollout.finished_at + AFTER) if rollout.finished_at else now
     age = min(now, rollout.finished_at or now) - rollout.created_at
     lead = min(LEAD_MAX, max(LEAD_MIN, age / 2))
     start = max(rollout.created_at - lead, end - MAX_SPAN)
     return urlencode(
         {
-            "metric": "p99_nodes",
-            "model": rollout.model.name,
+            "metric": metric,
+            "model": model or rollout.model.name,
             "pool": rollout.pool.name,
             "range": "custom",
             "start": f"{start.astimezone(UTC):%Y-%m-%dT%H:%M:%S}",
@@ -235,6 +239,15 @@ def evidence_charts(rollout: Rollout) -> list[tuple[str, Chart]]:
         chart = distributions(f"{found.metric}: {found.verdict}", sides, unit=unit, note=note)
         charts.append((f"evidence-{len(charts)}", chart))
     return charts
+
+
+def tuning(rollout: Rollout, events: list[AuditEvent], now: datetime) -> dict[str, Any] | None:
+    """What a tuning release changed and why (its `rollout.tune` event), with the query of its
+    step's cost chart over the rollout."""
+    found = next((e.after for e in events if e.action == "rollout.tune"), None)
+    if found is None:
+        return None
+    return found | {"cost_query": chart_query(rollout, now, metric="cost", model=found["step"])}
 
 
 def rollout_events(rollout: Rollout) -> list[AuditEvent]:

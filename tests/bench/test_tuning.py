@@ -10,7 +10,6 @@ Run with `make bench` (not part of CI), or alone:
 """
 
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -19,12 +18,9 @@ from apps.devtools.processes import FleetState
 from apps.fleet.models import Node, NodePool
 from apps.observability.bottleneck import Advice
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import template_save
 from apps.rollouts.tuning import tuning_start
 from tests.support.bench import Report
 from tests.support.fleet import (
-    ANALYSIS,
-    HEALTHY,
     STEPS_V1,
     ready_on,
     saturating,
@@ -49,13 +45,10 @@ ADVICE = Advice(
 def test_a_tuning_release_raises_the_pipelines_throughput(
     serving_v1: NodePool,
     trio: tuple[Devfleet, FleetState],
-    repository: Path,
-    settings: object,
+    tuning_template: str,
     report: Report,
 ) -> None:
     devfleet, state = trio
-    settings.REGISTRY_ARTIFACT_ROOTS = [str(repository)]  # type: ignore[attr-defined]
-    template_save(name="bench-pace", analysis=ANALYSIS | HEALTHY | {"warmup_s": 15}, actor="bench")
     devfleet.fault("reranker", delay_ms=DELAY_MS)
     try:
         with saturating(state, per_node=USERS_A_NODE) as load:
@@ -66,7 +59,7 @@ def test_a_tuning_release_raises_the_pipelines_throughput(
                 pool_name=serving_v1.name,
                 advice=ADVICE,
                 plan="1 node, hold 26s\n100%",
-                template="bench-pace",
+                template=tuning_template,
                 actor="bench",
             )
             rollout = until_state(rollout, Rollout.State.SUCCEEDED, Rollout.State.ROLLED_BACK)

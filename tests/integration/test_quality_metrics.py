@@ -139,7 +139,7 @@ def test_a_canary_whose_helpful_answers_fall_behind_the_baseline_is_rolled_back(
     found = {m.metric: m for m in rollout.measurements.all()}
     assert found["requests"].verdict == "success", found["requests"].detail
     assert (found["p99"].verdict, found["error_ratio"].verdict) == ("success", "success")
-    quality = found["quality: helpful answers"]
+    quality = found["custom: helpful answers"]
     assert quality.verdict == "failure"
     assert (quality.canary_value, quality.baseline_value) == (
         pytest.approx(0.5),
@@ -150,7 +150,7 @@ def test_a_canary_whose_helpful_answers_fall_behind_the_baseline_is_rolled_back(
     assert 'node=~"gpu\\\\-2|gpu\\\\-3"}[60s]' in quality.query
     assert rollout.state == State.ABORTING
     assert rollout.reason == (
-        "failure: quality: helpful answers: canary 0.5 is worse than the baseline's 0.9 by more"
+        "failure: custom: helpful answers: canary 0.5 is worse than the baseline's 0.9 by more"
         " than 5% (higher is better; the limit is 0.855)"
     )
     serving(canary=False)  # the reconciler unloaded v2 from gpu-1
@@ -166,7 +166,7 @@ def test_a_canary_whose_quality_series_is_missing_is_inconclusive_never_passed(
     rollout = judged(grounded)
     found = {m.metric: m for m in rollout.measurements.all()}
     assert found["requests"].verdict == "success", found["requests"].detail
-    quality = found["quality: grounded answers"]
+    quality = found["custom: grounded answers"]
     assert (quality.verdict, quality.canary_value) == ("inconclusive", None)
     assert quality.baseline_value == pytest.approx(0.9)
     assert 'version="2"' in quality.query and 'version="1"' in quality.query

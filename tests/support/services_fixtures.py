@@ -18,9 +18,12 @@ from apps.fleet.services.nodes import node_register
 from apps.fleet.services.pools import pool_set_traffic
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
+from apps.rollouts.services import template_save
 from controlplane.celery import app as celery_app
 from tests.support import REPOSITORY, ROOT
 from tests.support.fleet import (
+    ANALYSIS,
+    HEALTHY,
     STEPS_V1,
     Fleet,
     converged,
@@ -169,6 +172,16 @@ def serving_v1(
     deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
     wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
     return pool
+
+
+@pytest.fixture
+def tuning_template(serving_v1: NodePool, repository: Path, settings: object) -> str:
+    """For tunings of the trio's pool: new versions may get files in its repository, and their
+    rollouts are judged by the template named, once the canary's users' queued requests drained."""
+    settings.REGISTRY_ARTIFACT_ROOTS = [str(repository)]  # type: ignore[attr-defined]
+    paced = ANALYSIS | HEALTHY | {"warmup_s": 15}
+    template_save(name="tuning-pace", analysis=paced, actor="system:test")
+    return "tuning-pace"
 
 
 DISCOVERY_GRACE_S = 6

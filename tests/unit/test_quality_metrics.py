@@ -1,4 +1,4 @@
-"""The analysis's own quality metrics: parsed and checked with the analysis, queried once per
+"""The analysis's own (custom) metrics: parsed and checked with the analysis, queried once per
 side with that side's nodes and version (Prometheus stubbed at its module boundary), judged
 canary against baseline. The same path against a real Prometheus:
 tests/integration/test_quality_metrics.py."""
@@ -7,9 +7,14 @@ import json
 from typing import Any
 
 import pytest
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
 
+from apps.fleet.models import NodePool
+from apps.registry.models import Model
 from apps.rollouts import analysis
-from apps.rollouts.plans import Analysis, PlanError, QualityMetric
+from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.plans import Analysis, CustomMetric, PlanError
 from controlplane.catalog import custom_query
 from controlplane.prometheus import PrometheusUnavailable
 
@@ -32,8 +37,8 @@ def test_metrics_are_read_with_the_analysis_and_kept_as_plain_json() -> None:
         {"metrics": [metric(tolerance=0.1, min="0.5"), metric(name="hallucinations", max=0.2)]}
     )
     assert spec.metrics == (
-        QualityMetric("helpful answers", HELPFUL, True, tolerance=0.1, min=0.5),
-        QualityMetric("hallucinations", HELPFUL, True, tolerance=0.05, max=0.2),
+        CustomMetric("helpful answers", HELPFUL, True, tolerance=0.1, min=0.5),
+        CustomMetric("hallucinations", HELPFUL, True, tolerance=0.05, max=0.2),
     )
     stored = json.loads(json.dumps(spec.as_dict()))  # as the JSONField keeps it
     assert stored["metrics"][0] == metric(tolerance=0.1, min=0.5)
@@ -143,7 +148,7 @@ def measure(
             baseline_version=1,
             baseline_nodes=["gpu-2", "gpu-3"] if compare else [],
         )
-        if found.metric.startswith("quality: ")
+        if found.metric.startswith("custom: ")
     ]
 
 
@@ -153,7 +158,7 @@ def test_a_canary_worse_than_the_baseline_beyond_tolerance_fails_with_both_value
     prometheus = Prometheus(canary=[0.6], baseline=[0.9])
     (found,) = measure(monkeypatch, prometheus, metric())
     assert (found.metric, found.canary, found.baseline, found.verdict) == (
-        "quality: helpful answers",
+        "custom: helpful answers",
         0.6,
         0.9,
         "failure",
@@ -249,7 +254,7 @@ def test_too_few_requests_leave_a_quality_metric_inconclusive(
         pool="gpu",
         canary_nodes=["gpu-1"],
         spec=Analysis(
-            judge="threshold", min_requests=100, metrics=(QualityMetric("h", HELPFUL, True),)
+            judge="threshold", min_requests=100, metrics=(CustomMetric("h", HELPFUL, True),)
         ),
         budget_ms=None,
         steps=[],
@@ -274,3 +279,27 @@ def test_prometheus_refusing_a_quality_query_is_an_error(monkeypatch: pytest.Mon
 
     with pytest.raises(PrometheusUnavailable, match="refused the query"):
         measure(monkeypatch, answer, metric())  # type: ignore[arg-type]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_measurements_recorded_as_quality_are_renamed_custom_and_back() -> None:
+    before = [("rollouts", "0014_notification_of_a_pool")]
+    after = [("rollouts", "0015_custom_metric_names")]
+    MigrationExecutor(connection).migrate(before)
+    pool = NodePool.objects.create(name="gpu")
+    model = Model.objects.create(name="rag_pipeline")
+    rollout = Rollout.objects.create(
+        model=model, pool=pool, baseline_version=1, canary_version=2, plan=[{"percent": 100}]
+    )
+    for name in ("quality: helpful answers", "p99", "quality before traffic"):
+        Measurement.objects.create(rollout=rollout, step=0, metric=name, verdict="success")
+
+    def names() -> set[str]:
+        return set(Measurement.objects.values_list("metric", flat=True))
+
+    MigrationExecutor(connection).migrate(after)
+    assert names() == {"custom: helpful answers", "p99", "quality before traffic"}
+    assert {m.custom_name for m in Measurement.objects.all()} == {"helpful answers", ""}
+    MigrationExecutor(connection).migrate(before)
+    assert names() == {"quality: helpful answers", "p99", "quality before traffic"}
+    MigrationExecutor(connection).migrate(after)

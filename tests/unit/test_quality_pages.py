@@ -79,7 +79,7 @@ def gated_rollout(run: EvaluationRun) -> Rollout:
     Measurement.objects.create(
         rollout=rollout,
         step=0,
-        metric="quality: helpful",
+        metric="custom: helpful",
         query='sum(rate(helpful_total{node=~"trio-1"}[1m]))\n# canary',
         canary_value=0.61,
         baseline_value=0.83,
@@ -347,9 +347,9 @@ def test_the_rollout_page_shows_the_failed_quality_gate_and_its_failing_cases(
     assert "the first 10 of 30" in body and "<strong>orders-track-1</strong>" in body
     assert "exactly &quot;faq:orders-track&quot;" in body
     assert '<td class="answer wrong differs">faq:contact</td>' in body
-    # Its measurements: the gate's row links its run; an application series reads as quality.
+    # Its measurements: the gate's row links its run; the analysis's own series is marked so.
     assert f"evaluation run #{run.pk}</a>: 0 passed, 30 failed" in body
-    assert '<span class="badge quality">quality</span> helpful' in body
+    assert 'analysis">custom</span> helpful' in body
     live = {"HX-Request": "true", "HX-Target": "rollout-live"}
     assert client.get(f"/rollouts/{rollout.pk}/", headers=live).status_code == 286
 

@@ -3,6 +3,7 @@ differs only in the advised fields, a pipeline version pinning it, files for bot
 repository, and a rollout judged on throughput and queue time; refused, it leaves nothing."""
 
 import shutil
+from html import unescape
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,32 @@ def test_an_accepted_advice_is_a_step_version_a_pipeline_pinning_it_and_their_ro
     assert event.after["because"] == ADVICE.because
     assert event.after["fields"] == {"instance_group": [{"count": 2}]}
     assert event.after["pipeline"] == {"from": 1, "to": 10}
+
+
+def test_the_rollout_page_says_what_the_tuning_changed_and_why(
+    models: Path, client: Client
+) -> None:
+    rollout = tuning_start(
+        pipeline="rag_pipeline", pool_name="gpu", advice=ADVICE, plan=PLAN, actor="ops"
+    )
+    client.force_login(make_user(Role.VIEWER))
+    body = unescape(client.get(f"/rollouts/{rollout.pk}/").content.decode())
+    card = body.split('id="tuning"')[1].split("</section>")[0]
+    assert "Tuning: reranker v1 → v7, more instances: 1 -> 2</h2>" in card
+    assert f"Advised because {ADVICE.because}. Expected: {ADVICE.expect}." in card
+    assert "v10 is v1 with reranker v7, whose config differs only in instance_group." in card
+    assert 'href="/metrics/bottleneck/rag_pipeline/?pool=gpu"' in card
+    assert "/metrics/?metric=cost&model=reranker&pool=gpu&range=custom&start=" in card
+    # Any other rollout has no such card.
+    rollout.delete()
+    other = Rollout.objects.create(
+        model=rollout.model,
+        pool=rollout.pool,
+        baseline_version=1,
+        canary_version=2,
+        plan=[{"percent": 100}],
+    )
+    assert 'id="tuning"' not in client.get(f"/rollouts/{other.pk}/").content.decode()
 
 
 def test_a_refused_rollout_leaves_no_version_and_no_file(models: Path) -> None:
