@@ -205,19 +205,21 @@ def version_status(request: HttpRequest, name: str, version: int) -> HttpRespons
 @require("registry.add_modelversion", "registry.import")
 def repository_upload(request: HttpRequest) -> HttpResponse:
     form = ImportForm(request.POST, request.FILES)
-    results, error = [], ""
+    results, error, dry_run = [], "", False
     if not form.is_valid():
         error = "; ".join(f"{k}: {' '.join(map(str, v))}" for k, v in form.errors.items())
     else:
+        dry_run = form.cleaned_data["dry_run"]
         try:
             results = archive_import(
-                archive=form.cleaned_data["archive"],
-                actor=current_user(request),
-                dry_run=form.cleaned_data["dry_run"],
+                archive=form.cleaned_data["archive"], actor=current_user(request), dry_run=dry_run
             )
         except ArchiveError as exc:
             error = str(exc)
     status = 422 if error or any(not r.ok for r in results) else 200
     return render(
-        request, "registry/import_result.html", {"results": results, "error": error}, status=status
+        request,
+        "registry/import_result.html",
+        {"results": results, "error": error, "dry_run": dry_run},
+        status=status,
     )

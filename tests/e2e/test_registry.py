@@ -1,3 +1,4 @@
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ from playwright.sync_api import Page, expect
 from apps.accounts.roles import Role
 from apps.fleet.models import Footprint
 from apps.registry.imports import repository_import
+from apps.registry.models import Model
 from tests.support.browser import screenshot, sign_in
 from tests.support.users import make_user
 
@@ -77,3 +79,43 @@ def test_two_versions_side_by_side(page: Page, signed_in: str) -> None:
     removed = page.locator("tr.replace td.old, tr.delete td.old")
     expect(removed.filter(has_text='model_name: "reranker"')).to_have_count(1)
     screenshot(page, "registry-diff")
+
+
+def test_a_repository_zip_is_checked_then_imported_from_the_models_page(
+    page: Page, signed_in: str, tmp_path: Path
+) -> None:
+    config = (REPOSITORY / "embedder" / "config.pbtxt").read_text()
+    archive = tmp_path / "repository.zip"
+    with zipfile.ZipFile(archive, "w") as zipped:
+        zipped.writestr("sentiment/config.pbtxt", config.replace('"embedder"', '"sentiment"'))
+        zipped.writestr("sentiment/1/model.py", "")
+        typo = config.replace('"embedder"', '"classifier"').replace("max_batch_size", "max_batch")
+        zipped.writestr("classifier/config.pbtxt", typo)
+        zipped.writestr("classifier/1/model.py", "")
+    page.goto(f"{signed_in}/models/")
+    page.get_by_label("Zip of a Triton model repository").set_input_files(archive)
+    page.get_by_label("Validate only").check()
+    page.get_by_role("button", name="Import").click()
+    expect(page.get_by_role("heading", level=1)).to_have_text("Repository import")
+    rows = page.locator("tbody tr")
+    expect(rows.filter(has_text="classifier")).to_contain_text("invalid")
+    # Where the mistake is, as a path inside the zip.
+    expect(rows.filter(has_text="classifier").locator(".error")).to_have_text(
+        'classifier/config.pbtxt:3:1: Message type "inference.ModelConfig" has no field named '
+        '"max_batch".'
+    )
+    expect(page.locator("#validated-only")).to_have_text(
+        "Validated only: nothing was stored. What is ok here would be imported."
+    )
+    expect(rows.filter(has_text="sentiment")).to_contain_text("ok")
+    screenshot(page, "registry-import")
+    assert not Model.objects.filter(name__in=["sentiment", "classifier"]).exists()
+
+    page.goto(f"{signed_in}/models/")
+    page.get_by_label("Zip of a Triton model repository").set_input_files(archive)
+    page.get_by_role("button", name="Import").click()
+    expect(rows.filter(has_text="sentiment")).to_contain_text("imported 1")
+    expect(page.locator("#validated-only")).to_have_count(0)
+    assert list(Model.objects.filter(name__in=["sentiment", "classifier"])) == [
+        Model.objects.get(name="sentiment")
+    ]

@@ -74,8 +74,11 @@ def test_a_slowed_step_is_named_advised_and_its_tuning_raises_throughput_at_no_w
     assert last[THROUGHPUT].canary_value > 1.3 * last[THROUGHPUT].baseline_value
     assert last["p99"].verdict == "success"
     assert last["p99"].canary_value <= 1.25 * last["p99"].baseline_value
-    # The page, now final, shows the same evidence.
+    # The page, opened again now that it is final, shows the same evidence, and its chart spans
+    # the whole rollout.
     expect(page.locator("#rollout-state")).to_have_text("Succeeded")
+    page.reload()
+    expect(page.locator("#chart svg.main-svg").first).to_be_visible(timeout=20_000)
     rows = page.locator("table.measurements tr", has_text="rag_pipeline requests/s a node")
     expect(rows.first.locator("td").nth(2)).to_have_text("custom rag_pipeline requests/s a node")
     expect(rows.first).to_contain_text("success")

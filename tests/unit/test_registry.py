@@ -4,6 +4,7 @@ import random
 import shutil
 import stat
 import zipfile
+from html import unescape
 from pathlib import Path
 
 import pytest
@@ -315,6 +316,17 @@ def test_upload_of_an_unsafe_archive_is_refused_with_nothing_stored(
     assert response.status_code == 422
     assert "path leaves the archive" in response.content.decode()
     assert Model.objects.count() == 0
+
+
+def test_a_mistake_in_an_uploaded_archive_is_named_by_its_path_inside_it(
+    client: Client, release_manager: User
+) -> None:
+    client.force_login(release_manager)
+    upload = io.BytesIO(zip_of({"repo/m/config.pbtxt": b'name: "m"\nbackend: "python"\nbogus: 1'}))
+    upload.name = "repo.zip"
+    body = unescape(client.post("/models/import/", {"archive": upload}).content.decode())
+    assert 'repo/m/config.pbtxt:3:1: Message type "inference.ModelConfig" has no field' in body
+    assert "tmp" not in body.split("<tbody>")[1]
 
 
 def test_model_list_searches_and_filters(client: Client, viewer: User) -> None:
