@@ -215,7 +215,7 @@ def step_mean_latency_query(*, step: str, pool: str, window_s: int) -> str:
     )
 
 
-# A template's own quality series, per side: the same text with each side's nodes and version.
+# A template's own (custom) series, per side: the same text with each side's nodes and version.
 PLACEHOLDERS = ("pool", "nodes", "version", "window")
 
 

@@ -196,8 +196,8 @@ def archive_import(*, archive: File, actor: Actor, dry_run: bool = False) -> lis
     with tempfile.TemporaryDirectory() as tmp:
         root = extract_repository(archive.read(), Path(tmp))
         results = repository_import(path=root, actor=actor, dry_run=dry_run, artifacts=False)
-    # Where a mistake is, said as a path inside the archive, not the directory it was unpacked in.
-    unpacked = f"{Path(tmp).resolve()}/"
+        # Where a mistake is, said as a path inside the archive, not where it was unpacked.
+        unpacked = f"{Path(tmp).resolve()}/"
     return [replace(r, errors=[e.replace(unpacked, "") for e in r.errors]) for r in results]
 
 

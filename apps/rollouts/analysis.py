@@ -18,7 +18,6 @@ from datetime import timedelta
 from django.utils import timezone
 
 from apps.rollouts.judge import compare, score
-from apps.rollouts.models import Measurement
 from apps.rollouts.plans import Analysis, CustomMetric
 from apps.rollouts.slo import Objectives, burn_rate, gate, over_budget
 from apps.rollouts.verdicts import Verdict
@@ -220,7 +219,7 @@ def _custom(
             why.append(f"canary {canary:.4g} is above the max {metric.max:g}")
         verdict = Verdict.FAILURE if why else Verdict.SUCCESS
     return Result(
-        f"{Measurement.CUSTOM}{metric.name}",
+        f"{metric.PREFIX}{metric.name}",
         "\n".join(f"{query}\n# {side}" for side, query in queries.items()),
         canary,
         baseline,

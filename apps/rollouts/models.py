@@ -6,6 +6,7 @@ from django.db.models import Q
 from apps.fleet.models import NodePool
 from apps.quality.models import EvaluationRun, SyntheticLoad
 from apps.registry.models import Model
+from apps.rollouts.plans import CustomMetric
 from apps.rollouts.verdicts import Verdict
 
 
@@ -193,9 +194,6 @@ class Measurement(models.Model):
         default=dict, blank=True, help_text="the statistical judge's samples, U, p and effect"
     )
 
-    # An analysis's own metric (plans.CustomMetric) is stored under its name after this.
-    CUSTOM = "custom: "
-
     class Meta:
         ordering = ["-taken_at", "-id"]
 
@@ -205,7 +203,8 @@ class Measurement(models.Model):
     @property
     def custom_name(self) -> str:
         """The name of the analysis's own metric this measures; empty for the built-in ones."""
-        return self.metric.removeprefix(self.CUSTOM) if self.metric.startswith(self.CUSTOM) else ""
+        prefix = CustomMetric.PREFIX
+        return self.metric.removeprefix(prefix) if self.metric.startswith(prefix) else ""
 
 
 class Notification(models.Model):

@@ -110,6 +110,8 @@ class CustomMetric:
     requests a node), queried once per side with that side's `$nodes` or `$version`, and judged
     canary against baseline."""
 
+    PREFIX = "custom: "  # what its measurements are named: the prefix, then its name
+
     name: str
     query: str
     higher_is_better: bool
@@ -230,7 +232,8 @@ class Analysis:
     # Where a side served fewer than `min_requests` in a round, the set's inputs are sent to its
     # nodes at this rate (requests per second) for the rest of the step; 0: never.
     synthetic_rps: float = 0.0
-    # The application's own quality series, judged like latency (apps/rollouts/analysis.py).
+    # The analysis's own series (answer quality, a pipeline's requests a node), judged like
+    # latency (apps/rollouts/analysis.py); measured as `CustomMetric.PREFIX` + name.
     metrics: tuple[CustomMetric, ...] = ()
 
     @classmethod

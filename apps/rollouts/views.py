@@ -188,7 +188,9 @@ def switch_evaluations(rollout: Rollout) -> dict[str, Any] | None:
     }
 
 
-def chart_query(rollout: Rollout, now: datetime, metric: str = "p99_nodes", model: str = "") -> str:
+def chart_query(
+    rollout: Rollout, now: datetime, *, metric: str = "p99_nodes", model: str = ""
+) -> str:
     """A chart's query (`rollout`'s model by default): from shortly before the rollout began to
     now, or to shortly after it finished, so that a young rollout is not squeezed into the last
     pixels of a fixed range."""

@@ -349,7 +349,7 @@ def test_the_rollout_page_shows_the_failed_quality_gate_and_its_failing_cases(
     assert '<td class="answer wrong differs">faq:contact</td>' in body
     # Its measurements: the gate's row links its run; the analysis's own series is marked so.
     assert f"evaluation run #{run.pk}</a>: 0 passed, 30 failed" in body
-    assert 'analysis">custom</span> helpful' in body
+    assert 'class="badge custom"' in body and ">custom</span> helpful" in body
     live = {"HX-Request": "true", "HX-Target": "rollout-live"}
     assert client.get(f"/rollouts/{rollout.pk}/", headers=live).status_code == 286
 
