@@ -153,9 +153,9 @@ def test_a_node_registered_by_hand_is_never_touched_by_discovery() -> None:
 
 
 def test_a_discovered_node_is_never_registered_again_by_hand() -> None:
-    # Its addresses follow its target: changed by hand, the next pass would change them back.
-    nodes_sync([target("gpu-7")], timezone.now())
-    with pytest.raises(FleetError, match=r"node gpu-7 is discovered .* register it under another"):
+    # Its addresses follow its target: changed by hand, the next pass would change them back;
+    # departed, it rejoins as itself when its target is listed again.
+    def register() -> None:
         node_register(
             name="gpu-7",
             pool="gpu",
@@ -164,10 +164,18 @@ def test_a_discovered_node_is_never_registered_again_by_hand() -> None:
             metrics_url="",
             actor="system:test",
         )
-    node = Node.objects.get()
+
+    now = timezone.now()
+    nodes_sync([target("gpu-7")], now)
+    with pytest.raises(FleetError, match=r"node gpu-7 is discovered from .* under another name"):
+        register()
+    nodes_sync([target("gpu-8")], now + timedelta(days=1))
+    with pytest.raises(FleetError, match=r"node gpu-7 is discovered, departed, from Prometheus"):
+        register()
+    node = Node.objects.get(name="gpu-7")
     assert (node.http_url, node.discovered_at is not None) == ("http://10.0.0.5:8000", True)
-    refused = AuditEvent.objects.get(action="node.register")
-    assert (refused.result, refused.target) == ("failed", "node:gpu-7")
+    refused = AuditEvent.objects.filter(action="node.register")
+    assert {(e.result, e.target) for e in refused} == {("failed", "node:gpu-7")}
 
 
 def test_a_target_that_is_no_node_is_said_once_with_why() -> None:

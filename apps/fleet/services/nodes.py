@@ -29,10 +29,12 @@ def node_register(
     wanted["metrics_url"] = metrics_url
     node = Node.objects.select_for_update().filter(name=name).first()
     if node is not None and node.discovered_at is not None:
-        # Changed by hand, its addresses would be changed back by the next discovery pass.
+        # Changed by hand, its addresses would be changed back by the next discovery pass; a
+        # departed one rejoins, as itself, when its target is listed again.
+        departed = ", departed," if node.stage == Node.Stage.DEPARTED else ""
         raise FleetError(
-            f"node {name} is discovered from Prometheus' targets (at {node.metrics_url}): its "
-            "addresses follow its target; register it under another name"
+            f"node {name} is discovered{departed} from Prometheus' targets (at "
+            f"{node.metrics_url}): its addresses follow its target; register it under another name"
         )
     before = {} if node is None else {k: str(getattr(node, k)) for k in wanted}
     after = {k: str(v) for k, v in wanted.items()}
