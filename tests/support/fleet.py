@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc
 from apps.devtools.traffic import QUESTIONS, send_traffic, wait_for_model
-from apps.fleet.models import Node, NodePool
+from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.traffic.haproxy import Runtime
 from apps.fleet.triton import TritonClient, TritonError, sample_inputs
 from apps.rollouts.controller import rollout_advance
@@ -207,6 +207,15 @@ def until_state(rollout: Rollout, *states: str, timeout: float = 150) -> Rollout
     finally:
         found = Rollout.objects.get(pk=rollout.pk)
         print(f"\n#{found.pk} {found.state} step {found.step}: {found.reason}")
+        for name, stage, why in found.pool.nodes.exclude(stage=Node.Stage.SERVING).values_list(
+            "name", "stage", "stage_reason"
+        ):
+            print(f"  node {name} {stage}: {why}")
+        unsucceeded = Operation.objects.filter(node__pool=found.pool).exclude(
+            status=Operation.Status.SUCCEEDED
+        )
+        for op in unsucceeded.select_related("node"):
+            print(f"  {op}: {op.status} {op.error}")
         for m in found.measurements.order_by("taken_at")[:40]:
             print(
                 f"  {m.taken_at:%H:%M:%S} {m.metric}: {m.canary_value} vs {m.baseline_value}"

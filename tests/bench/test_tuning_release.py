@@ -2,7 +2,13 @@
 a real Prometheus by the real worker and beat: the reranker, one instance made slow, is named the
 pipeline's bottleneck with its queue and compute times and advised more instances; accepted on
 the page, the tuning rollout's page shows the pipeline serving more requests a node at no worse
-P99, and says what the tuning changed and why."""
+P99, and says what the tuning changed and why.
+
+In `make bench`, not in CI: under this saturating load the canary's load sometimes does not start
+until the load stops (seen 2 times in about 11 runs: the product's load call times out after
+FLEET_LOAD_TIMEOUT_S, Triton logs the load only once the users stop), and the rollout waits at
+its first step; see the README's known problems. Run alone:
+`DATABASE_URL=postgres://postgres@127.0.0.1:5432/test .venv/bin/pytest tests/bench/test_tuning_release.py -s -p no:cacheprovider`"""
 
 import re
 
@@ -56,6 +62,8 @@ def test_a_slowed_step_is_named_advised_and_its_tuning_raises_throughput_at_no_w
             slowest.get_by_label("Analysis template").fill(tuning_template)
             slowest.get_by_role("button", name="Start the tuning rollout").click()
             expect(page.locator("#tuning")).to_contain_text("Tuning: reranker v1 → v")
+            # Away while it runs: the page's polling would take cores from the saturated nodes.
+            page.goto("about:blank")
             rollout = until_state(
                 Rollout.objects.get(), Rollout.State.SUCCEEDED, Rollout.State.ROLLED_BACK
             )
@@ -63,7 +71,9 @@ def test_a_slowed_step_is_named_advised_and_its_tuning_raises_throughput_at_no_w
         assert not [k for k in load.answered if k.endswith("failed")], load.answered
     finally:
         devfleet.fault("reranker")
-    tuned = ModelVersion.objects.get(model__name="reranker", version=rollout_step(rollout))
+    tuned = ModelVersion.objects.get(
+        model__name="reranker", version=pinned_reranker_version(rollout)
+    )
     assert tuned.config["instance_group"][0]["count"] >= 2
     # The evidence of the canary's step: the canary node served more requests than each
     # baseline node under the same load, at the same P99 (within a quarter: Triton's summary
@@ -76,8 +86,8 @@ def test_a_slowed_step_is_named_advised_and_its_tuning_raises_throughput_at_no_w
     assert last["p99"].canary_value <= 1.25 * last["p99"].baseline_value
     # The page, opened again now that it is final, shows the same evidence, and its chart spans
     # the whole rollout.
+    page.goto(f"{live_server}/rollouts/{rollout.pk}/")
     expect(page.locator("#rollout-state")).to_have_text("Succeeded")
-    page.reload()
     expect(page.locator("#chart svg.main-svg").first).to_be_visible(timeout=20_000)
     rows = page.locator("table.measurements tr", has_text="rag_pipeline requests/s a node")
     expect(rows.first.locator("td").nth(2)).to_have_text("custom rag_pipeline requests/s a node")
@@ -86,7 +96,7 @@ def test_a_slowed_step_is_named_advised_and_its_tuning_raises_throughput_at_no_w
     screenshot(page, "tuning-rollout")
 
 
-def rollout_step(rollout: Rollout) -> int:
+def pinned_reranker_version(rollout: Rollout) -> int:
     """The reranker version the rollout's pipeline version pins."""
     config = ModelVersion.objects.get(model=rollout.model, version=rollout.canary_version).config
     (pin,) = [s for s in config["ensemble_scheduling"]["step"] if s["model_name"] == "reranker"]
