@@ -44,9 +44,9 @@ class RolloutIn(Schema):
     """`plan`: one step per line (`1 node, hold 60s` / `50%, hold 2m` / `100%`) or the stored
     list form; `analysis`: thresholds, defaults for what is left out, and in `metrics` the
     analysis's own series (answer quality, throughput), each queried once per side and judged
-    canary against
-    baseline, such as `{"name": "helpful answers", "higher_is_better": true, "tolerance": 0.05,
-    "min": 0.5, "max": 1, "query": "avg(rag_helpful_ratio{node=~\\"$nodes\\"})"}`, where
+    canary against baseline, such as `{"name": "helpful answers", "higher_is_better": true,
+    "tolerance": 0.05, "min": 0.5, "max": 1,
+    "query": "avg(rag_helpful_ratio{node=~\\"$nodes\\"})"}`, where
     `$nodes` is a regex of exactly that side's nodes, `$version` its version, with `$pool` and
     `$window`; the canary may be `tolerance` of the baseline's value worse, `min` and `max`
     hold at every step, and no data on a side is inconclusive; their measurements are named

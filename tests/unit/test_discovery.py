@@ -136,15 +136,20 @@ def test_a_pod_replaced_at_another_address_under_its_name_joins_again() -> None:
     assert event.message.startswith("listed at other addresses")
 
 
-def test_a_node_registered_by_hand_is_never_touched_by_discovery() -> None:
+def by_hand(name: str) -> None:
+    """`name` registered by hand (`register_node`), at an address of its own."""
     node_register(
-        name="gpu-7",
+        name=name,
         pool="gpu",
         http_url="http://10.0.0.1:8000",
         grpc_url="",
         metrics_url="",
         actor="system:test",
     )
+
+
+def test_a_node_registered_by_hand_is_never_touched_by_discovery() -> None:
+    by_hand("gpu-7")
     found = nodes_sync([target("gpu-7")], timezone.now())
     assert found.refused == {"http://10.0.0.5:8002/metrics": "node gpu-7 was registered by hand"}
     nodes_sync([], timezone.now() + timedelta(days=1))
@@ -155,23 +160,13 @@ def test_a_node_registered_by_hand_is_never_touched_by_discovery() -> None:
 def test_a_discovered_node_is_never_registered_again_by_hand() -> None:
     # Its addresses follow its target: changed by hand, the next pass would change them back;
     # departed, it rejoins as itself when its target is listed again.
-    def register() -> None:
-        node_register(
-            name="gpu-7",
-            pool="gpu",
-            http_url="http://10.0.0.1:8000",
-            grpc_url="",
-            metrics_url="",
-            actor="system:test",
-        )
-
     now = timezone.now()
     nodes_sync([target("gpu-7")], now)
     with pytest.raises(FleetError, match=r"node gpu-7 is discovered from .* under another name"):
-        register()
+        by_hand("gpu-7")
     nodes_sync([target("gpu-8")], now + timedelta(days=1))
     with pytest.raises(FleetError, match=r"node gpu-7 is discovered, departed, from Prometheus"):
-        register()
+        by_hand("gpu-7")
     node = Node.objects.get(name="gpu-7")
     assert (node.http_url, node.discovered_at is not None) == ("http://10.0.0.5:8000", True)
     refused = AuditEvent.objects.filter(action="node.register")
