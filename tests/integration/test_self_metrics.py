@@ -26,6 +26,7 @@ from apps.fleet.models import Node, NodePool
 from controlplane import metrics
 from controlplane.celery import app as celery_app
 from tests.support.metrics import make_fleet, matching, scrape, scrape_headers
+from tests.support.services import redis_server
 from tests.support.users import make_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -113,30 +114,25 @@ def headers(viewer: User) -> dict[str, str]:
 
 
 def test_queue_depth_sums_every_priority_list_of_each_queue_in_use(
-    client: Client, headers: dict[str, str], redis_url: str, monkeypatch: pytest.MonkeyPatch
+    client: Client, headers: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(celery_app.conf, "broker_url", redis_url)
     queue = f"metrics-test-{uuid.uuid4().hex[:8]}"
     make_fleet("regional", nodes=1, queue=queue)
     make_fleet("local", nodes=1)
-    with redis.Redis.from_url(redis_url) as broker:
-        try:
-            with Connection(redis_url) as conn:
-                waiting = conn.SimpleQueue(queue)
-                for priority in [0, 0, 5, 9, 9]:
-                    waiting.put({"n": priority}, priority=priority)
-                waiting.close()
-            # kombu spread them over several lists: the depth has to add them up.
+    # A broker of its own: the session's workers drain the shared one while the test counts.
+    with redis_server(tmp_path) as (_, redis_url), Connection(redis_url) as conn:
+        monkeypatch.setattr(celery_app.conf, "broker_url", redis_url)
+        for name, priorities in [(queue, [0, 0, 5, 9, 9]), ("celery", [0, 9])]:
+            waiting = conn.SimpleQueue(name)
+            for priority in priorities:
+                waiting.put({"n": priority}, priority=priority)
+            waiting.close()
+        # kombu spread them over several lists: the depth has to add them up.
+        with redis.Redis.from_url(redis_url) as broker:
             assert len(broker.keys(f"{queue}*")) > 1
-            samples = scrape(client, headers)
-        finally:
-            broker.delete(*broker.keys(f"*{queue}*"))
-        depths = matching(samples, "controlplane_celery_queue_depth")
-        assert depths == {
-            ("celery",): broker.llen("celery"),
-            ("rollouts",): broker.llen("rollouts"),
-            (queue,): 5,
-        }
+        samples = scrape(client, headers)
+    depths = matching(samples, "controlplane_celery_queue_depth")
+    assert depths == {("celery",): 2, ("rollouts",): 0, (queue,): 5}
     assert matching(samples, "controlplane_broker_up") == {(): 1}
 
 
