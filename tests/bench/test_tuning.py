@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from apps.devtools.devfleet import Devfleet
-from apps.devtools.processes import FleetState
+from apps.devtools.processes import FleetState, Proc
 from apps.fleet.models import Node, NodePool
 from apps.observability.bottleneck import Advice
 from apps.rollouts.models import Rollout
@@ -43,20 +43,21 @@ ADVICE = Advice(
 @pytest.mark.timeout(900)
 @pytest.mark.django_db(transaction=True)
 def test_a_tuning_release_raises_the_pipelines_throughput(
-    serving_v1: NodePool,
+    weighted: NodePool,
     trio: tuple[Devfleet, FleetState],
+    haproxy: Proc,
     tuning_template: str,
     report: Report,
 ) -> None:
     devfleet, state = trio
     devfleet.fault("reranker", delay_ms=DELAY_MS)
     try:
-        with saturating(state, per_node=USERS_A_NODE) as load:
+        with saturating(state, per_node=USERS_A_NODE, haproxy=haproxy) as load:
             load.served(10)  # the queues fill
             before = load.served(MEASURE_S)
             rollout = tuning_start(
                 pipeline="rag_pipeline",
-                pool_name=serving_v1.name,
+                pool_name=weighted.name,
                 advice=ADVICE,
                 plan="1 node, hold 26s\n100%",
                 template=tuning_template,
@@ -66,7 +67,7 @@ def test_a_tuning_release_raises_the_pipelines_throughput(
             assert rollout.state == Rollout.State.SUCCEEDED, rollout.reason
             tuned = STEPS_V1 - {("reranker", 1), ("rag_pipeline", 1)}
             tuned |= {("reranker", 7), ("rag_pipeline", 10)}
-            serving = serving_v1.nodes.filter(stage=Node.Stage.SERVING)
+            serving = weighted.nodes.filter(stage=Node.Stage.SERVING)
             wait_for(
                 "every serving node serves the tuned release",
                 lambda: all(tuned <= ready_on(node) for node in serving),
@@ -86,7 +87,7 @@ def test_a_tuning_release_raises_the_pipelines_throughput(
         f"{before[0]:.1f} → {after[0]:.1f} ({after[0] / before[0]:.2f}x)",
         "higher after",
     )
-    stages = Counter(serving_v1.nodes.values_list("stage", flat=True))
+    stages = Counter(weighted.nodes.values_list("stage", flat=True))
     report.add(bench, "nodes after it, by stage", ", ".join(f"{n} {s}" for s, n in stages.items()))
     report.add(bench, "P99 as users see it", f"{before[1]:.0f} ms → {after[1]:.0f} ms", "no worse")
     assert after[0] > 1.3 * before[0] and after[1] <= before[1], (before, after)

@@ -4,10 +4,11 @@ pipeline's bottleneck with its queue and compute times and advised more instance
 the page, the tuning rollout's page shows the pipeline serving more requests a node at no worse
 P99, and says what the tuning changed and why.
 
-In `make bench`, not in CI: under this saturating load the canary's load sometimes does not start
-until the load stops (seen 2 times in about 11 runs: the product's load call times out after
-FLEET_LOAD_TIMEOUT_S, Triton logs the load only once the users stop), and the rollout waits at
-its first step; see the README's known problems. Run alone:
+The trio is behind HAProxy, and each node's users stop sending while HAProxy holds it drained,
+as a balancer's would: Triton ends the canary's load (the tuned config reconfigures the version
+serving as well) only once none of that version's requests is in flight, which a node kept
+saturated in traffic may not allow for minutes (see the README). In `make bench` (three
+saturated nodes take the machine for minutes), or alone:
 `DATABASE_URL=postgres://postgres@127.0.0.1:5432/test .venv/bin/pytest tests/bench/test_tuning_release.py -s -p no:cacheprovider`"""
 
 import re
@@ -17,7 +18,7 @@ from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.devtools.devfleet import Devfleet
-from apps.devtools.processes import FleetState
+from apps.devtools.processes import FleetState, Proc
 from apps.registry.models import ModelVersion
 from apps.rollouts.models import Measurement, Rollout
 from tests.support.browser import screenshot, sign_in
@@ -35,6 +36,7 @@ THROUGHPUT = "custom: rag_pipeline requests/s a node"
 
 def test_a_slowed_step_is_named_advised_and_its_tuning_raises_throughput_at_no_worse_p99(
     trio: tuple[Devfleet, FleetState],
+    haproxy: Proc,
     tuning_template: str,
     page: Page,
     live_server: object,
@@ -49,7 +51,7 @@ def test_a_slowed_step_is_named_advised_and_its_tuning_raises_throughput_at_no_w
 
     devfleet.fault("reranker", delay_ms=DELAY_MS)
     try:
-        with saturating(state, per_node=USERS_A_NODE) as load:
+        with saturating(state, per_node=USERS_A_NODE, haproxy=haproxy) as load:
             wait_for("the page names the reranker, advising more instances", advised, 90, 2)
             expect(slowest.get_by_role("heading", level=2)).to_have_text(
                 "Slowest step: reranker v1"

@@ -159,18 +159,34 @@ class Load:
 
 
 @contextmanager
-def saturating(state: FleetState, *, per_node: int) -> Iterator[Load]:
+def saturating(state: FleetState, *, per_node: int, haproxy: Proc) -> Iterator[Load]:
     """`per_node` users on each node, each sending unversioned rag_pipeline requests one after
     the other while it lasts: every node under the same load, as busy as its slowest step lets
-    it be."""
+    it be. A node HAProxy holds at weight 0 (drained for a load) gets no new request until it
+    is back, as its share of a balancer's users would not: Triton reloads a version it serves
+    only once no request of it is in flight, which a queue kept full never lets happen."""
     clients = [TritonClient(state.node_urls(p)["http_url"], node=p.name) for p in state.nodes]
     spec = wait_for_model(clients[0], "rag_pipeline", timeout=30)
     stop, lock, load = threading.Event(), threading.Lock(), Load()
+    serving = {client.node: threading.Event() for client in clients}
+
+    def balancer() -> None:
+        while True:
+            if (now := weights(haproxy)) is not None:  # None: its backends mid-sync
+                for node, event in serving.items():
+                    if now.get(node, 1):
+                        event.set()
+                    else:
+                        event.clear()
+            if stop.wait(0.1):
+                break
 
     def user(client: TritonClient, seed: int) -> None:
         rng = random.Random(seed)
         with client.session(timeout=60) as session:
             while not stop.is_set():
+                if not serving[client.node].wait(0.5):
+                    continue
                 start = time.monotonic()
                 try:
                     session.infer("rag_pipeline", sample_inputs(spec, rng, texts=QUESTIONS))
@@ -183,6 +199,8 @@ def saturating(state: FleetState, *, per_node: int) -> Iterator[Load]:
                     if outcome == "ok":
                         load.seconds.append(time.monotonic() - start)
 
+    watcher = threading.Thread(target=balancer, daemon=True)
+    watcher.start()
     users = [
         threading.Thread(target=user, args=(client, n), daemon=True)
         for n, client in enumerate(clients * per_node)
@@ -193,7 +211,7 @@ def saturating(state: FleetState, *, per_node: int) -> Iterator[Load]:
         yield load
     finally:
         stop.set()
-        for thread in users:
+        for thread in [watcher, *users]:
             thread.join(70)
 
 

@@ -175,9 +175,10 @@ def serving_v1(
 
 
 @pytest.fixture
-def tuning_template(serving_v1: NodePool, repository: Path, settings: object) -> str:
-    """For tunings of the trio's pool: new versions may get files in its repository, and their
-    rollouts are judged by the template named, once the canary's users' queued requests drained."""
+def tuning_template(weighted: NodePool, repository: Path, settings: object) -> str:
+    """For tunings of the trio's pool, behind HAProxy (its nodes are drained for their loads):
+    new versions may get files in its repository, and their rollouts are judged by the template
+    named, once the canary's users' queued requests drained."""
     settings.REGISTRY_ARTIFACT_ROOTS = [str(repository)]  # type: ignore[attr-defined]
     paced = ANALYSIS | HEALTHY | {"warmup_s": 15}
     template_save(name="tuning-pace", analysis=paced, actor="system:test")
