@@ -348,25 +348,27 @@ class PoolView:
         return fleet_summary(self.shapes)
 
 
-def pool_views(pools: Iterable[NodePool]) -> list[PoolView]:
-    """Each pool with its deployments and its nodes' drift, in a bounded number of queries."""
+def pool_views(pools: Iterable[NodePool], *, glance: bool = False) -> list[PoolView]:
+    """Each pool with its deployments and its nodes' drift, in a bounded number of queries;
+    with `glance`, the first few drifting nodes of each read whole (`PoolView.drifting`)."""
     pools = list(pools)
     desired = fleet_desired(pool_ids=[pool.pk for pool in pools])
     shapes: dict[int, list[Shape]] = {pool.pk: [] for pool in pools}
     for shape in node_shapes(Node.objects.filter(pool__in=pools), desired):
         shapes[shape.row.node.pool_id].append(shape)
-    glance = []
-    for found in shapes.values():
-        ids = (
-            pk
-            for shape in found
-            if shape.row.drift and shape.row.node.stage != Node.Stage.DEPARTED
-            for pk in shape.ids
-        )
-        glance += sorted(ids)[:DRIFTING_SHOWN]
     drifting: dict[int, list[NodeRow]] = {pool.pk: [] for pool in pools}
-    for node in node_list().filter(pk__in=glance):
-        drifting[node.pool_id].append(node_row(node, desired))
+    if glance:
+        first = []
+        for found in shapes.values():
+            ids = (
+                pk
+                for shape in found
+                if shape.row.drift and shape.row.node.stage != Node.Stage.DEPARTED
+                for pk in shape.ids
+            )
+            first += sorted(ids)[:DRIFTING_SHOWN]
+        for node in node_list().filter(pk__in=first):
+            drifting[node.pool_id].append(node_row(node, desired))
     deployments: dict[int, list[Deployment]] = {pool.pk: [] for pool in pools}
     for deployment in Deployment.objects.filter(pool__in=pools).select_related("model"):
         deployments[deployment.pool_id].append(deployment)  # type: ignore[index]

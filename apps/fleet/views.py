@@ -205,7 +205,11 @@ def deployments(request: HttpRequest) -> HttpResponse:
     """What every pool should run, a page of pools at a time, each with its nodes summarised."""
     page = Paginator(NodePool.objects.all(), POOLS_PER_PAGE).get_page(request.GET.get("page"))
     # The options are rendered once, not once per pool: hundreds of versions, ten pools.
-    context = {"page": page, "pools": pool_views(page), "release_options": _release_options()}
+    context = {
+        "page": page,
+        "pools": pool_views(page, glance=True),
+        "release_options": _release_options(),
+    }
     return render(request, "fleet/deployments.html", context)
 
 
