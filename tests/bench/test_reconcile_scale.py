@@ -21,6 +21,10 @@ the floor's, 4 workers at least 1.8x faster than 2. Asserted: that the release f
 last replacement, that every listed node serves it, READY as read back from each node; the
 ratios are reported against their targets, not asserted.
 
+A gauge of the workers' part beside it, in seconds rather than a quarter of an hour
+(`test_one_worker_cpu_per_node_against_the_floor`): one process' CPU per node for the same
+release, task by task in-process, against the raw client's, with the statements it ran.
+
 Run with `make bench` (not part of CI), or alone:
 `DATABASE_URL=postgres://postgres@127.0.0.1:5432/test .venv/bin/pytest tests/bench/test_reconcile_scale.py -s -p no:cacheprovider`
 """
@@ -54,7 +58,7 @@ from apps.fleet.reconcile import node_reconcile
 from apps.fleet.runner import node_run
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register
-from apps.fleet.tasks import poll_node, reconcile_change, send_per_node
+from apps.fleet.tasks import poll_node, reconcile_change, reconcile_node, send_per_node
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
 from controlplane.celery import app as celery_app
@@ -356,6 +360,63 @@ def test_release_to_5000_nodes_against_the_floor(
             f"(run alone: {probe_run_ms:.0f} ms vs {LOADS_PER_NODE * LOAD_MS:g} ms of loads)\n"
             f"  reconcile: {query_shapes(reconcile_queries)}\n  run: {query_shapes(run_queries)}"
         )
+
+
+GAUGE_NODES = 100
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_worker_cpu_per_node_against_the_floor(report: Report) -> None:
+    """The Celery workers' share of the release's CPU, without Celery: `reconcile_node` (plan
+    and run, as a worker runs it) for GAUGE_NODES nodes one after another in this process,
+    against `floor_load` of the same loads one node at a time; each counts this process' CPU
+    only (the simulator is a process of its own). The statements it ran and the CPU spent
+    executing them (the database driver) are reported beside it: where the rest goes is Python,
+    the ORM's building of those statements most of all."""
+    assert all(r.ok for r in repository_import(path=REPOSITORY, actor=ACTOR))
+    pool = NodePool.objects.create(name="gauge")
+    with simulated(GAUGE_NODES + 1) as urls:
+        listed = {f"sim-{n:04}": (url, pool.name) for n, url in enumerate(urls)}
+        nodes_sync(listing(listed), timezone.now())
+        Node.objects.update(stage=Node.Stage.SERVING)
+        deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor=ACTOR)
+        first, *ids = Node.objects.order_by("name").values_list("pk", flat=True)
+        reconcile_node(first)  # computes the pool's desired state, as each worker does once
+        statements, executing = 0, 0.0
+
+        def counted(execute, sql, params, many, context):  # type: ignore[no-untyped-def]
+            nonlocal statements, executing
+            started = time.process_time()
+            try:
+                return execute(sql, params, many, context)
+            finally:
+                statements += 1
+                executing += time.process_time() - started
+
+        started = time.process_time()
+        with connection.execute_wrapper(counted):
+            for node_id in ids:
+                reconcile_node(node_id)
+        product_ms = (time.process_time() - started) / len(ids) * 1000
+        succeeded = Operation.objects.filter(status=Operation.Status.SUCCEEDED)
+        assert succeeded.count() == LOADS_PER_NODE * (GAUGE_NODES + 1)
+        sample = succeeded.filter(node_id=first).order_by("seq")
+        loads = [(op.model_name, _json(op.config)) for op in sample]
+    with simulated(GAUGE_NODES) as fresh:
+        started = time.process_time()
+        floor_load(fresh, loads, 1)
+        floor_ms = (time.process_time() - started) / GAUGE_NODES * 1000
+    gauge = f"one worker's CPU per node, in-process, {GAUGE_NODES} nodes"
+    report.add(
+        gauge,
+        "reconcile_node against the raw client",
+        f"product {product_ms:.1f} ms, floor {floor_ms:.1f} ms ({product_ms / floor_ms:.1f}x)",
+    )
+    report.add(
+        gauge,
+        "statements per node, CPU executing them",
+        f"{statements / len(ids):.1f}, {executing / len(ids) * 1000:.1f} ms",
+    )
 
 
 def _json(config: object) -> str | None:
