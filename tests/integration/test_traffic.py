@@ -121,7 +121,11 @@ def test_a_rollback_inside_the_window_narrows_every_node_in_traffic_at_once(
     )
     since = timezone.now()
     release_rollback(model_name="rag_pipeline", pool_name=weighted.name, actor="oncall")
-    wait_for("v1 alone everywhere", converged(weighted, STEPS_V1))
+    # Triton shows v1 alone a moment before the worker has read it back and recorded the load.
+    wait_for(
+        "v1 alone everywhere, its loads recorded",
+        lambda: converged(weighted, STEPS_V1)() and not ops.filter(status__in=OPEN).exists(),
+    )
     narrowed = ops.filter(created_at__gte=since)
     assert narrowed.exists() and not narrowed.exclude(status=Operation.Status.SUCCEEDED).exists()
     assert not AuditEvent.objects.filter(action="node.drain", created_at__gte=since).exists()
