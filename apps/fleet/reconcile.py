@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from apps.audit.context import REQUEST_ID
@@ -158,8 +159,16 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
         log.warning("node %s: %s", node.name, exc)
         return []
     with transaction.atomic():
-        locked = Node.objects.select_for_update().get(pk=node_id)
-        if locked.operations.filter(status__in=Operation.OPEN).exists():
+        # Its pool comes along for the run this plan is handed to (`wanted`: the balancer, the
+        # warm-up); only the node's row is locked.
+        pending = Operation.objects.filter(node=OuterRef("pk"), status__in=Operation.OPEN)
+        locked = (
+            Node.objects.select_for_update(of=("self",))
+            .select_related("pool")
+            .annotate(pending=Exists(pending))
+            .get(pk=node_id)
+        )
+        if locked.pending:  # type: ignore[attr-defined]
             # Work is pending. If no worker has held the node for longer than a lease since it was
             # queued, its run was lost (a killed worker's unacknowledged task comes back only
             # after the visibility timeout): hand it to the caller. Younger work is about to be

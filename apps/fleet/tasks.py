@@ -121,7 +121,9 @@ def reconcile_node(node_id: int) -> None:
         except (NodeBusy, PoolAtCapacity, TritonUnreachable):
             enqueue_run(node_id)  # that task retries with backoff
             return
-        _joined(node_id)
+        # Only a node joining when its plan was made (`wanted`, read under the lock) can join now.
+        if wanted.node is None or wanted.node.stage == Node.Stage.JOINING:
+            _joined(node_id)
 
 
 def _joined(node_id: int) -> None:

@@ -22,11 +22,14 @@ from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.planner import Observed
 from apps.fleet.reconcile import node_reconcile, observed_state
 from apps.fleet.runner import NodeBusy, node_run
+from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register
+from apps.fleet.tasks import reconcile_node
 from apps.fleet.triton import (
     IndexEntry,
     TritonClient,
 )
+from tests.support.registry import import_demo
 
 pytestmark = pytest.mark.django_db
 DONE = [Operation.Status.SUCCEEDED, Operation.Status.FAILED, Operation.Status.UNKNOWN]
@@ -148,7 +151,7 @@ def rows_fetched() -> Iterator[list[int]]:
     def count(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
         result = execute(sql, params, many, context)
         if sql.lstrip().upper().startswith("SELECT"):
-            inner = sql.replace(" FOR UPDATE", "")
+            inner = sql.split(" FOR UPDATE")[0]  # the lock clause ends the statement
             cursor = context["connection"].create_cursor()
             try:
                 counted = f"SELECT COUNT(*) FROM ({inner}) AS fetched"  # noqa: S608 - Django's own SQL
@@ -180,6 +183,32 @@ def test_a_nodes_reconcile_costs_the_same_with_10_and_10000_finished_operations(
     assert short_queries == long_queries
     assert short_rows == long_rows
     assert max(long_rows) < 10
+
+
+def test_a_planned_run_reads_no_pool_and_a_serving_nodes_stage_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker's reconcile hands its run what it read under the node's lock: the run does not
+    read the node's pool again, and a node that was serving is not asked whether it joined."""
+    import_demo()
+    node = a_node()
+    Node.objects.filter(pk=node.pk).update(stage=Node.Stage.SERVING)
+    loaded: list[str] = []
+    monkeypatch.setattr(TritonClient, "load", lambda self, model, **_: loaded.append(model))
+    monkeypatch.setattr(
+        TritonClient,
+        "repository_index",
+        lambda self: [IndexEntry(m, 1, "READY", "") for m in loaded],
+    )
+    deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
+    with CaptureQueriesContext(connection) as queries:
+        reconcile_node(node.pk)
+    assert list(Operation.objects.values_list("model_name", "status")) == [
+        ("embedder", Operation.Status.SUCCEEDED)
+    ]
+    sql = [query["sql"] for query in queries]
+    assert [q for q in sql if 'FROM "fleet_nodepool"' in q] == []
+    assert [q for q in sql if '"fleet_node"."stage" = ' in q] == []
 
 
 def test_a_lapsed_lease_is_not_taken_while_its_load_may_still_be_answered(
