@@ -31,8 +31,8 @@ def test_a_user_creates_a_token_sees_it_once_revokes_it_and_reads_the_api_docs(
     expect(page.locator("#new-token")).to_have_count(0)
     assert ApiToken.objects.get().revoked_at is not None
     page.get_by_role("link", name="API").click()
-    # The docs say "loading" until the schema arrives: built on its first request, and on a
-    # 2-core CI machine running the other suites' leftovers that took more than the default 5 s.
+    # The docs say "loading" until Swagger's bundle has loaded and run (the schema itself builds
+    # in 0.2 s): on a busy 2-core CI machine that took more than the default 5 s.
     title = page.locator(".swagger-ui .info .title")
     expect(title).to_contain_text("Triton control plane", timeout=30_000)
     expect(page.get_by_text("/api/rollouts", exact=True).first).to_be_visible()

@@ -185,7 +185,7 @@ def test_a_nodes_reconcile_costs_the_same_with_10_and_10000_finished_operations(
     assert max(long_rows) < 10
 
 
-def test_a_planned_run_reads_no_pool_and_a_serving_nodes_stage_once(
+def test_a_planned_run_reads_neither_the_pool_nor_a_serving_nodes_stage_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A worker's reconcile hands its run what it read under the node's lock: the run does not
