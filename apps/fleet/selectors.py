@@ -4,12 +4,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from django.db.models import (
     Aggregate,
-    Func,
     Max,
-    Min,
     Q,
     QuerySet,
     TextField,
@@ -64,18 +63,6 @@ class _Ids(Aggregate):
         return self.as_sql(compiler, connection, template=template, **extra)
 
 
-class _Hashed(Func):
-    """A JSON column's 64-bit hash on PostgreSQL, to group by: hashing 5,000 nodes' indexes takes
-    a quarter of the time comparing the documents does. SQLite compares the text itself."""
-
-    function = "jsonb_hash_extended"
-    template = "CAST(%(function)s(%(expressions)s, 0) AS text)"
-    output_field = TextField()
-
-    def as_sqlite(self, compiler: Any, connection: Any, **extra: Any) -> Any:
-        return compiler.compile(self.source_expressions[0])
-
-
 # Nodes of one pool, in one stage and health, whose index, owned models and balancer weights
 # are the same drift alike: every node of a converged pool is one shape.
 _ALIKE = ("pool_id", "pool__traffic", "stage", "health", "weight", "served_weight", "draining")
@@ -90,38 +77,48 @@ class Shape:
     ids: list[int]
 
 
+# Rows of shapes, kept with the desired state they were computed against: while no deployment
+# changes (`fleet_desired` hands out the same FleetDesired), a page shown again computes no row
+# and reads no document of a shape it has seen. A shape's fields, the documents' hashes among
+# them, are all its row is made of.
+_ROWS: "WeakKeyDictionary[FleetDesired, dict[tuple, NodeRow]]" = WeakKeyDictionary()
+
+
 def node_shapes(nodes: QuerySet[Node], desired: FleetDesired) -> list[Shape]:
     """The shapes of `nodes`, in two queries however many nodes: the groups, then one node's
-    index and owned models for each. A node with deployments of its own (a canary) is a shape
-    alone."""
-    keys = {"index_key": _Hashed("index"), "owned_key": _Hashed("owned")}
-    groups = list(
-        nodes.order_by()
-        .annotate(**keys)
-        .values(*_ALIKE, *keys)
-        .annotate(ids=_Ids("pk"), first=Min("pk"))
-    )
-    firsts = Node.objects.filter(pk__in=[group["first"] for group in groups])
-    documents = {
-        pk: {"index": index, "owned": owned}
-        for pk, index, owned in firsts.values_list("pk", "index", "owned")
-    }
-    own = desired.overridden
+    index and owned models for each shape not seen before (none, when a page is shown again and
+    nothing changed). A node with deployments of its own (a canary) is a shape alone."""
+    alike = (*_ALIKE, "index_key", "owned_key")  # the documents' hashes last
+    groups = [
+        (tuple(group[name] for name in alike), sorted(map(int, group["ids"].split(","))))
+        for group in nodes.order_by().values(*alike).annotate(ids=_Ids("pk"))
+    ]
+    own, rows = desired.overridden, _ROWS.setdefault(desired, {})
+    unseen = {ids[0]: (key, ids) for key, ids in groups if _keys(key, ids, own) - rows.keys()}
+    if unseen:
+        firsts = Node.objects.filter(pk__in=unseen).values_list("pk", "index", "owned")
+        for pk, index, owned in firsts:
+            key, ids = unseen[pk]
+            fields: dict[str, Any] = dict(zip(_ALIKE, key, strict=False))
+            fields |= {"index": index, "owned": owned}
+            pool = NodePool(pk=fields.pop("pool_id"), traffic=fields.pop("pool__traffic"))
+            for k in _keys(key, ids, own):
+                node = Node(pool=pool, **fields) if k == key else Node(pk=k[1], pool=pool, **fields)
+                rows[k] = node_row(node, desired)
     shapes = []
-    for group in groups:
-        ids = sorted(int(pk) for pk in group.pop("ids").split(","))
-        if (found := documents.get(group.pop("first"))) is None:
-            continue  # deleted since: gone from the page at its next refresh
-        fields: dict[str, Any] = {k: v for k, v in group.items() if k not in keys} | found
-        pool = NodePool(pk=fields.pop("pool_id"), traffic=fields.pop("pool__traffic"))
-        if alike := [pk for pk in ids if pk not in own]:
-            shapes.append(Shape(node_row(Node(pool=pool, **fields), desired), alike))
-        shapes += [
-            Shape(node_row(Node(pk=pk, pool=pool, **fields), desired), [pk])
-            for pk in ids
-            if pk in own
-        ]
+    for key, ids in groups:
+        if _keys(key, ids, own) - rows.keys():
+            continue  # deleted since it was grouped: gone from the page at its next refresh
+        if others := [pk for pk in ids if pk not in own]:
+            shapes.append(Shape(rows[key], others))
+        shapes += [Shape(rows[(key, pk)], [pk]) for pk in ids if pk in own]
     return shapes
+
+
+def _keys(key: tuple, ids: list[int], own: set[int]) -> set[tuple]:
+    """The rows a group needs: one for its nodes alike, one for each node with its own state."""
+    mine = {(key, pk) for pk in ids if pk in own}
+    return mine | {key} if len(mine) < len(ids) else mine
 
 
 def nodes_serving(model: str, version: int | None) -> QuerySet[Node]:
@@ -320,17 +317,21 @@ def drift_of(rows: list[ModelRow]) -> list[str]:
 
 
 def failing_operations(limit: int = 10) -> list[Operation]:
-    """Recent failed or unknown operations not since followed by a success on the same model."""
-    recent = Operation.objects.select_related("node").order_by("-finished_at", "-id")[:200]
-    latest: dict[tuple[int, str], Operation] = {}
-    for op in recent:
-        latest.setdefault((op.node_id, op.model_name), op)
-    bad = [
-        op
-        for op in latest.values()
-        if op.status in (Operation.Status.FAILED, Operation.Status.UNKNOWN)
-    ]
-    return bad[:limit]
+    """Recent failed or unknown operations not since followed by a success on the same model.
+    The recent ones are scanned as a few columns; only those shown are read whole (with their
+    node's name, not its index)."""
+    recent = Operation.objects.order_by("-finished_at", "-id")[:200]
+    latest: dict[tuple[int, str], tuple[int, str]] = {}
+    for pk, node_id, model, status in recent.values_list("pk", "node_id", "model_name", "status"):
+        latest.setdefault((node_id, model), (pk, status))
+    bad = [pk for pk, status in latest.values() if status in _FAILING][:limit]
+    shown = Operation.objects.filter(pk__in=bad).select_related("node").only(*_SHOWN)
+    by_pk = {op.pk: op for op in shown}
+    return [by_pk[pk] for pk in bad if pk in by_pk]  # newest first
+
+
+_FAILING = (Operation.Status.FAILED, Operation.Status.UNKNOWN)
+_SHOWN = ("status", "kind", "model_name", "error", "node__name")
 
 
 DRIFTING_SHOWN = 5

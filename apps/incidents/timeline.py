@@ -4,6 +4,7 @@ changes merged in, and what changed."""
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from django.db.models import F
 from django.utils import timezone
 
 from apps.audit.models import AuditEvent, target_parts
@@ -72,7 +73,13 @@ def verdict_changes(start: datetime, end: datetime) -> list[AuditEvent]:
     its verdict differs from the round before it in the same step, so that a steady rollout reads
     as one line per step, and the round that turned it shows what failed. Derived from the
     measurements, as unsaved `rollout.verdict` events; nothing is written."""
-    rows = Measurement.objects.filter(taken_at__range=(start, end)).select_related("rollout__model")
+    # Hundreds of rows in an incident's window: only what a verdict line says is read (not the
+    # evidence, the query or the rollout's own row), the model's name joined in.
+    rows = (
+        Measurement.objects.filter(taken_at__range=(start, end))
+        .only(*_VERDICT_FIELDS)
+        .annotate(model_name=F("rollout__model__name"))
+    )
     rounds: list[list[Measurement]] = []
     for row in rows.order_by("rollout_id", "taken_at", "id"):
         last = rounds[-1][-1] if rounds else row
@@ -89,7 +96,7 @@ def verdict_changes(start: datetime, end: datetime) -> list[AuditEvent]:
         key = (first.rollout_id, first.step, verdict)
         if key != previous:
             worst = [m for m in found if m.verdict == verdict != Verdict.SUCCESS]
-            target = f"rollout:{first.rollout_id}:{first.rollout.model.name}"
+            target = f"rollout:{first.rollout_id}:{first.model_name}"  # type: ignore[attr-defined]
             changes.append(
                 AuditEvent(
                     created_at=first.taken_at,
@@ -104,6 +111,18 @@ def verdict_changes(start: datetime, end: datetime) -> list[AuditEvent]:
             )
         previous = key
     return changes
+
+
+_VERDICT_FIELDS = (
+    "rollout",
+    "step",
+    "taken_at",
+    "metric",
+    "canary_value",
+    "threshold",
+    "verdict",
+    "detail",
+)
 
 
 def _values(m: Measurement) -> str:

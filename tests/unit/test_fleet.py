@@ -516,3 +516,57 @@ def test_a_reconcile_hands_its_desired_state_to_the_run_and_a_change_still_stops
     statuses = list(Operation.objects.order_by("seq").values_list("status", flat=True))
     assert statuses[0] == "succeeded" and set(statuses[1:]) == {"cancelled"}
     assert len(computed) == 2  # the plan's, and the run's once the deployments changed
+
+
+def test_the_overview_lists_failures_not_since_repaired_newest_first(
+    node: Node, admin_user: User, client: Client
+) -> None:
+    now = timezone.now()
+
+    def ended(model: str, status: str, minutes: int, error: str = "") -> Operation:
+        return Operation.objects.create(
+            node=node,
+            kind="load",
+            model_name=model,
+            status=status,
+            error=error,
+            finished_at=now - timedelta(minutes=minutes),
+            requested_by="t",
+        )
+
+    ended("embedder", "failed", 9, "out of memory")
+    ended("embedder", "succeeded", 8)  # repaired since
+    ended("reranker", "failed", 7, "reranker: bad config")
+    unknown = ended("generator", "unknown", 6, "no answer in time")
+    repeated = ended("reranker", "failed", 5, "reranker: bad config again")
+    client.force_login(admin_user)
+    failing = client.get("/").context["failing"]
+    assert [op.pk for op in failing] == [repeated.pk, unknown.pk]
+    assert [op.node.name for op in failing] == ["n1", "n1"]
+
+
+def test_the_deploy_form_offers_every_published_version_and_no_other(
+    node: Node, admin_user: User, client: Client
+) -> None:
+    versions = ModelVersion.objects.select_related("model").order_by("model__name", "version")
+    versions.filter(model__name="reranker", version=2).update(status=ModelVersion.Status.DRAFT)
+    published = versions.filter(status=ModelVersion.Status.PUBLISHED)
+    assert versions.exclude(status=ModelVersion.Status.PUBLISHED).exists()
+    client.force_login(admin_user)
+    html = client.get("/deployments/").content.decode()
+    options = re.findall(r'<option value="([^"]+)">([^<]+)</option>', html)
+    assert options == [(f"{v.model.name}:{v.version}", str(v)) for v in published]
+
+
+def test_the_overview_shows_what_each_pool_runs(
+    node: Node, admin_user: User, client: Client
+) -> None:
+    deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
+    deployment_set(model_name="reranker", version=2, pool=node.pool, actor="system:test")
+    NodePool.objects.create(name="empty")
+    client.force_login(admin_user)
+    html = client.get("/").content.decode()
+    rows = dict(re.findall(r'<tr id="pool-([^"]+)">(.*?)</tr>', html, re.S))
+    chips = re.findall(r'<span class="chip">([^<]+)</span>', rows["p"])
+    assert chips == ["embedder v1", "reranker v2"]
+    assert '<span class="muted">nothing</span>' in rows["empty"]

@@ -1,9 +1,12 @@
+import re
+
 import pytest
 from django.contrib.auth.models import User
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
+from apps.fleet import desired
 from apps.fleet.models import Node, NodePool
 
 PAGES = [
@@ -64,6 +67,8 @@ def test_node_list_query_count_does_not_grow_with_nodes(client: Client, viewer: 
     pool = NodePool.objects.create(name="gpu-a")
 
     def queries() -> int:
+        """As a first view: a page shown again reuses the desired state and its shapes' rows."""
+        desired._FLEETS.clear()
         with CaptureQueriesContext(connection) as captured:
             client.get("/nodes/", headers={"HX-Request": "true"})
         return len(captured)
@@ -173,3 +178,30 @@ def test_the_serving_fragment_names_the_nodes_with_the_version_ready(
     body = response.content.decode()
     assert "gpu-2" in body and "gpu-1" not in body
     assert 'READY on <a href="/nodes/?pool=gpu&amp;model=embedder">1 node of gpu</a>' in body
+
+
+def test_a_node_list_shown_again_reads_no_shape_it_has_seen_and_sees_a_change(
+    client: Client, viewer: User
+) -> None:
+    client.force_login(viewer)
+    pool = NodePool.objects.create(name="gpu-a")
+    for i in range(1, 4):
+        Node.objects.create(name=f"node-{i}", pool=pool, http_url=f"http://10.0.0.{i}:8000")
+
+    def page() -> tuple[str, int]:
+        """The summary line (counted from the shapes) and the documents' reads."""
+        with CaptureQueriesContext(connection) as captured:
+            html = client.get("/nodes/").content.decode()
+        summary = re.search(r'id="node-summary">([^<]*)', html)
+        assert summary
+        return summary[1], sum('"fleet_node"."index"' in q["sql"] for q in captured)
+
+    summary, first = page()
+    assert "0 drifting" in summary
+    summary, again = page()
+    assert again == first - 1 and "0 drifting" in summary  # the shape seen: its row kept
+    # A node's index changes (someone loaded a model): a new shape, read and counted.
+    stray = [{"model": "stray", "version": "1", "state": "READY", "reason": ""}]
+    Node.objects.filter(name="node-2").update(index=stray)
+    summary, changed = page()
+    assert changed == first and "1 drifting" in summary
