@@ -19,17 +19,17 @@ import pytest
 
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import POOL_BACKENDS, FleetState, Proc
-from apps.fleet.models import NodePool, Operation
+from apps.fleet.models import NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.pools import pool_set_traffic
 from tests.support.bench import Report
 from tests.support.fleet import (
     STEPS_V1,
     STEPS_V2,
-    converged,
     equal,
     recording,
     runtime,
+    settled,
     wait_for,
     weights,
 )
@@ -37,7 +37,6 @@ from tests.support.services import Celery
 
 ROUNDS = 2
 RPS = 20
-OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
 
 
 def release(pool: NodePool, version: int, haproxy: Proc, state: FleetState) -> tuple[float, float]:
@@ -46,15 +45,10 @@ def release(pool: NodePool, version: int, haproxy: Proc, state: FleetState) -> t
     began = time.monotonic()
     deployment_set(model_name="rag_pipeline", version=version, pool=pool, actor="system:bench")
     steps = STEPS_V2 if version == 2 else STEPS_V1
-    ops = Operation.objects.filter(node__pool=pool)
-    on_it = converged(pool, steps)
+    on_it = settled(pool, steps)
     wait_for(
         f"the pool serves v{version}, nothing open, every node in traffic",
-        lambda: (
-            on_it()
-            and not ops.filter(status__in=OPEN).exists()
-            and weights(haproxy) == equal(state)
-        ),
+        lambda: on_it() and weights(haproxy) == equal(state),
         timeout=300,
     )
     return began, time.monotonic()

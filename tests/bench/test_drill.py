@@ -15,12 +15,12 @@ import pytest
 
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState
-from apps.fleet.models import NodePool, Operation
+from apps.fleet.models import NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import rollout_abort, rollout_start
 from tests.support.bench import Report
-from tests.support.fleet import STEPS_V1, converged, traffic_to, wait_for
+from tests.support.fleet import STEPS_V1, converged, settled, traffic_to, wait_for
 from tests.support.services import Celery
 
 ROUNDS = 5
@@ -28,16 +28,10 @@ ROUNDS = 5
 # over the last 20 s, after a 5 s warm-up; otherwise the defaults (confidence, tolerances, pass
 # score, limits).
 JUDGED = {"interval_s": 2, "sample_s": 4, "window_s": 20, "warmup_s": 5}
-OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
 
 
 def one_release(pool: NodePool, version: int) -> Rollout:
-    ops = Operation.objects.filter(node__pool=pool)
-    wait_for(
-        "a fresh v1 baseline, nothing open",
-        lambda: converged(pool, STEPS_V1)() and not ops.filter(status__in=OPEN).exists(),
-        timeout=180,
-    )
+    wait_for("a fresh v1 baseline, nothing open", settled(pool, STEPS_V1), timeout=180)
     rollout = rollout_start(
         model_name="rag_pipeline",
         pool_name=pool.name,

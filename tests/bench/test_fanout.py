@@ -35,7 +35,7 @@ from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
 from controlplane.celery import app as celery_app
 from tests.support.bench import Report
-from tests.support.fleet import STEPS_V1, STEPS_V2, ready_on, wait_for
+from tests.support.fleet import STEPS_V1, STEPS_V2, ready_on, settled, wait_for
 from tests.support.services import Celery
 
 ROUNDS = 3
@@ -44,7 +44,6 @@ TARGET_RATIO = 1.2
 POLL_S = 0.1
 SWITCH_TIMEOUT_S = 300.0
 ACTOR = "system:bench"
-OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
 
 Loads = list[tuple[str, str | None]]  # (model, config JSON) in the order the product sent them
 
@@ -63,17 +62,15 @@ def fanout_fleet(
         devfleet.down()
 
 
-def settled(pool: NodePool, expected: set[tuple[str, int]]) -> None:
-    """Every node reads back `expected` and the worker has nothing left to do for them."""
-    ops = Operation.objects.filter(node__pool=pool)
+def switched(pool: NodePool, expected: set[tuple[str, int]]) -> None:
+    """Every node reads back `expected` and the worker has nothing left to do for them, none
+    of it failed."""
     wait_for(
         "the pool converged with no open operation",
-        lambda: (
-            not ops.filter(status__in=OPEN).exists()
-            and all(ready_on(n) == expected for n in pool.nodes.all())
-        ),
+        settled(pool, expected),
         timeout=SWITCH_TIMEOUT_S,
     )
+    ops = Operation.objects.filter(node__pool=pool)
     bad = ops.exclude(status__in=[Operation.Status.SUCCEEDED, Operation.Status.CANCELLED])
     assert not bad.exists(), list(bad.values("node__name", "model_name", "status", "error")[:5])
 
@@ -177,7 +174,7 @@ def test_fanout_of_a_release_against_raw_parallel_loads(
     pool = NodePool.objects.get(name=name)
     nodes = list(pool.nodes.order_by("name"))
     deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor=ACTOR)
-    settled(pool, STEPS_V1)
+    switched(pool, STEPS_V1)
 
     product: list[float] = []
     floor: list[float] = []
@@ -190,7 +187,7 @@ def test_fanout_of_a_release_against_raw_parallel_loads(
     for _ in range(ROUNDS):
         mark, started_at, offset = last_op_id(), timezone.now(), log.stat().st_size
         product.append(product_switch(pool, nodes, 2, STEPS_V2))
-        settled(pool, STEPS_V2)
+        switched(pool, STEPS_V2)
         busy.append(retries(log, offset))
         profiles.append(profile(nodes, mark, started_at))
         first = Operation.objects.filter(id__gt=mark).order_by("started_at").first()
@@ -199,7 +196,7 @@ def test_fanout_of_a_release_against_raw_parallel_loads(
         forward = forward or loads_since(nodes, mark)
         mark = last_op_id()
         deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor=ACTOR)
-        settled(pool, STEPS_V1)  # back to v1 by the product, untimed
+        switched(pool, STEPS_V1)  # back to v1 by the product, untimed
         backward = backward or loads_since(nodes, mark)
 
         # The floor with the worker paused: the desired state says v1, so a reconcile in the middle

@@ -83,7 +83,6 @@ BENCH = f"release to {NODES:,} nodes, {POOLS} pools, {REPLACED} replaced (sim lo
 
 # workers -> (product seconds, floor seconds); the 4-worker run compares itself with the 2-worker one
 RESULTS: dict[int, tuple[float, float]] = {}
-OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
 Listed = dict[str, tuple[str, str]]  # node name -> (HTTP address, pool)
 
 
@@ -189,7 +188,7 @@ def wait_for_release(started: float) -> float:
     serving = listed.filter(stage=Node.Stage.SERVING).annotate(loaded=loaded)
     deadline = started + RELEASE_TIMEOUT_S
     while (done := serving.filter(loaded__gte=LOADS_PER_NODE).count()) < NODES:
-        bad = ops.exclude(status__in=[Operation.Status.SUCCEEDED, *OPEN])
+        bad = ops.exclude(status__in=[Operation.Status.SUCCEEDED, *Operation.OPEN])
         assert not bad.exists(), list(bad.values("node__name", "model_name", "status", "error")[:5])
         assert time.perf_counter() < deadline, (
             f"{done} of {NODES} nodes serve the release after {RELEASE_TIMEOUT_S:g} s"

@@ -28,14 +28,21 @@ from apps.registry.services import model_set_budget
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import rollout_start
 from tests.support.bench import Report
-from tests.support.fleet import ANALYSIS, STEPS_V1, converged, ready_on, traffic_to, wait_for
+from tests.support.fleet import (
+    ANALYSIS,
+    STEPS_V1,
+    converged,
+    ready_on,
+    settled,
+    traffic_to,
+    wait_for,
+)
 from tests.support.services import Celery
 
 ROUNDS = 3
 TARGET_S = 5.0
 POLL_S = 0.1
 ACTOR = "release-manager"
-OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
 State = Rollout.State
 
 
@@ -89,15 +96,10 @@ def test_a_slow_canary_is_detected_and_rolled_back_within_seconds(
     detections: list[float] = []
     reactions: list[float] = []
     seen: list[float] = []
-    ops = Operation.objects.filter(node__pool=pool)
-    on_v1 = converged(pool, STEPS_V1)
+    on_v1 = settled(pool, STEPS_V1)
     with traffic_to(state):
         for _ in range(ROUNDS):
-            wait_for(
-                "the pool is back on v1 with nothing open",
-                lambda: not ops.filter(status__in=OPEN).exists() and on_v1(),
-                timeout=120,
-            )
+            wait_for("the pool is back on v1 with nothing open", on_v1, timeout=120)
             rollout, seen_at = one_rollback(pool)
             assert rollout.state == State.ROLLED_BACK, rollout.reason
             assert rollout.step_ready_at and rollout.first_failure_at and rollout.rolled_back_at

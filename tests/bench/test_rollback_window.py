@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState, Proc
-from apps.fleet.models import NodePool, Operation
+from apps.fleet.models import NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model
 from apps.rollouts.services import release_fallback, release_rollback
@@ -32,6 +32,7 @@ from tests.support.fleet import (
     STEPS_V2,
     converged,
     equal,
+    settled,
     traffic_to,
     wait_for,
     weights,
@@ -39,7 +40,6 @@ from tests.support.fleet import (
 
 ROUNDS = 2
 TARGET_S = 2.0
-OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
 MOVES: dict[str, Callable[..., int]] = {
     "rollback inside the window": release_rollback,
     "fallback to a warm version": release_fallback,
@@ -59,15 +59,10 @@ def released(pool: NodePool, haproxy: Proc, state: FleetState, *, window: bool) 
         baseline_until=until if window else None,
         actor="system:bench",
     )
-    on_it = converged(pool, STEPS_V2 | (STEPS_V1 if window else set()))
-    ops = Operation.objects.filter(node__pool=pool)
+    on_it = settled(pool, STEPS_V2 | (STEPS_V1 if window else set()))
     wait_for(
         "v2 served, nothing open, every node in traffic",
-        lambda: (
-            on_it()
-            and not ops.filter(status__in=OPEN).exists()
-            and weights(haproxy) == equal(state)
-        ),
+        lambda: on_it() and weights(haproxy) == equal(state),
         300,
     )
 

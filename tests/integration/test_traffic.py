@@ -29,6 +29,7 @@ from tests.support.fleet import (
     equal,
     ready_on,
     served,
+    settled,
     traffic_to,
     wait_for,
     weights,
@@ -37,7 +38,6 @@ from tests.support.fleet import (
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 State = Rollout.State
-OPEN = [Operation.Status.QUEUED, Operation.Status.RUNNING]
 RECONCILE_INTERVAL_S = 2  # the test worker's beat (tests/support/services.py)
 
 
@@ -111,21 +111,14 @@ def test_a_rollback_inside_the_window_narrows_every_node_in_traffic_at_once(
         actor="system:test",
     )
     ops = Operation.objects.filter(node__pool=weighted)
+    both = settled(weighted, STEPS_V1 | STEPS_V2)
     wait_for(
         "v2 beside v1 everywhere, every node back in traffic",
-        lambda: (
-            converged(weighted, STEPS_V1 | STEPS_V2)()
-            and not ops.filter(status__in=OPEN).exists()
-            and weights(haproxy) == equal(trio[1])
-        ),
+        lambda: both() and weights(haproxy) == equal(trio[1]),
     )
     since = timezone.now()
     release_rollback(model_name="rag_pipeline", pool_name=weighted.name, actor="oncall")
-    # Triton shows v1 alone a moment before the worker has read it back and recorded the load.
-    wait_for(
-        "v1 alone everywhere, its loads recorded",
-        lambda: converged(weighted, STEPS_V1)() and not ops.filter(status__in=OPEN).exists(),
-    )
+    wait_for("v1 alone everywhere, its loads recorded", settled(weighted, STEPS_V1))
     narrowed = ops.filter(created_at__gte=since)
     assert narrowed.exists() and not narrowed.exclude(status=Operation.Status.SUCCEEDED).exists()
     assert not AuditEvent.objects.filter(action="node.drain", created_at__gte=since).exists()

@@ -117,6 +117,19 @@ def converged(pool: NodePool, expected: set[tuple[str, int]]) -> Callable[[], bo
     return check
 
 
+def settled(pool: NodePool, expected: set[tuple[str, int]]) -> Callable[[], bool]:
+    """Every node reads back exactly `expected` READY, and then no operation of the pool is
+    open: the loads that brought it there are recorded too (Triton shows a load's result a
+    moment before the worker has read it back and said so)."""
+    on_it = converged(pool, expected)
+    ops = Operation.objects.filter(node__pool=pool, status__in=Operation.OPEN)
+
+    def check() -> bool:
+        return on_it() and not ops.exists()
+
+    return check
+
+
 @contextmanager
 def traffic_to(state: FleetState, *, through: str = "", rps: float = 8) -> Iterator[None]:
     """Unversioned rag_pipeline requests to every node (or `through` a balancer's URL), 8 per
