@@ -194,8 +194,6 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
             room = memory.room(node, ready, coming)
         actions = plan(desired, observed, managed, room)
         digest = plan_digest(desired)
-        if wanted is not None:
-            wanted.seed(locked, digest)  # read under the lock: its owned models as pruned
         if actions and not REQUEST_ID.get():
             _follow_the_change(locked, digest)
         ops = Operation.objects.bulk_create(
@@ -212,6 +210,8 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
             )
             for seq, action in enumerate(actions)
         )
+        if wanted is not None:
+            wanted.seed(locked, digest, ops)  # read under the lock: its owned models as pruned
         if ops:
             _record_drift(node, [str(op) for op in ops])
     if not ops and node.stage == Node.Stage.JOINING:

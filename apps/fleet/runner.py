@@ -123,7 +123,9 @@ def node_run(*, node_id: int, wanted: "DesiredDigest | None" = None) -> None:
             wanted.node = Node.objects.select_related("pool").get(pk=node_id)
         node = wanted.node
         queued = node.operations.filter(status=Operation.Status.QUEUED)  # each op.node is `node`
-        if not (first := _next_batch(queued)):
+        # The operations just planned are the first batch as they were written, configs and
+        # all: reading them back would cost a statement and decoding every config again.
+        if not (first := wanted.planned or _next_batch(queued)):
             return
         if _loads_nothing(node, first):
             # A move back (a rollback inside the window, an abort, a fallback to a warm version)
@@ -204,7 +206,7 @@ class DesiredDigest:
     """The digest of the node's desired state, and the node's memory fields, looked at again
     once a second at most: a load takes longer than that on a real node, and a plan's quick
     steps need not each pay for a look (`node_desired` recomputes only when what it is computed
-    from changed)."""
+    from changed). Seeded by a reconcile, it also carries the operations it planned."""
 
     RECHECK_S = 1.0
 
@@ -212,10 +214,13 @@ class DesiredDigest:
         self.node: Node | None = None
         self.value: str | None = None
         self.looked = -self.RECHECK_S
+        self.planned: list[Operation] = []
 
-    def seed(self, node: Node, digest: str) -> None:
-        """What a reconcile just planned from: the run starts from it instead of looking again."""
+    def seed(self, node: Node, digest: str, planned: list[Operation]) -> None:
+        """What a reconcile just planned from, and planned: the run starts from them instead
+        of looking again. Each operation's node is `node`."""
         self.node, self.value, self.looked = node, digest, time.monotonic()
+        self.planned = planned
 
     def digest(self) -> str | None:
         assert self.node is not None

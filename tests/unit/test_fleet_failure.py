@@ -185,11 +185,13 @@ def test_a_nodes_reconcile_costs_the_same_with_10_and_10000_finished_operations(
     assert max(long_rows) < 10
 
 
-def test_a_planned_run_reads_neither_the_pool_nor_a_serving_nodes_stage_again(
+def test_a_planned_run_reads_neither_the_pool_nor_its_plan_nor_a_serving_nodes_stage_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A worker's reconcile hands its run what it read under the node's lock: the run does not
-    read the node's pool again, and a node that was serving is not asked whether it joined."""
+    """A worker's reconcile hands its run what it read under the node's lock and what it
+    planned: the run reads neither the node's pool nor the operations just written again (only
+    the queue after them, for what was queued meanwhile), and a node that was serving is not
+    asked whether it joined."""
     import_demo()
     node = a_node()
     Node.objects.filter(pk=node.pk).update(stage=Node.Stage.SERVING)
@@ -209,6 +211,8 @@ def test_a_planned_run_reads_neither_the_pool_nor_a_serving_nodes_stage_again(
     sql = [query["sql"] for query in queries]
     assert [q for q in sql if 'FROM "fleet_nodepool"' in q] == []
     assert [q for q in sql if '"fleet_node"."stage" = ' in q] == []
+    queue = [q for q in sql if q.startswith('SELECT "fleet_operation".') and "'queued'" in q]
+    assert len(queue) == 1
 
 
 def test_a_lapsed_lease_is_not_taken_while_its_load_may_still_be_answered(
