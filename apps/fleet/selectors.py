@@ -89,25 +89,25 @@ def node_shapes(nodes: QuerySet[Node], desired: FleetDesired) -> list[Shape]:
     index and owned models for each shape not seen before (none, when a page is shown again and
     nothing changed). A node with deployments of its own (a canary) is a shape alone."""
     alike = (*_ALIKE, "index_key", "owned_key")  # the documents' hashes last
-    groups = [
-        (tuple(group[name] for name in alike), sorted(map(int, group["ids"].split(","))))
-        for group in nodes.order_by().values(*alike).annotate(ids=_Ids("pk"))
-    ]
     own, rows = desired.overridden, _ROWS.setdefault(desired, {})
-    unseen = {ids[0]: (key, ids) for key, ids in groups if _keys(key, ids, own) - rows.keys()}
+    groups = []  # each group's fields, its nodes, and the rows it needs
+    for group in nodes.order_by().values(*alike).annotate(ids=_Ids("pk")):
+        key, ids = tuple(group[name] for name in alike), sorted(map(int, group["ids"].split(",")))
+        groups.append((key, ids, _keys(key, ids, own)))
+    unseen = {ids[0]: (key, needed) for key, ids, needed in groups if needed - rows.keys()}
     if unseen:
         firsts = Node.objects.filter(pk__in=unseen).values_list("pk", "index", "owned")
         for pk, index, owned in firsts:
-            key, ids = unseen[pk]
+            key, needed = unseen[pk]
             fields: dict[str, Any] = dict(zip(_ALIKE, key, strict=False))
             fields |= {"index": index, "owned": owned}
             pool = NodePool(pk=fields.pop("pool_id"), traffic=fields.pop("pool__traffic"))
-            for k in _keys(key, ids, own):
+            for k in needed:
                 node = Node(pool=pool, **fields) if k == key else Node(pk=k[1], pool=pool, **fields)
                 rows[k] = node_row(node, desired)
     shapes = []
-    for key, ids in groups:
-        if _keys(key, ids, own) - rows.keys():
+    for key, ids, needed in groups:
+        if needed - rows.keys():
             continue  # deleted since it was grouped: gone from the page at its next refresh
         if others := [pk for pk in ids if pk not in own]:
             shapes.append(Shape(rows[key], others))
