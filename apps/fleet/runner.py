@@ -8,7 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -16,7 +16,7 @@ from django.db import connection, transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
-from apps.audit.services import audit_record
+from apps.audit.services import audit_event, audit_update
 from apps.fleet import failures, memory, quarantine
 from apps.fleet.desired import DesiredStateError, node_desired, plan_digest
 from apps.fleet.models import Node, Operation
@@ -352,28 +352,29 @@ def _finish(op: Operation, error: str, status: str = "", failure: str = "") -> s
         retry_at = failures.retry_at(failure, _tries(op), now)
         if retry_at is not None:
             error += f" (tried again at {retry_at:%H:%M:%S} UTC)"
-    with transaction.atomic():
-        # Only from running: another worker may have declared this operation lost meanwhile,
-        # and then neither its status nor the trail may say what this worker saw.
-        ended = Operation.objects.filter(pk=op.pk, status=Operation.Status.RUNNING).update(
-            status=status, error=error, finished_at=now, failure=failure, retry_at=retry_at
-        )
-        if ended != 1:
+    # Only from running: another worker may have declared this operation lost meanwhile, and
+    # then neither its status nor the trail may say what this worker saw. The end and its event
+    # are written together (one statement on PostgreSQL).
+    ending = Operation.objects.filter(pk=op.pk, status=Operation.Status.RUNNING)
+    ended = dict(status=status, error=error, finished_at=now, failure=failure, retry_at=retry_at)
+    event = audit_event(
+        actor=op.requested_by,
+        action=f"operation.{op.kind}",
+        target=f"node:{op.node.name}:{op.model_name}",
+        after={"versions": op.versions, "digest": op.config_digest},
+        result="ok" if status == Operation.Status.SUCCEEDED else "failed",
+        message=error,
+    )
+    # A load of a model the node owns changes nothing: while this operation is open no
+    # reconcile prunes the node's models, so `owned` as read with the operation still holds.
+    loaded = op.kind != Operation.Kind.UNLOAD
+    owning = status == Operation.Status.SUCCEEDED and loaded != (op.model_name in op.node.owned)
+    with transaction.atomic() if owning else nullcontext():
+        if not audit_update(ending, ended, event):
             log.warning("node %s: operation %s was taken over before it ended", op.node_id, op.pk)
             return TAKEN
-        # A load of a model the node owns changes nothing: while this operation is open no
-        # reconcile prunes the node's models, so `owned` as read with the operation still holds.
-        loaded = op.kind != Operation.Kind.UNLOAD
-        if status == Operation.Status.SUCCEEDED and loaded != (op.model_name in op.node.owned):
+        if owning:
             _own(op.node, op.model_name, loaded)
-        audit_record(
-            actor=op.requested_by,
-            action=f"operation.{op.kind}",
-            target=f"node:{op.node.name}:{op.model_name}",
-            after={"versions": op.versions, "digest": op.config_digest},
-            result="ok" if status == Operation.Status.SUCCEEDED else "failed",
-            message=error,
-        )
     return status
 
 

@@ -12,6 +12,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.db import DatabaseError, connection, transaction
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.urls import URLPattern, URLResolver, get_resolver
 from django.utils import timezone
 
@@ -25,7 +26,8 @@ from apps.approvals import services as approvals
 from apps.approvals.models import Approval
 from apps.audit.actions import ACTIONS
 from apps.audit.models import AuditEvent
-from apps.audit.services import audit_record
+from apps.audit.context import REQUEST_ID
+from apps.audit.services import audit_event, audit_record, audit_update
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.services import deployments, nodes, pools
 from apps.quality import services as quality
@@ -157,6 +159,8 @@ NOT_ACTIONS = {
     "node_target": "names an event's target",
     "actor_name": "the trail itself",
     "audit_record": "the trail itself",
+    "audit_event": "the trail itself",
+    "audit_update": "the trail itself",
     "pin_owning": "a read: why a person's change of a pinned pool must wait",
     "fields_set": "the trail itself: a service's change of settings, recorded as its action",
     "audited": "the trail itself",
@@ -527,6 +531,49 @@ def test_an_action_not_named_in_the_registry_is_refused_and_nothing_is_written(d
     with pytest.raises(ValueError, match=r"'rollout\.stepped' is not an audit action"):
         audit_record(actor="ops", action="rollout.stepped", target="rollout:1:rag")
     assert not AuditEvent.objects.exists()
+
+
+def test_an_update_and_its_event_are_written_together_or_not_at_all(db: None) -> None:
+    """A worker's end of an operation and its event: one statement on PostgreSQL (a release
+    writes thousands), written as `audit_record` writes it, and no event when no row changed."""
+    pool = NodePool.objects.create(name="p")
+    node = Node.objects.create(name="n1", pool=pool, http_url="http://n1:8000")
+    op = Operation.objects.create(node=node, kind="load", model_name="rag", status="running")
+    running = Operation.objects.filter(pk=op.pk, status="running")
+    token = REQUEST_ID.set("req-7")  # as the request that changed the desired state set it
+    try:
+        event = audit_event(
+            actor="system:reconciler",
+            action="operation.load",
+            target="node:n1:rag",
+            after={"versions": [2]},
+            message="ok at last",
+        )
+    finally:
+        REQUEST_ID.reset(token)
+    with CaptureQueriesContext(connection) as statements:
+        assert audit_update(running, {"status": "succeeded", "error": ""}, event) == 1
+    if connection.vendor == "postgresql":
+        assert len(statements) == 1
+    op.refresh_from_db()
+    written = AuditEvent.objects.get()
+    assert (op.status, written.action, written.actor, written.user_id) == (
+        "succeeded",
+        "operation.load",
+        "system:reconciler",
+        None,
+    )
+    assert (written.target_type, written.target_name, written.target_model) == ("node", "n1", "rag")
+    assert (written.after, written.message, written.request_id) == (
+        {"versions": [2]},
+        "ok at last",
+        "req-7",
+    )
+    assert written.created_at is not None
+    # Taken over meanwhile: nothing changed, so nothing is recorded.
+    again = audit_event(actor="system:reconciler", action="operation.load", target="node:n1:rag")
+    assert audit_update(running, {"status": "failed"}, again) == 0
+    assert AuditEvent.objects.count() == 1 and Operation.objects.get().status == "succeeded"
 
 
 def test_every_action_the_api_refuses_under_is_in_the_registry() -> None:
