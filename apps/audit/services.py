@@ -86,7 +86,7 @@ def audit_update(rows: "QuerySet[Any]", values: dict[str, Any], event: AuditEven
             if changed := rows.update(**values):
                 _append(event)
             return changed
-    update = rows.query.chain(UpdateQuery)
+    update = cast(UpdateQuery, rows.query.chain(UpdateQuery))
     update.add_update_values(values)
     changing, params = update.get_compiler(rows.db).as_sql()
     event.created_at = timezone.now()
@@ -102,13 +102,12 @@ def audit_update(rows: "QuerySet[Any]", values: dict[str, Any], event: AuditEven
     names = ", ".join(connection.ops.quote_name(f.column) for f in columns)
     casts = ", ".join(f"%s::{f.db_type(connection)}" for f in columns)
     row = [f.get_db_prep_save(getattr(event, f.attname), connection) for f in columns]
+    table = connection.ops.quote_name(AuditEvent._meta.db_table)
+    # Made of Django's compiled UPDATE and the model's own names; every value a parameter.
+    statement = f"WITH changed AS ({changing} RETURNING 1) INSERT INTO {table} ({names}) "
+    statement += f"SELECT {casts} FROM changed"  # noqa: S608
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"WITH changed AS ({changing} RETURNING 1) "
-            f"INSERT INTO {connection.ops.quote_name(AuditEvent._meta.db_table)} ({names}) "
-            f"SELECT {casts} FROM changed",
-            (*params, *row),
-        )
+        cursor.execute(statement, (*params, *row))
         return cursor.rowcount
 
 

@@ -9,14 +9,14 @@ from typing import NamedTuple
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Exists, OuterRef
+from django.db.models import Exists, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 from apps.fleet import memory, quarantine
-from apps.fleet.desired import Desired, DesiredStateError, node_desired, plan_digest, targeting
+from apps.fleet.desired import Desired, DesiredStateError, node_desired, plan_digest
 from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Observed, plan
 from apps.fleet.polling import node_poll, node_read_index
@@ -162,10 +162,18 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
         # Its pool comes along for the run this plan is handed to (`wanted`: the balancer, the
         # warm-up); only the node's row is locked.
         pending = Operation.objects.filter(node=OuterRef("pk"), status__in=Operation.OPEN)
+        planned = Operation.objects.filter(node=OuterRef("pk")).exclude(plan_digest="")
+        newest = Deployment.objects.filter(Q(pool_id=OuterRef("pool_id")) | Q(node=OuterRef("pk")))
         locked = (
             Node.objects.select_for_update(of=("self",))
             .select_related("pool")
-            .annotate(pending=Exists(pending))
+            .annotate(
+                pending=Exists(pending),
+                # What a plan records it with (_follow_the_change, _record_drift), read here
+                # rather than each in a statement of its own.
+                last_plan=Subquery(planned.order_by("-id").values("plan_digest")[:1]),
+                newest_request=Subquery(newest.order_by("-updated_at").values("request_id")[:1]),
+            )
             .get(pk=node_id)
         )
         if locked.pending:  # type: ignore[attr-defined]
@@ -194,8 +202,15 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
             room = memory.room(node, ready, coming)
         actions = plan(desired, observed, managed, room)
         digest = plan_digest(desired)
-        if actions and not REQUEST_ID.get():
-            _follow_the_change(locked, digest)
+        # A plan for a desired state the node was not planned for before is a change's; one
+        # for the same state again, a repair's.
+        changed = digest != locked.last_plan  # type: ignore[attr-defined]
+        request: str | None = locked.newest_request  # type: ignore[attr-defined]
+        if actions and changed and request and not REQUEST_ID.get():
+            # A periodic reconcile that carries out a new desired state records it under the
+            # request that changed it (the newest deployment targeting the node), as that
+            # request's own reconcile would have; a repair is nobody's request.
+            REQUEST_ID.set(request)  # for the rest of this task: the plan's events and its run
         ops = Operation.objects.bulk_create(
             Operation(
                 node=locked,
@@ -213,7 +228,7 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
         if wanted is not None:
             wanted.seed(locked, digest, ops)  # read under the lock: its owned models as pruned
         if ops:
-            _record_drift(node, [str(op) for op in ops])
+            _record_drift(node, [str(op) for op in ops], repair=not changed)
     if not ops and node.stage == Node.Stage.JOINING:
         _join(node, desired, observed)
     return ops
@@ -250,18 +265,6 @@ def _join(node: Node, desired: Desired, observed: dict[str, Observed]) -> None:
             transaction.on_commit(lambda: traffic_sync(locked.pool_id), robust=True)
 
 
-def _follow_the_change(node: Node, digest: str) -> None:
-    """A periodic reconcile that carries out a new desired state records it under the request
-    that changed it (the newest deployment targeting the node), as that request's own reconcile
-    would have; a repair of the same desired state as the last plan is nobody's request."""
-    last = node.operations.exclude(plan_digest="").order_by("-id")
-    if last.values_list("plan_digest", flat=True).first() == digest:
-        return
-    newest = targeting(node).order_by("-updated_at").values_list("request_id", flat=True).first()
-    if newest:
-        REQUEST_ID.set(newest)  # for the rest of this task: the plan's events and its run
-
-
 def _pruned(node: Node, desired: Desired, observed: dict[str, Observed]) -> set[str]:
     """The node's owned models, less those no deployment names and that are gone from it: they
     are drained, and if someone loads one of them again it is theirs. Call under the row lock."""
@@ -275,20 +278,23 @@ def _pruned(node: Node, desired: Desired, observed: dict[str, Observed]) -> set[
 _GONE = Observed(frozenset())
 
 
-def _record_drift(node: Node, operations: list[str]) -> None:
+def _record_drift(node: Node, operations: list[str], *, repair: bool = True) -> None:
     """One `node.drift` event per drift: the same repair planned again within FLEET_FLAP_WINDOW_S
-    (something outside keeps undoing it) is not recorded again; its operations still are."""
+    (something outside keeps undoing it) is not recorded again; its operations still are. A
+    plan for a desired state new to the node (no `repair`) is recorded without looking."""
     target = f"node:{node.name}"
-    since = timezone.now() - timedelta(seconds=settings.FLEET_FLAP_WINDOW_S)
-    last = (
-        AuditEvent.objects.filter(action="node.drift", target=target, created_at__gte=since)
-        .values_list("after", flat=True)
-        .first()
-    )
-    if last is None or last.get("operations") != operations:
-        audit_record(
-            actor=RECONCILER, action="node.drift", target=target, after={"operations": operations}
+    if repair:
+        since = timezone.now() - timedelta(seconds=settings.FLEET_FLAP_WINDOW_S)
+        last = (
+            AuditEvent.objects.filter(action="node.drift", target=target, created_at__gte=since)
+            .values_list("after", flat=True)
+            .first()
         )
+        if last is not None and last.get("operations") == operations:
+            return
+    audit_record(
+        actor=RECONCILER, action="node.drift", target=target, after={"operations": operations}
+    )
 
 
 def rollback_windows_close() -> int:

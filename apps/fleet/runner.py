@@ -112,12 +112,15 @@ def node_run(*, node_id: int, wanted: "DesiredDigest | None" = None) -> None:
             if not Node.objects.filter(pk=node_id).exists():
                 return  # removed since the run was asked for: its operations went with it
             raise NodeBusy(node_id)
-        # We hold the lease, so an operation still marked running lost its worker mid-way.
-        Operation.objects.filter(node_id=node_id, status=Operation.Status.RUNNING).update(
-            status=Operation.Status.UNKNOWN,
-            finished_at=timezone.now(),
-            error="the worker was lost mid-operation; the reconciler reads the node's state",
-        )
+        # We hold the lease, so an operation still marked running lost its worker mid-way. Not
+        # after a plan made just now: its reconcile found no open operation, and one claimed
+        # since by a worker lost meanwhile would still keep the lease from us (_may_still_run).
+        if wanted is None or not wanted.planned:
+            Operation.objects.filter(node_id=node_id, status=Operation.Status.RUNNING).update(
+                status=Operation.Status.UNKNOWN,
+                finished_at=timezone.now(),
+                error="the worker was lost mid-operation; the reconciler reads the node's state",
+            )
         if wanted is None or wanted.node is None:
             wanted = DesiredDigest()
             wanted.node = Node.objects.select_related("pool").get(pk=node_id)

@@ -25,8 +25,8 @@ from apps.api.auth import Token
 from apps.approvals import services as approvals
 from apps.approvals.models import Approval
 from apps.audit.actions import ACTIONS
-from apps.audit.models import AuditEvent
 from apps.audit.context import REQUEST_ID
+from apps.audit.models import AuditEvent
 from apps.audit.services import audit_event, audit_record, audit_update
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.services import deployments, nodes, pools
