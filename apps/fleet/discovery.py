@@ -41,6 +41,9 @@ class Target:
     metrics_url: str
 
 
+ADDRESSES = ("http_url", "grpc_url", "metrics_url")  # a node's, as its target gives them
+
+
 @dataclass
 class Discovered:
     """What one pass found: nodes to poll and reconcile now, and targets that are no node."""
@@ -52,7 +55,8 @@ class Discovered:
 
 
 def target_of(listed: dict) -> Target:
-    """One entry of the targets API's `activeTargets` as a node; FleetError says why it is none."""
+    """One entry of the targets API's `activeTargets` as a node; FleetError says why it is none
+    (its addresses are checked by `_validate`, once it joins)."""
     labels = listed.get("labels", {})
     url = urlsplit(listed.get("scrapeUrl", ""))
     host, scheme = url.hostname or "", url.scheme or "http"
@@ -69,17 +73,21 @@ def target_of(listed: dict) -> Target:
     where = f"[{host}]" if ":" in host else host
     http_port = labels.get("http_port") or settings.DISCOVERY_HTTP_PORT
     grpc_port = labels.get("grpc_port") or settings.DISCOVERY_GRPC_PORT
-    target = Target(
+    return Target(
         name=name,
         pool=pool,
         http_url=f"{scheme}://{where}:{http_port}",
         grpc_url=f"{where}:{grpc_port}",
         metrics_url=url.geturl(),
     )
+
+
+def _validate(target: Target) -> None:
+    """FleetError when an address of `target` may not be contacted (addresses.validate_url,
+    which resolves each name): asked of a target that joins, not of one listed as before."""
     validate_url(target.http_url, field="http address")
     validate_url(f"grpc://{target.grpc_url}", field="gRPC address")
     validate_url(target.metrics_url, field="metrics address")
-    return target
 
 
 def discover(now: datetime | None = None) -> Discovered:
@@ -92,9 +100,10 @@ def discover(now: datetime | None = None) -> Discovered:
 def nodes_sync(found: list[dict], now: datetime) -> Discovered:
     """The fleet made to agree with `found` (the targets API's active targets): a handful of
     statements whatever the fleet's size, plus a few for each node that came, came back or
-    went."""
+    went. Nodes listed as before cost no lock, no name resolution and no model instance: at
+    5,000 nodes a pass that locked them all held every worker's reconcile back meanwhile."""
     outcome = Discovered()
-    targets: dict[str, Target] = {}
+    targets: dict[str, tuple[Target, str]] = {}  # by name: the target, and its scrape URL
     for listed in found:
         address = listed.get("scrapeUrl", "?")
         try:
@@ -102,42 +111,59 @@ def nodes_sync(found: list[dict], now: datetime) -> Discovered:
         except FleetError as exc:
             outcome.refused[address] = str(exc)
             continue
-        targets.setdefault(target.name, target)
-    outcome.listed = len(targets)
+        targets.setdefault(target.name, (target, address))
+    fields = ("name", "pk", "discovered_at", "stage", *ADDRESSES)
+    known = {row[0]: row[1:] for row in Node.objects.filter(name__in=targets).values_list(*fields)}
     with transaction.atomic():
-        known = {n.name: n for n in Node.objects.select_for_update().filter(name__in=targets)}
-        for name, target in targets.items():
-            node = known.get(name)
-            if node is None:
-                outcome.joining.append(_join_new(target, now).pk)
-            elif node.discovered_at is None:
-                outcome.refused[target.metrics_url] = f"node {name} was registered by hand"
-            elif node.stage == Node.Stage.DEPARTED or _moved(node, target):
-                outcome.joining.append(_join_again(node, target, now).pk)
+        for name, (target, address) in list(targets.items()):
+            joined: Node | None = None
+            if name not in known:
+                if _checked(target, address, outcome):
+                    joined = _join_new(target, now)
+            else:
+                pk, discovered_at, stage, *addresses = known[name]
+                if discovered_at is None:
+                    outcome.refused[target.metrics_url] = f"node {name} was registered by hand"
+                    continue
+                if stage != Node.Stage.DEPARTED and addresses == [*_addresses(target).values()]:
+                    continue  # listed as before
+                if _checked(target, address, outcome):
+                    joined = _join_again(pk, target, now)
+            if joined:
+                outcome.joining.append(joined.pk)
+            elif address in outcome.refused:
+                del targets[name]  # no node of it is listed
+        if found:
+            # None departs on an empty listing: nothing listed at all is a scrape pool misnamed
+            # or a Prometheus still discovering after a restart far more often than a fleet
+            # scaled to zero, and departing every node would take the fleet out of traffic.
+            unseen = Node.objects.filter(
+                discovered_at__isnull=False,
+                listed_at__lt=now - timedelta(seconds=settings.DISCOVERY_GRACE_S),
+            ).exclude(stage=Node.Stage.DEPARTED)
+            gone = [pk for pk, name in unseen.values_list("pk", "name") if name not in targets]
+            for node in unseen.filter(pk__in=gone).select_for_update():
+                _depart(node, now)
+                outcome.departed.append(node.name)
+        # Last, so that the listed nodes' rows are locked only until the commit that follows.
         Node.objects.filter(name__in=targets, discovered_at__isnull=False).update(listed_at=now)
-        if not found:
-            # Nothing listed at all: a scrape pool misnamed or a Prometheus still discovering
-            # after a restart far more often than a fleet scaled to zero. Departing every node
-            # would take the whole fleet out of traffic: none departs on an empty listing.
-            return outcome
-        gone = Node.objects.select_for_update().filter(
-            discovered_at__isnull=False,
-            listed_at__lt=now - timedelta(seconds=settings.DISCOVERY_GRACE_S),
-        )
-        for node in gone.exclude(stage=Node.Stage.DEPARTED):
-            _depart(node, now)
-            outcome.departed.append(node.name)
+    outcome.listed = len(targets)
     _note_refused(outcome.refused)
     return outcome
 
 
+def _checked(target: Target, address: str, outcome: Discovered) -> bool:
+    """Whether `target`'s addresses may be contacted; if not, it is refused, saying why."""
+    try:
+        _validate(target)
+    except FleetError as exc:
+        outcome.refused[address] = str(exc)
+        return False
+    return True
+
+
 def _addresses(target: Target) -> dict[str, str]:
-    return {key: getattr(target, key) for key in ("http_url", "grpc_url", "metrics_url")}
-
-
-def _moved(node: Node, target: Target) -> bool:
-    """Listed at other addresses: a replaced pod under the same name, empty and cold."""
-    return any(getattr(node, key) != value for key, value in _addresses(target).items())
+    return {key: getattr(target, key) for key in ADDRESSES}
 
 
 def _join_new(target: Target, now: datetime) -> Node:
@@ -162,7 +188,14 @@ def _join_new(target: Target, now: datetime) -> Node:
     return node
 
 
-def _join_again(node: Node, target: Target, now: datetime) -> Node:
+def _join_again(pk: int, target: Target, now: datetime) -> Node | None:
+    """A node listed again after it departed, or at other addresses (a replaced pod under the
+    same name, empty and cold); None when another pass saw to it first."""
+    node = Node.objects.select_for_update().get(pk=pk)
+    if node.stage != Node.Stage.DEPARTED and all(
+        getattr(node, key) == value for key, value in _addresses(target).items()
+    ):
+        return None
     before = {key: getattr(node, key) for key in _addresses(target)}
     for key, value in _addresses(target).items():
         setattr(node, key, value)

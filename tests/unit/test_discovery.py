@@ -203,6 +203,31 @@ def test_a_pass_costs_the_same_statements_at_5_and_at_50_nodes() -> None:
     assert statements(5) == statements(50)
 
 
+def test_nodes_listed_as_before_are_neither_locked_nor_resolved_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass over 5,000 nodes that locked them all held back every worker's reconcile until
+    it ended, and it resolved 15,000 names; a node's addresses are checked when it joins (and
+    at each connection: addresses.pinned)."""
+    from apps.fleet import addresses
+
+    resolved: list[str] = []
+    lookup = addresses._lookup
+    monkeypatch.setattr(addresses, "_lookup", lambda host: resolved.append(host) or lookup(host))
+    listed = [target(f"gpu-{i}", port=8002 + i) for i in range(3)]
+    nodes_sync(listed, timezone.now())
+    assert len(resolved) == 3 * 3  # http, gRPC and metrics addresses of each
+    resolved.clear()
+    moved = [*listed[:2], target("gpu-2", port=8002, host="10.0.0.9")]
+    with CaptureQueriesContext(connection) as queries:
+        again = nodes_sync(moved, timezone.now())
+    assert again.joining == [Node.objects.get(name="gpu-2").pk]
+    assert resolved == ["10.0.0.9"] * 3  # the moved node's only
+    # Locked: the moved node alone, by its id (none is gone: no departure to lock).
+    locking = [q["sql"] for q in queries if "FOR UPDATE" in q["sql"]]
+    assert len(locking) == 1 and '"fleet_node"."id" = ' in locking[0]
+
+
 def test_a_departed_node_is_neither_polled_nor_reconciled(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
