@@ -169,8 +169,8 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
             .select_related("pool")
             .annotate(
                 pending=Exists(pending),
-                # What a plan records it with (_follow_the_change, _record_drift), read here
-                # rather than each in a statement of its own.
+                # What a plan is recorded with (its request, whether it repeats a repair:
+                # _record_drift), read here rather than each in a statement of its own.
                 last_plan=Subquery(planned.order_by("-id").values("plan_digest")[:1]),
                 newest_request=Subquery(newest.order_by("-updated_at").values("request_id")[:1]),
             )
