@@ -125,7 +125,8 @@ def nodes_sync(found: list[dict], now: datetime) -> Discovered:
                 if discovered_at is None:
                     outcome.refused[target.metrics_url] = f"node {name} was registered by hand"
                     continue
-                if stage != Node.Stage.DEPARTED and addresses == [*_addresses(target).values()]:
+                held = dict(zip(ADDRESSES, addresses, strict=True))
+                if stage != Node.Stage.DEPARTED and held == _addresses(target):
                     continue  # listed as before
                 if _checked(target, address, outcome):
                     joined = _join_again(pk, target, now)
@@ -192,11 +193,9 @@ def _join_again(pk: int, target: Target, now: datetime) -> Node | None:
     """A node listed again after it departed, or at other addresses (a replaced pod under the
     same name, empty and cold); None when another pass saw to it first."""
     node = Node.objects.select_for_update().get(pk=pk)
-    if node.stage != Node.Stage.DEPARTED and all(
-        getattr(node, key) == value for key, value in _addresses(target).items()
-    ):
+    before = {key: getattr(node, key) for key in ADDRESSES}
+    if node.stage != Node.Stage.DEPARTED and before == _addresses(target):
         return None
-    before = {key: getattr(node, key) for key in _addresses(target)}
     for key, value in _addresses(target).items():
         setattr(node, key, value)
     node.listed_at = now
