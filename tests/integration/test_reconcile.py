@@ -23,7 +23,15 @@ from apps.fleet.tasks import reconcile_node
 from apps.fleet.triton import TritonClient
 from apps.registry.codec import parse_pbtxt
 from apps.registry.services import version_create
-from tests.support.fleet import STEPS_V1, STEPS_V2, STEPS_V4, converged, ready_on, wait_for
+from tests.support.fleet import (
+    STEPS_V1,
+    STEPS_V2,
+    STEPS_V4,
+    converged,
+    ready_on,
+    settled,
+    wait_for,
+)
 from tests.support.services import Celery
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -144,7 +152,17 @@ def test_a_worker_killed_mid_deployment_loads_nothing_twice(
 ) -> None:
     devfleet, _ = trio
     deployment_set(model_name="rag_pipeline", version=2, pool=pool, actor="system:test")
-    wait_for("v2 is READY on every node", converged(pool, STEPS_V2))
+    # The trio may serve v2 already (the module's nodes outlive each test's database): its
+    # nodes are then loaded again, to be sure of their configs, with v2 READY all along. The
+    # counts start once every node's v2 load is recorded and nothing of it is still under way.
+    pipelines = Operation.objects.filter(
+        node__pool=pool, model_name="rag_pipeline", status="succeeded"
+    )
+    on_v2 = settled(pool, STEPS_V2)
+    wait_for(
+        "v2 is READY on every node, its loads recorded",
+        lambda: pipelines.values("node").distinct().count() == 3 and on_v2(),
+    )
     offsets = {
         node.name: (devfleet.home / f"{node.name}.log").stat().st_size for node in pool.nodes.all()
     }
