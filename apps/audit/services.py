@@ -6,7 +6,8 @@ from typing import Any, TypeVar, cast
 from django.contrib.auth.models import AnonymousUser, User
 from django.core.exceptions import PermissionDenied
 from django.db import connection, transaction
-from django.db.models import Model, QuerySet
+from django.db.models import BooleanField, Model, QuerySet
+from django.db.models.expressions import RawSQL
 from django.db.models.sql import UpdateQuery
 from django.utils import timezone
 
@@ -76,19 +77,25 @@ def _append(event: AuditEvent) -> AuditEvent:
     return event
 
 
-def audit_update(rows: "QuerySet[Any]", values: dict[str, Any], event: AuditEvent) -> int:
+# A second update, made only if the first changed a row: the rows, and the values they take.
+Then = tuple["QuerySet[Any]", dict[str, Any]]
+
+
+def audit_update(
+    rows: "QuerySet[Any]", values: dict[str, Any], event: AuditEvent, then: Then | None = None
+) -> tuple[int, int]:
     """`rows.update(**values)` and, if that changed any row, `event` (from `audit_event`)
-    appended with it, atomically. Returns how many rows changed. On PostgreSQL, outside an
-    `audited` service, it is one statement, its own transaction unless the caller has one: a
-    release records each load of thousands of nodes this way."""
+    appended with it and `then` updated, atomically. Returns how many rows each update changed.
+    On PostgreSQL, outside an `audited` service, it is one statement, its own transaction
+    unless the caller has one: a release records each load of thousands of nodes this way, and
+    claims the next one with it."""
     if connection.vendor != "postgresql" or _ACTION.get() is not None:
         with transaction.atomic():
-            if changed := rows.update(**values):
-                _append(event)
-            return changed
-    update = cast(UpdateQuery, rows.query.chain(UpdateQuery))
-    update.add_update_values(values)
-    changing, params = update.get_compiler(rows.db).as_sql()
+            if not (changed := rows.update(**values)):
+                return 0, 0
+            _append(event)
+            return changed, then[0].update(**then[1]) if then else 0
+    changing, params = _update_sql(rows, values)
     event.created_at = timezone.now()
     for name, value in target_parts(event.target).items():
         setattr(event, name, value)
@@ -103,12 +110,27 @@ def audit_update(rows: "QuerySet[Any]", values: dict[str, Any], event: AuditEven
     casts = ", ".join(f"%s::{f.db_type(connection)}" for f in columns)
     row = [f.get_db_prep_save(getattr(event, f.attname), connection) for f in columns]
     table = connection.ops.quote_name(AuditEvent._meta.db_table)
-    # Made of Django's compiled UPDATE and the model's own names; every value a parameter.
-    statement = f"WITH changed AS ({changing} RETURNING 1) INSERT INTO {table} ({names}) "
-    statement += f"SELECT {casts} FROM changed"  # noqa: S608
+    # Made of Django's compiled UPDATEs and the model's own names; every value a parameter.
+    statement = f"WITH changed AS ({changing} RETURNING 1), "
+    statement += f"logged AS (INSERT INTO {table} ({names}) SELECT {casts} FROM changed)"  # noqa: S608
+    followed, more = "0", ()
+    if then:
+        after = then[0].filter(RawSQL("EXISTS (SELECT 1 FROM changed)", (), BooleanField()))
+        following, more = _update_sql(after, then[1])
+        statement += f", followed AS ({following} RETURNING 1)"
+        followed = "(SELECT count(*) FROM followed)"
+    statement += f" SELECT (SELECT count(*) FROM changed), {followed}"  # noqa: S608
     with connection.cursor() as cursor:
-        cursor.execute(statement, (*params, *row))
-        return cursor.rowcount
+        cursor.execute(statement, (*params, *row, *more))
+        changed, follows = cursor.fetchone()
+    return changed, follows
+
+
+def _update_sql(rows: "QuerySet[Any]", values: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+    """`rows.update(**values)` compiled, not run."""
+    update = cast(UpdateQuery, rows.query.chain(UpdateQuery))
+    update.add_update_values(values)
+    return update.get_compiler(rows.db).as_sql()
 
 
 def fields_set(row: Model, values: dict[str, Any], *, actor: Actor, target: str) -> dict[str, Any]:

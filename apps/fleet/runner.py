@@ -7,16 +7,17 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import datetime, timedelta
+from functools import partial
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models import Exists, F, OuterRef, Q, QuerySet
 from django.utils import timezone
 
-from apps.audit.services import audit_event, audit_update
+from apps.audit.services import Then, audit_event, audit_update
 from apps.fleet import failures, memory, quarantine
 from apps.fleet.desired import DesiredStateError, node_desired, plan_digest
 from apps.fleet.models import Node, Operation
@@ -172,27 +173,46 @@ def _run_queued(
     """Returns the models loaded, with the config each was loaded with."""
     loaded: dict[str, dict | None] = {}
     # A batch at a time: each claim is conditional (queued -> running), so an operation
-    # cancelled since the batch was read is skipped; a cancel reads the queue afresh.
+    # cancelled since the batch was read is skipped; a cancel reads the queue afresh. The next
+    # operation is claimed with the end of the one before (one statement), once it may start.
     while batch:
-        for op in batch:
-            digest = wanted.digest()  # and the node's memory fields, as of a second ago at most
-            if op.requested_by == RECONCILER and digest != op.plan_digest:
-                _cancel_plan(op, "superseded: the desired state changed after it was planned")
-                break
-            if not lease.held:
-                return loaded  # the heartbeat lost the node: another worker may own it now
-            status = _execute(node, op)
+        claimed = False  # the operation at hand, with the end of the one before
+        for position, op in enumerate(batch):
+            if not claimed:
+                if _superseded(op, wanted):
+                    _cancel_plan(op, "superseded: the desired state changed after it was planned")
+                    break
+                if not lease.held:
+                    return loaded  # the heartbeat lost the node: another worker may own it now
+            after = batch[position + 1] if position + 1 < len(batch) else None
+            status, claimed = _execute(node, op, claimed, partial(_startable, after, wanted, lease))
             if status == TAKEN:
                 return loaded  # our lease lapsed, and the next owner goes on from here
             if status == Operation.Status.SUCCEEDED and op.kind != Operation.Kind.UNLOAD:
                 loaded[op.model_name] = op.config
-            if op.requested_by == RECONCILER and status != Operation.Status.SUCCEEDED:
-                # Later steps of a make-before-break plan assume this one worked.
+            if not _goes_on(op, status):
                 step = f"step {op.seq} ({op.kind} {op.model_name})"
                 _cancel_plan(op, f"not run: {step} {status}")
                 break
         batch = _next_batch(queued)
     return loaded
+
+
+def _superseded(op: Operation, wanted: "DesiredDigest") -> bool:
+    """Whether `op` is a step of a plan for a desired state the node no longer has."""
+    digest = wanted.digest()  # and the node's memory fields, as of a second ago at most
+    return op.requested_by == RECONCILER and digest != op.plan_digest
+
+
+def _startable(op: Operation | None, wanted: "DesiredDigest", lease: Lease) -> Operation | None:
+    """`op` if it may be claimed now: the node is still ours, and its plan still the node's."""
+    return op if op and lease.held and not _superseded(op, wanted) else None
+
+
+def _goes_on(op: Operation, status: str) -> bool:
+    """Whether the run goes on after `op` ended with `status`: later steps of a make-before-
+    break plan assume this one worked; a person's operations run whatever came before."""
+    return op.requested_by != RECONCILER or status == Operation.Status.SUCCEEDED
 
 
 def _cancel_plan(op: Operation, why: str) -> None:
@@ -240,14 +260,18 @@ class DesiredDigest:
         return self.value
 
 
-def _execute(node: Node, op: Operation) -> str:
-    """Send one operation and read the node back; returns the status it ended with (TAKEN:
-    another worker declared it lost before it ended)."""
-    claimed = Operation.objects.filter(pk=op.pk, status=Operation.Status.QUEUED).update(
-        status=Operation.Status.RUNNING, started_at=timezone.now(), attempts=op.attempts + 1
-    )
-    if claimed != 1:
-        return Operation.Status.CANCELLED
+# The operation after the one at hand, if it may be claimed now; asked as that one ends.
+Following = Callable[[], Operation | None]
+
+
+def _execute(node: Node, op: Operation, claimed: bool, following: Following) -> tuple[str, bool]:
+    """Send one operation (`claimed` already, or claimed now) and read the node back; returns
+    the status it ended with (TAKEN: another worker declared it lost before it ended), and
+    whether the operation after it was claimed with its end."""
+    if not claimed:
+        rows, values = _claim(op)
+        if rows.update(**values) != 1:
+            return Operation.Status.CANCELLED, False
     client = TritonClient(node.http_url, node=node.name)
     measured: tuple[int, float] | None = None
     try:
@@ -260,16 +284,17 @@ def _execute(node: Node, op: Operation) -> str:
                 refused, measured = _memory_check(node, client, op)
                 refused = "" if op.override else refused  # a person vouched for the room
                 if refused:
-                    return _finish(op, refused, failure=failures.MEMORY)
+                    return _finish(op, following, refused, failure=failures.MEMORY)
             client.load(op.model_name, config_json=_json(op.config))
     except TritonTimeout as exc:
         if op.kind != Operation.Kind.UNLOAD and (hung := quarantine.stuck(client, op)):
             quarantine.quarantine(node, hung)
-            return _finish(op, hung, failure=failures.STUCK)
+            return _finish(op, following, hung, failure=failures.STUCK)
         # Sent, but no answer in time: Triton may still be at it. Never re-sent blindly; the
         # reconciler reads the node's index and decides.
         return _finish(
             op,
+            following,
             f"no answer in time: {exc.message}",
             Operation.Status.UNKNOWN,
             failure=failures.TIMEOUT,
@@ -282,19 +307,22 @@ def _execute(node: Node, op: Operation) -> str:
         )
         raise
     except TritonRejected as exc:
-        return _finish(op, exc.message)
+        return _finish(op, following, exc.message)
     try:
         error = _read_back(client, op)
     except TritonError as exc:
         return _finish(
-            op, f"sent, but the index could not be read back: {exc}", Operation.Status.UNKNOWN
+            op,
+            following,
+            f"sent, but the index could not be read back: {exc}",
+            Operation.Status.UNKNOWN,
         )
     if measured is not None and not error:
         try:
             memory.measure(node, client, op.model_name, *measured)
         except TritonError:  # no footprint this time; the load itself is done
             log.warning("node %s: no memory reading after loading %s", node.name, op.model_name)
-    return _finish(op, error)
+    return _finish(op, following, error)
 
 
 def _memory_check(
@@ -344,9 +372,13 @@ def _read_back(client: TritonClient, op: Operation) -> str:
 TAKEN = "taken"
 
 
-def _finish(op: Operation, error: str, status: str = "", failure: str = "") -> str:
+def _finish(
+    op: Operation, following: Following, error: str, status: str = "", failure: str = ""
+) -> tuple[str, bool]:
     """Record how the operation ended; a failure is classified (`failure`, or from `error`) and,
-    if transient, given a time to be tried again. Returns its status, or TAKEN."""
+    if transient, given a time to be tried again. The operation after it (`following()`, asked
+    now) is claimed with it if the run goes on. Returns its status (or TAKEN), and whether the
+    one after it was claimed."""
     status = status or (Operation.Status.FAILED if error else Operation.Status.SUCCEEDED)
     now = timezone.now()
     failure = failure or (failures.classify(error) if error else "")
@@ -356,8 +388,8 @@ def _finish(op: Operation, error: str, status: str = "", failure: str = "") -> s
         if retry_at is not None:
             error += f" (tried again at {retry_at:%H:%M:%S} UTC)"
     # Only from running: another worker may have declared this operation lost meanwhile, and
-    # then neither its status nor the trail may say what this worker saw. The end and its event
-    # are written together (one statement on PostgreSQL).
+    # then neither its status nor the trail may say what this worker saw, nor may it claim
+    # more. The end, its event and the next claim are one statement on PostgreSQL.
     ending = Operation.objects.filter(pk=op.pk, status=Operation.Status.RUNNING)
     ended = dict(status=status, error=error, finished_at=now, failure=failure, retry_at=retry_at)
     event = audit_event(
@@ -372,13 +404,26 @@ def _finish(op: Operation, error: str, status: str = "", failure: str = "") -> s
     # reconcile prunes the node's models, so `owned` as read with the operation still holds.
     loaded = op.kind != Operation.Kind.UNLOAD
     owning = status == Operation.Status.SUCCEEDED and loaded != (op.model_name in op.node.owned)
+    after = following() if _goes_on(op, status) else None
+    then = _claim(after) if after else None
     with transaction.atomic() if owning else nullcontext():
-        if not audit_update(ending, ended, event):
+        ended_here, claimed = audit_update(ending, ended, event, then)
+        if not ended_here:
             log.warning("node %s: operation %s was taken over before it ended", op.node_id, op.pk)
-            return TAKEN
+            return TAKEN, False
         if owning:
             _own(op.node, op.model_name, loaded)
-    return status
+    return status, bool(claimed)
+
+
+def _claim(op: Operation) -> Then:
+    """`op` taken from the queue, if it is still there (a cancel may have come first)."""
+    rows = Operation.objects.filter(pk=op.pk, status=Operation.Status.QUEUED)
+    return rows, {
+        "status": Operation.Status.RUNNING,
+        "started_at": timezone.now(),
+        "attempts": F("attempts") + 1,
+    }
 
 
 def _tries(op: Operation) -> int:

@@ -534,8 +534,9 @@ def test_an_action_not_named_in_the_registry_is_refused_and_nothing_is_written(d
 
 
 def test_an_update_and_its_event_are_written_together_or_not_at_all(db: None) -> None:
-    """A worker's end of an operation and its event: one statement on PostgreSQL (a release
-    writes thousands), written as `audit_record` writes it, and no event when no row changed."""
+    """A worker's end of an operation and its event (and the claim of its next operation): one
+    statement on PostgreSQL (a release writes thousands), written as `audit_record` writes it,
+    and no event nor claim when no row changed."""
     pool = NodePool.objects.create(name="p")
     node = Node.objects.create(name="n1", pool=pool, http_url="http://n1:8000")
     op = Operation.objects.create(node=node, kind="load", model_name="rag", status="running")
@@ -552,7 +553,7 @@ def test_an_update_and_its_event_are_written_together_or_not_at_all(db: None) ->
     finally:
         REQUEST_ID.reset(token)
     with CaptureQueriesContext(connection) as statements:
-        assert audit_update(running, {"status": "succeeded", "error": ""}, event) == 1
+        assert audit_update(running, {"status": "succeeded", "error": ""}, event) == (1, 0)
     if connection.vendor == "postgresql":
         assert len(statements) == 1
     op.refresh_from_db()
@@ -572,8 +573,21 @@ def test_an_update_and_its_event_are_written_together_or_not_at_all(db: None) ->
     assert written.created_at is not None
     # Taken over meanwhile: nothing changed, so nothing is recorded.
     again = audit_event(actor="system:reconciler", action="operation.load", target="node:n1:rag")
-    assert audit_update(running, {"status": "failed"}, again) == 0
-    assert AuditEvent.objects.count() == 1 and Operation.objects.get().status == "succeeded"
+    later = Operation.objects.create(node=node, kind="load", model_name="emb", status="queued")
+    claim = (Operation.objects.filter(pk=later.pk, status="queued"), {"status": "running"})
+    assert audit_update(running, {"status": "failed"}, again, claim) == (0, 0)
+    assert AuditEvent.objects.count() == 1
+    assert Operation.objects.get(pk=op.pk).status == "succeeded"
+    assert Operation.objects.get(pk=later.pk).status == "queued"  # nor the update after it
+    # Changed, with the update after it: in the same statement on PostgreSQL.
+    Operation.objects.filter(pk=op.pk).update(status="running")
+    with CaptureQueriesContext(connection) as statements:
+        assert audit_update(running, {"status": "succeeded"}, again, claim) == (1, 1)
+    if connection.vendor == "postgresql":
+        assert len(statements) == 1
+    assert (
+        AuditEvent.objects.count() == 2 and Operation.objects.get(pk=later.pk).status == "running"
+    )
 
 
 def test_every_action_the_api_refuses_under_is_in_the_registry() -> None:

@@ -25,10 +25,7 @@ from apps.fleet.runner import NodeBusy, node_run
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register
 from apps.fleet.tasks import reconcile_node
-from apps.fleet.triton import (
-    IndexEntry,
-    TritonClient,
-)
+from apps.fleet.triton import IndexEntry, TritonClient
 from tests.support.registry import import_demo
 
 pytestmark = pytest.mark.django_db
@@ -185,6 +182,24 @@ def test_a_nodes_reconcile_costs_the_same_with_10_and_10000_finished_operations(
     assert max(long_rows) < 10
 
 
+def loading_to_index(monkeypatch: pytest.MonkeyPatch, then: Callable[[str], None]) -> list[str]:
+    """Triton at the client's boundary: each model loaded shows READY at v1 in the index, and
+    `then` runs as its load is sent. Returns the models loaded, in order."""
+    loaded: list[str] = []
+
+    def load(self: TritonClient, model: str, **_: Any) -> None:
+        loaded.append(model)
+        then(model)
+
+    monkeypatch.setattr(TritonClient, "load", load)
+    monkeypatch.setattr(
+        TritonClient,
+        "repository_index",
+        lambda self: [IndexEntry(m, 1, "READY", "") for m in loaded],
+    )
+    return loaded
+
+
 def test_a_planned_run_reads_neither_the_pool_nor_its_plan_nor_a_serving_nodes_stage_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -195,13 +210,7 @@ def test_a_planned_run_reads_neither_the_pool_nor_its_plan_nor_a_serving_nodes_s
     import_demo()
     node = a_node()
     Node.objects.filter(pk=node.pk).update(stage=Node.Stage.SERVING)
-    loaded: list[str] = []
-    monkeypatch.setattr(TritonClient, "load", lambda self, model, **_: loaded.append(model))
-    monkeypatch.setattr(
-        TritonClient,
-        "repository_index",
-        lambda self: [IndexEntry(m, 1, "READY", "") for m in loaded],
-    )
+    loading_to_index(monkeypatch, lambda model: None)
     deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
     with CaptureQueriesContext(connection) as queries:
         reconcile_node(node.pk)
@@ -218,6 +227,52 @@ def test_a_planned_run_reads_neither_the_pool_nor_its_plan_nor_a_serving_nodes_s
     assert [q for q in sql if 'FROM "audit_auditevent"' in q] == []
     assert [q for q in sql if q.startswith('SELECT "fleet_deployment"."request_id"')] == []
     assert [q for q in sql if "lost mid-operation" in q] == []
+
+
+def test_each_step_of_a_plan_is_claimed_with_the_end_of_the_one_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step's end, its event and the next step's claim are one statement on PostgreSQL: only
+    the first step is claimed alone (issue 30: a release pays each for every load of every
+    node)."""
+    import_demo()
+    node = a_node()
+    Node.objects.filter(pk=node.pk).update(stage=Node.Stage.SERVING)
+    loaded = loading_to_index(monkeypatch, lambda model: None)
+    deployment_set(model_name="rag_pipeline", version=1, pool=node.pool, actor="system:test")
+    with CaptureQueriesContext(connection) as queries:
+        reconcile_node(node.pk)
+    assert loaded == ["embedder", "generator", "reranker", "retriever", "rag_pipeline"]
+    ops = Operation.objects.order_by("seq")
+    assert [(op.status, op.attempts) for op in ops] == [("succeeded", 1)] * 5
+    assert AuditEvent.objects.filter(action="operation.load", result="ok").count() == 5
+    claims = [q["sql"] for q in queries if """SET "status" = 'running'""" in q["sql"]]
+    if connection.vendor == "postgresql":
+        assert len(claims) == 1 + 4 and sum(q.startswith("WITH changed") for q in claims) == 4
+
+
+def test_a_step_no_longer_queued_when_the_one_before_ends_is_neither_claimed_nor_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import_demo()
+    node = a_node()
+    Node.objects.filter(pk=node.pk).update(stage=Node.Stage.SERVING)
+
+    def cancel_the_next(model: str) -> None:
+        if model == "embedder":  # as another hand would, while embedder loads
+            Operation.objects.filter(model_name="generator").update(status="cancelled")
+
+    loaded = loading_to_index(monkeypatch, cancel_the_next)
+    deployment_set(model_name="rag_pipeline", version=1, pool=node.pool, actor="system:test")
+    reconcile_node(node.pk)
+    assert loaded == ["embedder"]
+    ops = Operation.objects.order_by("seq")
+    assert [(op.model_name, op.status) for op in ops][:2] == [
+        ("embedder", "succeeded"),
+        ("generator", "cancelled"),
+    ]
+    assert {op.status for op in ops[2:]} == {"cancelled"}
+    assert "not run: step 1 (load generator) cancelled" in ops[2].error
 
 
 def test_a_lapsed_lease_is_not_taken_while_its_load_may_still_be_answered(
