@@ -137,10 +137,14 @@ def node_run(*, node_id: int, wanted: "DesiredDigest | None" = None) -> None:
             # at once, in traffic, with nothing to warm up.
             _run_queued(node, first, queued, wanted, lease)
             return
-        # Out of traffic, on a pool with a traffic strategy: loads never meet live requests.
-        with drained(node):
+        # Out of traffic, on a pool with a traffic strategy: loads never meet live requests,
+        # and what they loaded is warmed before the node takes them again. A pool without one
+        # never takes its nodes out of traffic: its live requests meet the loads as they land,
+        # and there is no "before" to warm them in.
+        with drained(node) as out_of_traffic:
             loaded = _run_queued(node, first, queued, wanted, lease)
-            warm_up(node, loaded)
+            if out_of_traffic:
+                warm_up(node, loaded)
 
 
 def _next_batch(queued: "QuerySet[Operation]") -> list[Operation]:

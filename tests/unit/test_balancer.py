@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from apps.audit.models import AuditEvent
 from apps.fleet.errors import FleetError
-from apps.fleet.models import Node, NodePool
+from apps.fleet.models import Node, NodePool, Operation
+from apps.fleet.runner import node_run
 from apps.fleet.services.pools import pool_set_traffic
 from apps.fleet.traffic import balancer as balancing
 from apps.fleet.traffic import warmup
@@ -30,7 +31,7 @@ from apps.fleet.traffic.balancer import (
 )
 from apps.fleet.traffic.haproxy import Server
 from apps.fleet.traffic.warmup import warm_up
-from apps.fleet.triton import TritonError
+from apps.fleet.triton import IndexEntry, TritonClient, TritonError
 from apps.registry.models import Model as RegistryModel
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import rollout_abort
@@ -262,6 +263,32 @@ def test_what_a_node_just_loaded_is_warmed_on_the_node_itself_once_per_pipeline(
     failed = AuditEvent.objects.get(action="node.warm_up")
     assert (failed.target, failed.result) == ("node:gpu-1:broken", "failed")
     assert "model 'broken' is not ready" in failed.message
+
+
+def test_a_load_is_warmed_where_its_node_left_traffic_for_it_and_only_there(
+    balancer: Balancer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drained for a load, a node is warmed before it takes traffic again; on a pool without a
+    traffic strategy it never left, and nothing is sent but the load."""
+    sent: list[str] = []
+    ready = [IndexEntry("embedder", 1, "READY", "")]
+    monkeypatch.setattr(TritonClient, "load", lambda self, model, **_: sent.append("load"))
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: ready)
+    monkeypatch.setattr(TritonClient, "model_inputs", lambda self, m: [("TEXT", "BYTES", [-1])])
+    monkeypatch.setattr(TritonClient, "infer", lambda self, model, inputs: sent.append(model))
+    NodePool.objects.update(warmup_requests=2)
+    gpu_1 = node("gpu-1")
+    Node.objects.filter(pk=gpu_1.pk).update(lease_until=None)  # no worker at it
+    for traffic in (NodePool.Traffic.HAPROXY, ""):
+        NodePool.objects.update(traffic=traffic)
+        sent.clear()
+        Operation.objects.create(
+            node=gpu_1, kind="load", model_name="embedder", versions=[1], requested_by="ops"
+        )
+        node_run(node_id=gpu_1.pk)
+        assert Operation.objects.filter(status="succeeded").count() == (2 if traffic == "" else 1)
+        assert sent == (["load", "embedder", "embedder"] if traffic else ["load"])
+    assert AuditEvent.objects.filter(action="node.drain").count() == 1
 
 
 def _free(*rows: tuple[Any, int]) -> bool:

@@ -296,15 +296,16 @@ def pool_sync(pool_id: int) -> None:
 
 
 @contextmanager
-def drained(node: Node) -> Iterator[None]:
+def drained(node: Node) -> Iterator[bool]:
     """The node out of traffic while the block runs (its in-flight requests finished first),
     then back at its weight. Only while the pool keeps `min_serving` other serving nodes, or
     when the node has no share anyway (a canary being rolled back): raises PoolAtCapacity
-    otherwise, before draining anything. On a pool without a traffic strategy, nothing to do."""
+    otherwise, before draining anything. On a pool without a traffic strategy, nothing to do.
+    Yields whether the node is out of traffic: whether it takes traffic *again* afterwards."""
     pool = node.pool
     target = balancer(pool)
     if target is None:
-        yield
+        yield False
         return
     with transaction.atomic():
         locked = _lock(pool.pk)
@@ -326,7 +327,7 @@ def drained(node: Node) -> Iterator[None]:
     try:
         traffic_sync(pool.pk)  # committed first: its row is not held while the balancer answers
         _wait_idle(node, pool, target)
-        yield
+        yield True
     finally:
         with transaction.atomic():
             _lock(pool.pk)
