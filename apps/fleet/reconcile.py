@@ -210,7 +210,7 @@ def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list
             # A periodic reconcile that carries out a new desired state records it under the
             # request that changed it (the newest deployment targeting the node), as that
             # request's own reconcile would have; a repair is nobody's request.
-            REQUEST_ID.set(request)  # for the rest of this task: the plan's events and its run
+            REQUEST_ID.set(request)  # for the rest of this node's reconcile: its events and run
         ops = Operation.objects.bulk_create(
             Operation(
                 node=locked,

@@ -5,10 +5,14 @@ Work on a node goes to its pool's queue, so a pool can be driven by workers next
 
 import logging
 import random
+import time
+from collections import defaultdict
 from collections.abc import Iterable
+from contextvars import copy_context
 from typing import Any
 
 from celery import Task, shared_task
+from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.utils import timezone
 
@@ -24,18 +28,49 @@ from controlplane.prometheus import PrometheusUnavailable
 log = logging.getLogger(__name__)
 
 
+# Seconds from now, or when (ISO 8601, as a task's request carries it); None: the task's own.
+Expires = float | str | None
+
+
+def _listed(node_ids: Iterable[int] | None) -> list[tuple[int, str]]:
+    """(id, queue) of these nodes (every node when None), less those that departed."""
+    nodes = Node.objects.exclude(stage=Node.Stage.DEPARTED)
+    nodes = nodes if node_ids is None else nodes.filter(pk__in=node_ids)
+    return list(nodes.order_by("pool_id", "id").values_list("id", "pool__queue"))
+
+
 def send_per_node(
-    task: Task, node_ids: Iterable[int] | None = None, *, expires: float | None = None
+    task: Task, node_ids: Iterable[int] | None = None, *, expires: Expires = None
 ) -> None:
     """One `task` per node (every node when None), each on its pool's queue, expiring after the
     task's own time unless `expires` says otherwise; a node that has departed gets none."""
-    nodes = Node.objects.exclude(stage=Node.Stage.DEPARTED)
-    nodes = nodes if node_ids is None else nodes.filter(pk__in=node_ids)
-    for node_id, queue in nodes.values_list("id", "pool__queue"):
+    for node_id, queue in _listed(node_ids):
         send_to(queue, task, node_id, expires=expires)
 
 
-def send_to(queue: str, task: Task, argument: int, *, expires: float | None = None) -> None:
+# A queue's nodes go to `task` in chunks of CHUNK_NODES at most, and into SPREAD tasks at least
+# where it has that many nodes: a Celery task costs its worker more CPU than a node's reconcile
+# does, and at 5,000 nodes a task a node is most of a release's work; a small fleet's nodes each
+# get a task still, taken by as many workers in parallel.
+CHUNK_NODES = 20
+SPREAD = 32
+
+
+def send_chunked(
+    task: Task, node_ids: Iterable[int] | None = None, *, expires: Expires = None
+) -> None:
+    """`task(ids)` for chunks of these nodes (every node when None) that share a queue, on it;
+    a node that has departed is in none."""
+    queues: dict[str, list[int]] = defaultdict(list)
+    for node_id, queue in _listed(node_ids):
+        queues[queue].append(node_id)
+    for queue, ids in queues.items():
+        size = max(1, min(CHUNK_NODES, len(ids) // SPREAD))
+        for start in range(0, len(ids), size):
+            send_to(queue, task, ids[start : start + size], expires=expires)
+
+
+def send_to(queue: str, task: Task, argument: object, *, expires: Expires = None) -> None:
     """`task(argument)` on `queue`, or on the default queue when empty."""
     options: dict[str, Any] = {"queue": queue} if queue else {}
     if expires:
@@ -51,7 +86,7 @@ CHANGE_EXPIRES_S = 1800.0
 
 def reconcile_change(node_ids: Iterable[int]) -> None:
     """Reconcile these nodes now: what they should run, or where they are, has changed."""
-    send_per_node(reconcile_node, node_ids, expires=CHANGE_EXPIRES_S)
+    send_chunked(reconcile_nodes, node_ids, expires=CHANGE_EXPIRES_S)
 
 
 # A late heartbeat is worthless: one that waited in the queue says nothing about now.
@@ -95,7 +130,7 @@ def reconcile_all() -> None:
     Pools with a traffic strategy get their balancer's weights checked, once per pool; rollback
     windows that have passed close first."""
     rollback_windows_close()
-    send_per_node(reconcile_node)
+    send_chunked(reconcile_nodes)
     for pool_id, queue in NodePool.objects.exclude(traffic="").values_list("id", "queue"):
         send_to(queue, sync_traffic, pool_id)
 
@@ -108,12 +143,38 @@ def sync_traffic(pool_id: int) -> None:
 
 # Planning is idempotent (a node with open operations is skipped), so a redelivery is harmless.
 # The plan runs in the same task: a release reaches each node without a second trip through a
-# queue that holds every other node's reconcile; so does work whose run was lost. Limits as for
-# run_node, which it does.
+# queue that holds every other node's reconcile; so does work whose run was lost. A chunk's
+# nodes one after another, for CHUNK_BUDGET_S (then one node) at most: what is left goes to the
+# back of the queue by the same deadline, spread again, so nodes whose loads take minutes never
+# keep other chunks waiting long. Limits: the budget, then one node's run as for run_node.
+CHUNK_BUDGET_S = 60.0
+
+
 @shared_task(
-    name="fleet.reconcile_node", acks_late=True, expires=60, soft_time_limit=300, time_limit=330
+    bind=True,
+    name="fleet.reconcile_nodes",
+    acks_late=True,
+    expires=60,
+    soft_time_limit=CHUNK_BUDGET_S + 300,
+    time_limit=CHUNK_BUDGET_S + 330,
 )
-def reconcile_node(node_id: int) -> None:
+def reconcile_nodes(self: Task, node_ids: list[int]) -> None:
+    ends = time.monotonic() + CHUNK_BUDGET_S
+    for done, node_id in enumerate(node_ids, 1):
+        try:
+            # A context of its own: the request a node's plan adopts (node_reconcile) ends with it.
+            copy_context().run(_converge, node_id)
+        except SoftTimeLimitExceeded:
+            raise
+        except Exception:  # one node's trouble is its own: the chunk's other nodes go on
+            log.exception("node %s: reconcile failed", node_id)
+        if time.monotonic() > ends and (rest := node_ids[done:]):
+            send_chunked(reconcile_nodes, rest, expires=self.request.expires)
+            return
+
+
+def _converge(node_id: int) -> None:
+    """Plan the node's missing operations and run them; a node busy or away retries its run."""
     wanted = DesiredDigest()  # what the plan is made from, handed to its run
     if node_reconcile(node_id=node_id, wanted=wanted):
         try:

@@ -19,7 +19,7 @@ from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.services.nodes import node_adopt, operation_request
 from apps.fleet.services.pools import pool_set_queue
-from apps.fleet.tasks import reconcile_node
+from apps.fleet.tasks import reconcile_nodes
 from apps.fleet.triton import TritonClient
 from apps.registry.codec import parse_pbtxt
 from apps.registry.services import version_create
@@ -218,7 +218,7 @@ def reconciled_twice(nodes: list[Node]) -> None:
     a worker that was at the node already)."""
     for _ in range(2):
         for node in nodes:
-            reconcile_node(node.pk)
+            reconcile_nodes([node.pk])
         wait_for(
             "no operation is open",
             lambda: not Operation.objects.filter(status__in=["queued", "running"]).exists(),
@@ -293,8 +293,8 @@ def test_a_pool_on_its_own_queue_is_driven_by_that_queues_worker_alone(
         found = re.findall(r"Task (fleet\.\w+)\[([\w-]+)\]", after)
         took[name] = Counter(task for task, task_id in found if task_id not in earlier)
     # Reconciles run their plans (the loads), so no run task is needed on the way.
-    node_tasks = {"fleet.poll_node", "fleet.reconcile_node", "fleet.run_node"}
-    assert {"fleet.poll_node", "fleet.reconcile_node"} <= set(took["worker-region-b"]), took
+    node_tasks = {"fleet.poll_node", "fleet.reconcile_nodes", "fleet.run_node"}
+    assert {"fleet.poll_node", "fleet.reconcile_nodes"} <= set(took["worker-region-b"]), took
     assert not node_tasks & set(took["worker"]), took  # the default worker fans out, no more
     assert took["worker"]["fleet.reconcile_all"] >= 1
     unload_everything(nodes)

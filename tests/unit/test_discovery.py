@@ -233,11 +233,12 @@ def test_a_departed_node_is_neither_polled_nor_reconciled(
 ) -> None:
     nodes_sync([target("gpu-7"), target("gpu-8", port=8012)], timezone.now())
     Node.objects.filter(name="gpu-7").update(stage=Node.Stage.DEPARTED)
-    sent: list[int] = []
-    monkeypatch.setattr(tasks, "send_to", lambda queue, task, node_id, **_: sent.append(node_id))
+    sent: list[object] = []
+    monkeypatch.setattr(tasks, "send_to", lambda queue, task, nodes, **_: sent.append(nodes))
     tasks.poll_nodes()
     tasks.reconcile_all()
-    assert sent == [Node.objects.get(name="gpu-8").pk] * 2
+    listed = Node.objects.get(name="gpu-8").pk
+    assert sent == [listed, [listed]]  # a poll of its own, a reconcile in a chunk
 
 
 @pytest.fixture

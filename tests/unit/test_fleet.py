@@ -304,11 +304,11 @@ def test_work_whose_run_was_lost_is_run_by_the_next_reconcile_and_young_work_is_
     monkeypatch.setattr(TritonClient, "load", lambda self, model, **_: sent.append(model))
     deployment_set(model_name="embedder", version=1, node=node, actor="ops")
     person = operation_request(node_id=node.pk, model_name="embedder", kind="reload", actor="ops")
-    tasks.reconcile_node(node.pk)  # just queued: its own run is about to take it
+    tasks.reconcile_nodes([node.pk])  # just queued: its own run is about to take it
     assert sent == [] and Operation.objects.get().status == "queued"
     long_ago = timezone.now() - timedelta(seconds=settings.FLEET_LEASE_S + 1)
     Operation.objects.filter(pk=person.pk).update(created_at=long_ago)  # its run never came
-    tasks.reconcile_node(node.pk)
+    tasks.reconcile_nodes([node.pk])
     assert sent == ["embedder"]
 
 
@@ -426,19 +426,23 @@ def test_an_unmanaged_model_can_be_adopted_and_only_then_unloaded(
     assert (event.actor, event.target) == (operator.username, "node:n1:mystery")
 
 
+def names(argument: int | list[int]) -> str:
+    """The nodes a task was sent for: one node's id, or a chunk's."""
+    ids = argument if isinstance(argument, list) else [argument]
+    return ",".join(Node.objects.filter(pk__in=ids).order_by("name").values_list("name", flat=True))
+
+
 def test_node_work_goes_to_each_pools_own_queue(monkeypatch: pytest.MonkeyPatch) -> None:
     NodePool.objects.create(name="eu", queue="eu-west")
     NodePool.objects.create(name="us")
     for name, pool in (("eu-1", "eu"), ("eu-2", "eu"), ("us-1", "us")):
         Node.objects.create(name=name, pool=NodePool.objects.get(name=pool), http_url="http://x:1")
     sent: list[tuple[str, str | None]] = []
-    for task in (tasks.poll_node, tasks.reconcile_node, tasks.run_node):
+    for task in (tasks.poll_node, tasks.reconcile_nodes, tasks.run_node):
         monkeypatch.setattr(
             task,
             "apply_async",
-            lambda args, queue=None, task=task: sent.append(
-                (task.name, Node.objects.get(pk=args[0]).name, queue)
-            ),
+            lambda args, queue=None, task=task: sent.append((task.name, names(args[0]), queue)),
         )
     tasks.poll_nodes()
     tasks.reconcile_all()
@@ -447,9 +451,9 @@ def test_node_work_goes_to_each_pools_own_queue(monkeypatch: pytest.MonkeyPatch)
         ("fleet.poll_node", "eu-1", "eu-west"),
         ("fleet.poll_node", "eu-2", "eu-west"),
         ("fleet.poll_node", "us-1", None),
-        ("fleet.reconcile_node", "eu-1", "eu-west"),
-        ("fleet.reconcile_node", "eu-2", "eu-west"),
-        ("fleet.reconcile_node", "us-1", None),
+        ("fleet.reconcile_nodes", "eu-1", "eu-west"),
+        ("fleet.reconcile_nodes", "eu-2", "eu-west"),
+        ("fleet.reconcile_nodes", "us-1", None),
         ("fleet.run_node", "us-1", None),
     ]
 
@@ -481,6 +485,30 @@ def test_a_periodic_reconcile_records_the_change_under_the_request_that_made_it(
     assert reconcile() == ""
 
 
+def test_each_node_of_a_periodic_chunk_is_recorded_under_its_own_request(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk's nodes share a task, not a request: the request one node's plan adopts ends
+    with that node."""
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])  # empty nodes
+    monkeypatch.setattr(tasks, "node_run", lambda **_: None)  # planned is enough here
+    other = node_register(
+        name="n2", pool="q", http_url="http://127.0.0.1:1", grpc_url="", metrics_url="", actor="ops"
+    )
+    for request, pool in (("req-p", node.pool), ("req-q", other.pool)):
+        token = REQUEST_ID.set(request)
+        try:
+            deployment_set(model_name="embedder", version=1, pool=pool, actor="ops")
+        finally:
+            REQUEST_ID.reset(token)
+    copy_context().run(tasks.reconcile_nodes, [node.pk, other.pk])  # from beat: no request
+    drifts = AuditEvent.objects.filter(action="node.drift")
+    assert dict(drifts.values_list("target", "request_id")) == {
+        "node:n1": "req-p",
+        "node:n2": "req-q",
+    }
+
+
 def test_a_reconcile_hands_its_desired_state_to_the_run_and_a_change_still_stops_it(
     node: Node, computed: list[dict], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -504,7 +532,7 @@ def test_a_reconcile_hands_its_desired_state_to_the_run_and_a_change_still_stops
 
     monkeypatch.setattr(TritonClient, "load", load)
     deployment_set(model_name="rag_pipeline", version=1, node=node, actor="ops")
-    tasks.reconcile_node(node.pk)
+    tasks.reconcile_nodes([node.pk])
     assert len(computed) == 1  # once, for the plan; the run started from it
     monkeypatch.setattr(runner.DesiredDigest, "RECHECK_S", 0.0)  # every step looks again
     Operation.objects.all().delete()
@@ -512,7 +540,7 @@ def test_a_reconcile_hands_its_desired_state_to_the_run_and_a_change_still_stops
     changed.clear()
     loaded.clear()
     deployment_set(model_name="rag_pipeline", version=1, node=node, actor="ops")
-    tasks.reconcile_node(node.pk)
+    tasks.reconcile_nodes([node.pk])
     statuses = list(Operation.objects.order_by("seq").values_list("status", flat=True))
     assert statuses[0] == "succeeded" and set(statuses[1:]) == {"cancelled"}
     assert len(computed) == 2  # the plan's, and the run's once the deployments changed

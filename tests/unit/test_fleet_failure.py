@@ -24,7 +24,7 @@ from apps.fleet.reconcile import node_reconcile, observed_state
 from apps.fleet.runner import NodeBusy, node_run
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register
-from apps.fleet.tasks import reconcile_node
+from apps.fleet.tasks import reconcile_nodes
 from apps.fleet.triton import IndexEntry, TritonClient
 from tests.support.registry import import_demo
 
@@ -213,7 +213,7 @@ def test_a_planned_run_reads_neither_the_pool_nor_its_plan_nor_a_serving_nodes_s
     loading_to_index(monkeypatch, lambda model: None)
     deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
     with CaptureQueriesContext(connection) as queries:
-        reconcile_node(node.pk)
+        reconcile_nodes([node.pk])
     assert list(Operation.objects.values_list("model_name", "status")) == [
         ("embedder", Operation.Status.SUCCEEDED)
     ]
@@ -241,7 +241,7 @@ def test_each_step_of_a_plan_is_claimed_with_the_end_of_the_one_before(
     loaded = loading_to_index(monkeypatch, lambda model: None)
     deployment_set(model_name="rag_pipeline", version=1, pool=node.pool, actor="system:test")
     with CaptureQueriesContext(connection) as queries:
-        reconcile_node(node.pk)
+        reconcile_nodes([node.pk])
     assert loaded == ["embedder", "generator", "reranker", "retriever", "rag_pipeline"]
     ops = Operation.objects.order_by("seq")
     assert [(op.status, op.attempts) for op in ops] == [("succeeded", 1)] * 5
@@ -264,7 +264,7 @@ def test_a_step_no_longer_queued_when_the_one_before_ends_is_neither_claimed_nor
 
     loaded = loading_to_index(monkeypatch, cancel_the_next)
     deployment_set(model_name="rag_pipeline", version=1, pool=node.pool, actor="system:test")
-    reconcile_node(node.pk)
+    reconcile_nodes([node.pk])
     assert loaded == ["embedder"]
     ops = Operation.objects.order_by("seq")
     assert [(op.model_name, op.status) for op in ops][:2] == [

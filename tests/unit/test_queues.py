@@ -1,6 +1,8 @@
 """Rollout ticks and beat's heartbeat go to a queue of their own, so that a release's thousands
 of node tasks on the default queue never delay a rollback decision."""
 
+from collections import Counter
+
 import pytest
 from django.conf import settings
 
@@ -28,7 +30,7 @@ def test_beats_schedule_sends_ticks_and_heartbeats_there_and_node_work_elsewhere
     default = celery_app.conf.task_default_queue
     assert queues["poll-nodes"] == queues["reconcile"] == default != "rollouts"
     # A node's own work, and webhooks, stay on the default queue (or its pool's).
-    for task in ("fleet.reconcile_node", "fleet.poll_node", "rollouts.deliver_notification"):
+    for task in ("fleet.reconcile_nodes", "fleet.poll_node", "rollouts.deliver_notification"):
         assert queue_of(task) == default, task
 
 
@@ -43,9 +45,75 @@ def test_a_change_outlives_the_queue_ahead_of_it_and_a_periodic_pass_does_not(
     )
     sent: list[dict] = []
     monkeypatch.setattr(
-        tasks.reconcile_node, "apply_async", lambda args, **options: sent.append(options)
+        tasks.reconcile_nodes, "apply_async", lambda args, **options: sent.append(options)
     )
     tasks.reconcile_change([east.pk])
     tasks.reconcile_all()
     assert sent == [{"queue": "east", "expires": tasks.CHANGE_EXPIRES_S}, {"queue": "east"}]
-    assert tasks.reconcile_node.expires < tasks.CHANGE_EXPIRES_S
+    assert tasks.reconcile_nodes.expires < tasks.CHANGE_EXPIRES_S
+
+
+@pytest.mark.django_db
+def test_a_large_queues_nodes_go_in_chunks_and_a_small_ones_each_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    big, small = (
+        NodePool.objects.create(name="big", queue="east"),
+        NodePool.objects.create(name="small"),
+    )
+    Node.objects.bulk_create(
+        [Node(name=f"b{n}", pool=big, http_url="http://x:1") for n in range(700)]
+        + [Node(name=f"s{n}", pool=small, http_url="http://x:1") for n in range(3)]
+        + [Node(name="gone", pool=small, http_url="http://x:1", stage=Node.Stage.DEPARTED)]
+    )
+    sent: list[tuple[list[int], str | None]] = []
+    monkeypatch.setattr(
+        tasks.reconcile_nodes,
+        "apply_async",
+        lambda args, queue=None, **options: sent.append((args[0], queue)),
+    )
+    tasks.reconcile_all()
+    chunks = Counter((len(ids), queue) for ids, queue in sent)
+    assert chunks == {(tasks.CHUNK_NODES, "east"): 35, (1, None): 3}
+    ids = [node_id for chunk, _ in sent for node_id in chunk]
+    departed = Node.objects.get(name="gone").pk
+    assert sorted(ids) == sorted(Node.objects.exclude(pk=departed).values_list("pk", flat=True))
+
+
+@pytest.mark.django_db
+def test_a_chunk_past_its_budget_sends_the_rest_by_the_same_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each chunk does one node at least; what is left goes to the back of its queue, spread
+    again (slow nodes are where a task a node costs least), and a node whose reconcile raised
+    does not stop the others."""
+    pool = NodePool.objects.create(name="big", queue="east")
+    ids = [Node.objects.create(name=f"n{n}", pool=pool, http_url="http://x:1").pk for n in range(3)]
+    done: list[int] = []
+
+    def converge(node_id: int) -> None:
+        done.append(node_id)
+        raise RuntimeError("the database went away")
+
+    sent: list[tuple[list[int], dict]] = []
+    monkeypatch.setattr(tasks, "_converge", converge)
+    monkeypatch.setattr(tasks, "CHUNK_BUDGET_S", -1.0)
+    monkeypatch.setattr(
+        tasks.reconcile_nodes,
+        "apply_async",
+        lambda args, **options: sent.append((args[0], options)),
+    )
+    deadline = "2026-12-04T10:00:00+00:00"
+    tasks.reconcile_nodes.push_request(expires=deadline)  # as a worker runs it
+    try:
+        tasks.reconcile_nodes.run(ids)
+    finally:
+        tasks.reconcile_nodes.pop_request()
+    assert done == ids[:1]
+    assert sent == [
+        (ids[1:2], {"queue": "east", "expires": deadline}),
+        (ids[2:], {"queue": "east", "expires": deadline}),
+    ]
+    monkeypatch.setattr(tasks, "CHUNK_BUDGET_S", 60.0)
+    tasks.reconcile_nodes(ids)
+    assert done == [ids[0], *ids]
