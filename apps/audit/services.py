@@ -1,6 +1,6 @@
 from collections.abc import Callable
 from contextvars import ContextVar
-from functools import wraps
+from functools import cache, wraps
 from typing import Any, TypeVar, cast
 
 from django.contrib.auth.models import AnonymousUser, User
@@ -99,20 +99,12 @@ def audit_update(
     event.created_at = timezone.now()
     for name, value in target_parts(event.target).items():
         setattr(event, name, value)
-    # Every column but those the database fills (the id, and the user when there is none),
-    # each cast: a SELECT list does not take its types from the table it feeds.
-    columns = [
-        f
-        for f in AuditEvent._meta.concrete_fields
-        if not f.primary_key and getattr(event, f.attname) is not None
-    ]
-    names = ", ".join(connection.ops.quote_name(f.column) for f in columns)
-    casts = ", ".join(f"%s::{f.db_type(connection)}" for f in columns)
+    # Every column but those the database fills (the id, and the user when there is none).
+    columns = [f for f in _EVENT_FIELDS if getattr(event, f.attname) is not None]
     row = [f.get_db_prep_save(getattr(event, f.attname), connection) for f in columns]
-    table = connection.ops.quote_name(AuditEvent._meta.db_table)
     # Made of Django's compiled UPDATEs and the model's own names; every value a parameter.
-    statement = f"WITH changed AS ({changing} RETURNING 1), "
-    statement += f"logged AS (INSERT INTO {table} ({names}) SELECT {casts} FROM changed)"  # noqa: S608
+    logged = _logged(tuple(f.attname for f in columns))
+    statement = f"WITH changed AS ({changing} RETURNING 1), {logged}"
     followed, more = "0", ()
     if then:
         after = then[0].filter(RawSQL("EXISTS (SELECT 1 FROM changed)", (), BooleanField()))
@@ -124,6 +116,21 @@ def audit_update(
         cursor.execute(statement, (*params, *row, *more))
         changed, follows = cursor.fetchone()
     return changed, follows
+
+
+_EVENT_FIELDS = [f for f in AuditEvent._meta.concrete_fields if not f.primary_key]
+
+
+@cache
+def _logged(attnames: tuple[str, ...]) -> str:
+    """The CTE that inserts an event of these columns for each changed row, each value cast: a
+    SELECT list does not take its types from the table it feeds. Built once per set of columns:
+    their types cost more to look up than the statement takes to run."""
+    columns = [f for f in _EVENT_FIELDS if f.attname in attnames]
+    names = ", ".join(connection.ops.quote_name(f.column) for f in columns)
+    casts = ", ".join(f"%s::{f.db_type(connection)}" for f in columns)
+    table = connection.ops.quote_name(AuditEvent._meta.db_table)
+    return f"logged AS (INSERT INTO {table} ({names}) SELECT {casts} FROM changed)"  # noqa: S608
 
 
 def _update_sql(rows: "QuerySet[Any]", values: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:

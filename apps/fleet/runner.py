@@ -9,12 +9,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from datetime import datetime, timedelta
+from datetime import timedelta
 from functools import partial
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Exists, F, OuterRef, Q, QuerySet
+from django.db.models import F, QuerySet
 from django.utils import timezone
 
 from apps.audit.services import Then, audit_event, audit_update
@@ -49,18 +49,34 @@ class Lease:
         self.held = False
         self._stop = threading.Event()
 
-    def _extend(self, query: Q) -> bool:
-        until = timezone.now() + timedelta(seconds=self.seconds)
-        return bool(
-            Node.objects.filter(query, pk=self.node_id).update(
-                lease_owner=self.owner, lease_until=until
-            )
+    def _take(self) -> bool:
+        """The lease, if the node is free: no lease, or a lapsed one whose worker can no longer
+        be waiting on a load it sent (_TAKE)."""
+        now = timezone.now()
+        until = now + timedelta(seconds=self.seconds)
+        may_run = now - timedelta(seconds=settings.FLEET_LOAD_TIMEOUT_S + settings.TRITON_TIMEOUT_S)
+        at = connection.ops.adapt_datetimefield_value
+        params = (
+            self.owner,
+            at(until),
+            self.node_id,
+            at(now),
+            Operation.Status.RUNNING,
+            at(may_run),
         )
+        with connection.cursor() as cursor:
+            cursor.execute(_TAKE, params)
+            return cursor.rowcount == 1
+
+    def _renew(self) -> bool:
+        until = timezone.now() + timedelta(seconds=self.seconds)
+        renewed = Node.objects.filter(pk=self.node_id, lease_owner=self.owner)
+        return bool(renewed.update(lease_until=until))
 
     def _heartbeat(self) -> None:
         try:
             while self.held and not self._stop.wait(self.seconds / 3):
-                self.held = self._extend(Q(lease_owner=self.owner))
+                self.held = self._renew()
         except Exception:
             log.exception("node %s: lease renewal failed", self.node_id)
             self.held = False
@@ -69,12 +85,7 @@ class Lease:
 
     @contextmanager
     def hold(self) -> Iterator["Lease"]:
-        now = timezone.now()
-        free = Q(lease_until__isnull=True) | Q(lease_until__lt=now)
-        # A lapsed lease does not prove its worker dead: one cut off from the database (or
-        # stalled) may still be waiting on a load it sent. Until that load can no longer be
-        # answered, the node is busy: the next owner would send a second load beside it.
-        self.held = self._extend(free & Q(~Exists(_may_still_run(now))))
+        self.held = self._take()
         if not self.held:
             yield self
             return
@@ -91,13 +102,18 @@ class Lease:
             self.held = False
 
 
-def _may_still_run(now: datetime) -> "QuerySet[Operation]":
-    """The node's operations marked running whose worker may still be waiting on Triton: started
-    less than a load's timeout ago (plus a connect's, for the reads before it)."""
-    since = now - timedelta(seconds=settings.FLEET_LOAD_TIMEOUT_S + settings.TRITON_TIMEOUT_S)
-    return Operation.objects.filter(
-        node_id=OuterRef("pk"), status=Operation.Status.RUNNING, started_at__gt=since
-    )
+# A lapsed lease does not prove its worker dead: one cut off from the database (or stalled) may
+# still be waiting on a load it sent. Until that load can no longer be answered (an operation
+# marked running, started less than a load's timeout ago, plus a connect's for the reads before
+# it), the node is busy: the next owner would send a second load beside it. Written out once:
+# built by the ORM, its subquery was compiled afresh for every node of a release.
+_TAKE = """
+UPDATE fleet_node SET lease_owner = %s, lease_until = %s
+WHERE id = %s AND (lease_until IS NULL OR lease_until < %s) AND NOT EXISTS (
+    SELECT 1 FROM fleet_operation
+    WHERE fleet_operation.node_id = fleet_node.id AND status = %s AND started_at > %s
+)
+"""
 
 
 class NodeBusy(Exception):
@@ -115,7 +131,7 @@ def node_run(*, node_id: int, wanted: "DesiredDigest | None" = None) -> None:
             raise NodeBusy(node_id)
         # We hold the lease, so an operation still marked running lost its worker mid-way. Not
         # after a plan made just now: its reconcile found no open operation, and one claimed
-        # since by a worker lost meanwhile would still keep the lease from us (_may_still_run).
+        # since by a worker lost meanwhile would still keep the lease from us (_TAKE).
         if wanted is None or not wanted.planned:
             Operation.objects.filter(node_id=node_id, status=Operation.Status.RUNNING).update(
                 status=Operation.Status.UNKNOWN,
