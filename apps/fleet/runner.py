@@ -213,6 +213,8 @@ def _run_queued(
             if not _goes_on(op, status):
                 step = f"step {op.seq} ({op.kind} {op.model_name})"
                 _cancel_plan(op, f"not run: {step} {status}")
+                if op.failure == failures.STUCK:
+                    return loaded  # quarantined: no more work until a person or a restart
                 break
         batch = _next_batch(queued)
     return loaded
@@ -230,8 +232,11 @@ def _startable(op: Operation | None, wanted: "DesiredDigest", lease: Lease) -> O
 
 
 def _goes_on(op: Operation, status: str) -> bool:
-    """Whether the run goes on after `op` ended with `status`: later steps of a make-before-
-    break plan assume this one worked; a person's operations run whatever came before."""
+    """Whether the run goes on after `op` ended with `status`: not after a load that hung (its
+    node is quarantined); later steps of a make-before-break plan assume this one worked; a
+    person's operations run whatever came before."""
+    if op.failure == failures.STUCK:
+        return False
     return op.requested_by != RECONCILER or status == Operation.Status.SUCCEEDED
 
 
@@ -401,17 +406,17 @@ def _finish(
     one after it was claimed."""
     status = status or (Operation.Status.FAILED if error else Operation.Status.SUCCEEDED)
     now = timezone.now()
-    failure = failure or (failures.classify(error) if error else "")
+    op.failure = failure or (failures.classify(error) if error else "")
     retry_at = None
     if status == Operation.Status.FAILED:
-        retry_at = failures.retry_at(failure, _tries(op), now)
+        retry_at = failures.retry_at(op.failure, _tries(op), now)
         if retry_at is not None:
             error += f" (tried again at {retry_at:%H:%M:%S} UTC)"
     # Only from running: another worker may have declared this operation lost meanwhile, and
     # then neither its status nor the trail may say what this worker saw, nor may it claim
     # more. The end, its event and the next claim are one statement on PostgreSQL.
     ending = Operation.objects.filter(pk=op.pk, status=Operation.Status.RUNNING)
-    ended = dict(status=status, error=error, finished_at=now, failure=failure, retry_at=retry_at)
+    ended = dict(status=status, error=error, finished_at=now, failure=op.failure, retry_at=retry_at)
     event = audit_event(
         actor=op.requested_by,
         action=f"operation.{op.kind}",

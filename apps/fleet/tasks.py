@@ -147,7 +147,7 @@ def sync_traffic(pool_id: int) -> None:
 # nodes one after another, for CHUNK_BUDGET_S (then one node) at most: what is left goes to the
 # back of the queue by the same deadline, spread again, so nodes whose loads take minutes never
 # keep other chunks waiting long. Limits: the budget, then one node's run as for run_node.
-CHUNK_BUDGET_S = 60.0
+CHUNK_BUDGET_S = 60
 
 
 @shared_task(

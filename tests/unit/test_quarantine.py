@@ -11,7 +11,8 @@ from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.quarantine import stuck
-from apps.fleet.triton import IndexEntry, TritonClient, TritonUnreachable
+from apps.fleet.runner import node_run
+from apps.fleet.triton import IndexEntry, TritonClient, TritonTimeout, TritonUnreachable
 from tests.support.users import make_user
 
 pytestmark = pytest.mark.django_db
@@ -89,4 +90,38 @@ def test_a_viewer_sees_no_release_and_may_not_release(
     assert 'value="release"' not in client.get("/nodes/gpu-1/").content.decode()
     response = client.post("/nodes/gpu-1/operate/", {"kind": "release", "reason": "why not"})
     assert response.status_code == 403
+    assert Node.objects.get().stage == Node.Stage.QUARANTINED
+
+
+def test_a_hung_load_stops_the_run_before_a_persons_next_operation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A person's operations run whatever came before them, except on a node quarantined
+    meanwhile: it gets no further work until a person or a restart clears it."""
+    node = Node.objects.create(
+        name="gpu-1", pool=NodePool.objects.create(name="gpu"), http_url="http://10.0.0.1:8000"
+    )
+    first, second = (
+        Operation.objects.create(
+            node=node, kind="load", model_name=name, versions=[1], seq=seq, requested_by="ops"
+        )
+        for seq, name in enumerate(["embedder", "reranker"])
+    )
+    sent: list[str] = []
+
+    def load(self: TritonClient, model: str, **_: object) -> None:
+        sent.append(model)
+        raise TritonTimeout("gpu-1", "timed out")
+
+    monkeypatch.setattr(TritonClient, "load", load)
+    monkeypatch.setattr(
+        TritonClient, "repository_index", lambda self: [IndexEntry("embedder", 1, "LOADING", "")]
+    )
+    monkeypatch.setattr(TritonClient, "version_ready", lambda self, model, version: False)
+    node_run(node_id=node.pk)
+    assert sent == ["embedder"]
+    first.refresh_from_db()
+    second.refresh_from_db()
+    assert (first.status, first.failure) == (Operation.Status.FAILED, "stuck")
+    assert second.status == Operation.Status.QUEUED and second.started_at is None
     assert Node.objects.get().stage == Node.Stage.QUARANTINED

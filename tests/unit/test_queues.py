@@ -97,7 +97,7 @@ def test_a_chunk_past_its_budget_sends_the_rest_by_the_same_deadline(
 
     sent: list[tuple[list[int], dict]] = []
     monkeypatch.setattr(tasks, "_converge", converge)
-    monkeypatch.setattr(tasks, "CHUNK_BUDGET_S", -1.0)
+    monkeypatch.setattr(tasks, "CHUNK_BUDGET_S", -1)
     monkeypatch.setattr(
         tasks.reconcile_nodes,
         "apply_async",
@@ -114,6 +114,6 @@ def test_a_chunk_past_its_budget_sends_the_rest_by_the_same_deadline(
         (ids[1:2], {"queue": "east", "expires": deadline}),
         (ids[2:], {"queue": "east", "expires": deadline}),
     ]
-    monkeypatch.setattr(tasks, "CHUNK_BUDGET_S", 60.0)
+    monkeypatch.setattr(tasks, "CHUNK_BUDGET_S", 60)
     tasks.reconcile_nodes(ids)
     assert done == [ids[0], *ids]
