@@ -4,6 +4,8 @@ runner (apps/fleet/runner.py) carries them out."""
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
@@ -14,13 +16,13 @@ from django.utils import timezone
 
 from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
-from apps.audit.services import audit_record
+from apps.audit.services import audit_append, audit_event, audit_record
 from apps.fleet import memory, quarantine
-from apps.fleet.desired import Desired, DesiredStateError, node_desired, plan_digest
+from apps.fleet.desired import Desired, DesiredStateError, nodes_desired, plan_digest
 from apps.fleet.models import Deployment, Node, Operation
-from apps.fleet.planner import Observed, plan
-from apps.fleet.polling import node_poll, node_read_index
-from apps.fleet.runner import RECONCILER, DesiredDigest, save_owned
+from apps.fleet.planner import Action, Observed, plan
+from apps.fleet.polling import node_poll, nodes_read_index
+from apps.fleet.runner import RECONCILER, DesiredDigest
 from apps.fleet.selectors import converged
 from apps.fleet.stages import stage_set
 from apps.fleet.traffic.balancer import traffic_sync
@@ -30,14 +32,15 @@ from apps.registry.models import Model
 log = logging.getLogger(__name__)
 
 
-def observed_state(node: Node) -> dict[str, Observed]:
-    """The node's last index read, plus what our own operations last did to each model."""
+def observed_state(node: Node, rows: "list[_Done] | None" = None) -> dict[str, Observed]:
+    """The node's last index read, plus what our own operations last did to each model (`rows`,
+    its `_histories`, when read already)."""
     # Every model the index lists, READY in no version or in some.
     ready: dict[str, set[int]] = {entry["model"]: set() for entry in node.index}
     ready |= ready_in(node.index)
     busy = {e["model"] for e in node.index if e.get("state") in ("LOADING", "UNLOADING")}
-    now = timezone.now()
-    rows = _history(node, now)
+    if rows is None:
+        rows = _histories([node.pk], timezone.now()).get(node.pk, [])
     # Positions in each model's history: an operation counts if it came after the model's last
     # success (which clears earlier failures), and the later of two wins.
     since = {row.model: row.position for row in rows if row.status == Operation.Status.SUCCEEDED}
@@ -82,156 +85,263 @@ class _Done(NamedTuple):
     held: bool  # a failure not to be tried again yet
 
 
-# The window query of _history, written once: built with the ORM, it was compiled afresh for
-# every reconcile of every node, a sixth of the CPU of a node's reconcile and run. Per model:
+# The window query of _histories, written once: built with the ORM, it was compiled afresh for
+# every reconcile of every node, a sixth of the CPU of a node's reconcile and run. Per node and
+# model:
 # each operation's place in the model's history (`position`), its rank among the model's
 # operations of the same status and kind (the set of versions for an unknown, the config for a
 # failure; `nth`), and among those held back or not (`nth_held`). Descending is the ascending
 # order reversed on every database, NULLs included.
 _HISTORY = """
-SELECT model_name, status, versions, config_digest, "position", nth, held FROM (
-    SELECT model_name, status, versions, config_digest, held,
+SELECT node_id, model_name, status, versions, config_digest, "position", nth, held FROM (
+    SELECT node_id, model_name, status, versions, config_digest, held,
         ROW_NUMBER() OVER (
-            PARTITION BY model_name ORDER BY finished_at ASC, id ASC
+            PARTITION BY node_id, model_name ORDER BY finished_at ASC, id ASC
         ) AS "position",
         ROW_NUMBER() OVER (
-            PARTITION BY model_name, status, CASE
+            PARTITION BY node_id, model_name, status, CASE
                 WHEN status = %s THEN CAST(versions AS TEXT)
                 WHEN status = %s THEN config_digest
                 ELSE '' END
             ORDER BY finished_at DESC, id DESC
         ) AS nth,
         ROW_NUMBER() OVER (
-            PARTITION BY model_name, held ORDER BY finished_at DESC, id DESC
+            PARTITION BY node_id, model_name, held ORDER BY finished_at DESC, id DESC
         ) AS nth_held
     FROM (
         SELECT *, CASE WHEN status = %s AND (retry_at IS NULL OR retry_at > %s)
             THEN 1 ELSE 0 END AS held
-        FROM fleet_operation WHERE node_id = %s AND status IN (%s, %s, %s)
+        FROM fleet_operation WHERE node_id IN ({nodes}) AND status IN (%s, %s, %s)
     ) done
 ) ranked
 WHERE nth = 1 OR (nth_held = 1 AND held = 1)
 """
 
 
-def _history(node: Node, now: datetime) -> list[_Done]:
-    """What `observed_state` needs of the node's finished operations, in one query whose rows
-    do not grow with its history: per model, its last success, its last unknown for each set
-    of versions asked, its last failure of each config, and its last failure still held back
-    at `now`."""
+def _histories(node_ids: list[int], now: datetime) -> dict[int, list[_Done]]:
+    """What `observed_state` needs of each node's finished operations, in one query whose rows
+    do not grow with their history: per node and model, its last success, its last unknown for
+    each set of versions asked, its last failure of each config, and its last failure still
+    held back at `now`."""
     status, at = Operation.Status, connection.ops.adapt_datetimefield_value(now)
     kinds = (status.UNKNOWN, status.FAILED)
     done = (status.SUCCEEDED, status.FAILED, status.UNKNOWN)
+    histories: dict[int, list[_Done]] = {}
+    if not node_ids:
+        return histories
+    statement = _HISTORY.format(nodes=", ".join(["%s"] * len(node_ids)))
     with connection.cursor() as cursor:
-        cursor.execute(_HISTORY, (*kinds, status.FAILED, at, node.pk, *done))
+        cursor.execute(statement, (*kinds, status.FAILED, at, *node_ids, *done))
         rows = cursor.fetchall()
-    return [
-        _Done(
-            model,
-            ended,
-            set(json.loads(versions)),  # JSON text on both databases, as Django reads it
-            digest,
-            position,
-            nth == 1,
-            bool(held),
+    for node_id, model, ended, versions, digest, position, nth, held in rows:
+        histories.setdefault(node_id, []).append(
+            _Done(
+                model,
+                ended,
+                set(json.loads(versions)),  # JSON text on both databases, as Django reads it
+                digest,
+                position,
+                nth == 1,
+                bool(held),
+            )
         )
-        for model, ended, versions, digest, position, nth, held in rows
-    ]
+    return histories
 
 
-def node_reconcile(*, node_id: int, wanted: DesiredDigest | None = None) -> list[Operation]:
-    """Read the node and plan what is missing. Returns what the caller runs now (node_run,
-    handed `wanted`: what the plan was made from, not computed twice): the operations just
-    planned, or open ones whose run was lost. Harmless to repeat: a node with queued or running
-    operations is left to them, and a converged node gets no operation at all."""
-    node = node_read_index(node_id=node_id)
+def _plannable(node: Node) -> bool:
+    """Whether the node, its index just read, is planned for: not while unreachable, departed or
+    quarantined (until a person or a restart clears it: then it joins again, and is)."""
     if node.health == Node.Health.UNREACHABLE or node.last_error:
-        return []
+        return False
     if node.stage == Node.Stage.DEPARTED:
-        return []
+        return False
     if node.stage == Node.Stage.QUARANTINED:
         if not quarantine.restarted(node):
-            return []  # left alone until a person or a restart clears it
-        node.refresh_from_db(fields=["stage"])  # released: joining, it is planned for now
-    try:
-        desired = node_desired(node)
-    except DesiredStateError as exc:
-        log.warning("node %s: %s", node.name, exc)
+            return False
+        node.refresh_from_db(fields=["stage"])  # released: joining
+    return True
+
+
+class Planned(NamedTuple):
+    """What a node's reconcile hands its run: the operations to run now, what they were planned
+    from (the run starts from it rather than looking again), and the request they are recorded
+    under ("" for none of their own)."""
+
+    ops: list[Operation]
+    wanted: DesiredDigest
+    request: str
+
+
+def node_reconcile(*, node_id: int) -> list[Operation]:
+    """`nodes_reconcile` of one node; the request its plan is recorded under, if any, is this
+    context's from now on (its run's)."""
+    planned = nodes_reconcile([node_id]).get(node_id)
+    if planned is None:
         return []
+    if planned.request:
+        REQUEST_ID.set(planned.request)
+    return planned.ops
+
+
+def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
+    """Read the nodes and plan what is missing on each, in one transaction. Returns, by node,
+    what the caller runs now (node_run, handed `wanted`): the operations just planned, or open
+    ones whose run was lost. Harmless to repeat: a node with queued or running operations is
+    left to them, and a converged node gets no operation at all."""
+    read = [node for node in nodes_read_index(node_ids) if _plannable(node)]
+    if not read:
+        return {}
+    nodes: list[tuple[Node, Desired]] = []
+    for node, desired in zip(read, nodes_desired(read).values(), strict=True):
+        if isinstance(desired, DesiredStateError):
+            log.warning("node %s: %s", node.name, desired)
+        else:
+            nodes.append((node, desired))
+    planned: dict[int, Planned] = {}
+    joining: list[tuple[Node, Desired, dict[str, Observed]]] = []
     with transaction.atomic():
-        # Its pool comes along for the run this plan is handed to (`wanted`: the balancer, the
-        # warm-up); only the node's row is locked.
-        pending = Operation.objects.filter(node=OuterRef("pk"), status__in=Operation.OPEN)
-        planned = Operation.objects.filter(node=OuterRef("pk")).exclude(plan_digest="")
-        newest = Deployment.objects.filter(Q(pool_id=OuterRef("pool_id")) | Q(node=OuterRef("pk")))
-        locked = (
-            Node.objects.select_for_update(of=("self",))
-            .select_related("pool")
-            .annotate(
-                pending=Exists(pending),
-                # What a plan is recorded with (its request, whether it repeats a repair:
-                # _record_drift), read here rather than each in a statement of its own.
-                last_plan=Subquery(planned.order_by("-id").values("plan_digest")[:1]),
-                newest_request=Subquery(newest.order_by("-updated_at").values("request_id")[:1]),
-            )
-            .get(pk=node_id)
+        locked = _locked([node.pk for node, _ in nodes])  # less those removed meanwhile
+        now = timezone.now()
+        idle = [pk for pk, row in locked.items() if not row.pending]  # type: ignore[attr-defined]
+        histories = _histories(idle, now)
+        pruned: list[Node] = []  # whose owned models changed
+        written: list[Operation] = []
+        drifts: list[AuditEvent | None] = []
+        for node, desired in nodes:
+            if (row := locked.get(node.pk)) is None:
+                continue
+            if row.pending:  # type: ignore[attr-defined]
+                if lost := _lost(row, now):
+                    wanted = DesiredDigest()
+                    wanted.node = row
+                    planned[node.pk] = Planned(lost, wanted, "")
+                continue
+            observed = observed_state(node, histories.get(node.pk, []))
+            owned = list(row.owned)
+            plan, drift = _plan(node, row, desired, observed)
+            if row.owned != owned:
+                pruned.append(row)
+            if plan.ops:
+                planned[node.pk] = plan
+                written += plan.ops
+                drifts.append(drift)
+            elif node.stage == Node.Stage.JOINING:
+                joining.append((node, desired, observed))
+        Node.objects.bulk_update(pruned, ["owned"])
+        Operation.objects.bulk_create(
+            op for plan in planned.values() for op in plan.ops if not op.pk
         )
-        if locked.pending:  # type: ignore[attr-defined]
-            # Work is pending. If no worker has held the node for longer than a lease since it was
-            # queued, its run was lost (a killed worker's unacknowledged task comes back only
-            # after the visibility timeout): hand it to the caller. Younger work is about to be
-            # taken; running it too would only find the node busy.
-            now = timezone.now()
-            stale = now - timedelta(seconds=settings.FLEET_LEASE_S)
-            free = locked.lease_until is None or locked.lease_until < now
-            lost = locked.operations.filter(status__in=Operation.OPEN, created_at__lt=stale)
-            return list(lost) if free else []
-        observed = observed_state(node)
-        owned = _pruned(locked, desired, observed)
-        # Only what this product owns may be unloaded: a model someone else loaded (even one we
-        # loaded long ago and have since let go) stays until a person adopts it.
-        managed = {name: model.ensemble for name, model in desired.items()}
-        if draining := owned - set(desired):
-            ensembles = Model.objects.filter(name__in=draining, kind=Model.Kind.ENSEMBLE)
-            kinds = set(ensembles.values_list("name", flat=True))
-            managed |= {name: name in kinds for name in draining}
-        room = None
-        if memory.aware(node):
-            ready = {name: set(seen.ready) for name, seen in observed.items()}
-            coming = {(m.name, v) for m in desired.values() for v in m.versions}
-            room = memory.room(node, ready, coming)
-        actions = plan(desired, observed, managed, room)
-        digest = plan_digest(desired)
-        # A plan for a desired state the node was not planned for before is a change's; one
-        # for the same state again, a repair's.
-        changed = digest != locked.last_plan  # type: ignore[attr-defined]
-        request: str | None = locked.newest_request  # type: ignore[attr-defined]
-        if actions and changed and request and not REQUEST_ID.get():
-            # A periodic reconcile that carries out a new desired state records it under the
-            # request that changed it (the newest deployment targeting the node), as that
-            # request's own reconcile would have; a repair is nobody's request.
-            REQUEST_ID.set(request)  # for the rest of this node's reconcile: its events and run
-        ops = Operation.objects.bulk_create(
-            Operation(
-                node=locked,
-                kind=action.kind,
-                model_name=action.model,
-                versions=list(action.versions),
-                config=action.config,
-                config_digest=action.digest,
-                plan_digest=digest,
-                seq=seq,
-                requested_by=RECONCILER,
-            )
-            for seq, action in enumerate(actions)
-        )
-        if wanted is not None:
-            wanted.seed(locked, digest, ops)  # read under the lock: its owned models as pruned
-        if ops:
-            _record_drift(node, [str(op) for op in ops], repair=not changed)
-    if not ops and node.stage == Node.Stage.JOINING:
+        audit_append([event for event in drifts if event])
+    for node, desired, observed in joining:
         _join(node, desired, observed)
-    return ops
+    return planned
+
+
+def _plan(
+    node: Node, row: Node, desired: Desired, observed: dict[str, Observed]
+) -> tuple[Planned, AuditEvent | None]:
+    """The node's plan (its operations not written yet), and the drift event it is recorded
+    with, if any (_drift). `row` is the node's locked row; its owned models are pruned."""
+    actions = _actions(node, row, desired, observed)
+    digest = plan_digest(desired)
+    # A plan for a desired state the node was not planned for before is a change's; one for
+    # the same state again, a repair's.
+    changed = digest != row.last_plan  # type: ignore[attr-defined]
+    # A periodic reconcile that carries out a new desired state records it under the request
+    # that changed it (the newest deployment targeting the node), as that request's own
+    # reconcile would have; a repair is nobody's request.
+    request = ""
+    newest: str | None = row.newest_request  # type: ignore[attr-defined]
+    if actions and changed and newest and not REQUEST_ID.get():
+        request = newest
+    ops = [
+        Operation(
+            node=row,
+            kind=action.kind,
+            model_name=action.model,
+            versions=list(action.versions),
+            config=action.config,
+            config_digest=action.digest,
+            plan_digest=digest,
+            seq=seq,
+            requested_by=RECONCILER,
+        )
+        for seq, action in enumerate(actions)
+    ]
+    wanted = DesiredDigest()
+    wanted.seed(row, digest, ops)  # read under the lock: its owned models as pruned
+    drift = None
+    if ops:
+        with _request(request):
+            drift = _drift(node, [str(op) for op in ops], repair=not changed)
+    return Planned(ops, wanted, request), drift
+
+
+def _locked(node_ids: list[int]) -> dict[int, Node]:
+    """The nodes' rows, locked (in one order: two chunks never wait on each other's locks), with
+    their pools for the runs these plans are handed to (`wanted`: the balancer, the warm-up),
+    whether work is pending on each (`pending`), and what a plan is recorded with (`last_plan`,
+    whether it repeats a repair: _drift; `newest_request`, the request of the newest deployment
+    targeting it). Locked first, then read: a statement that waited for a lock sees what was
+    committed when it began (READ COMMITTED), so a plan committed meanwhile by the worker it
+    waited for would not be pending in its eyes, and the node would be planned twice."""
+    locking = Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk")
+    list(locking.values_list("pk", flat=True))
+    pending = Operation.objects.filter(node=OuterRef("pk"), status__in=Operation.OPEN)
+    planned = Operation.objects.filter(node=OuterRef("pk")).exclude(plan_digest="")
+    newest = Deployment.objects.filter(Q(pool_id=OuterRef("pool_id")) | Q(node=OuterRef("pk")))
+    rows = (
+        Node.objects.select_related("pool")
+        .annotate(
+            pending=Exists(pending),
+            last_plan=Subquery(planned.order_by("-id").values("plan_digest")[:1]),
+            newest_request=Subquery(newest.order_by("-updated_at").values("request_id")[:1]),
+        )
+        .filter(pk__in=node_ids)
+    )
+    return {row.pk: row for row in rows}
+
+
+def _lost(row: Node, now: datetime) -> list[Operation]:
+    """A node's pending work, if its run was lost: no worker has held the node for longer than a
+    lease since it was queued (a killed worker's unacknowledged task comes back only after the
+    visibility timeout). Younger work is about to be taken; running it too would only find the
+    node busy."""
+    if row.lease_until is not None and row.lease_until >= now:
+        return []
+    stale = now - timedelta(seconds=settings.FLEET_LEASE_S)
+    return list(row.operations.filter(status__in=Operation.OPEN, created_at__lt=stale))
+
+
+def _actions(
+    node: Node, row: Node, desired: Desired, observed: dict[str, Observed]
+) -> list[Action]:
+    """What the node (`row`, locked) needs to serve `desired`, make before break."""
+    owned = _pruned(row, desired, observed)
+    # Only what this product owns may be unloaded: a model someone else loaded (even one we
+    # loaded long ago and have since let go) stays until a person adopts it.
+    managed = {name: model.ensemble for name, model in desired.items()}
+    if draining := owned - set(desired):
+        ensembles = Model.objects.filter(name__in=draining, kind=Model.Kind.ENSEMBLE)
+        kinds = set(ensembles.values_list("name", flat=True))
+        managed |= {name: name in kinds for name in draining}
+    room = None
+    if memory.aware(node):
+        ready = {name: set(seen.ready) for name, seen in observed.items()}
+        coming = {(m.name, v) for m in desired.values() for v in m.versions}
+        room = memory.room(node, ready, coming)
+    return plan(desired, observed, managed, room)
+
+
+@contextmanager
+def _request(request: str) -> Iterator[None]:
+    """Events recorded meanwhile are `request`'s, when it names one."""
+    token = REQUEST_ID.set(request) if request else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            REQUEST_ID.reset(token)
 
 
 def _join(node: Node, desired: Desired, observed: dict[str, Observed]) -> None:
@@ -267,21 +377,24 @@ def _join(node: Node, desired: Desired, observed: dict[str, Observed]) -> None:
 
 def _pruned(node: Node, desired: Desired, observed: dict[str, Observed]) -> set[str]:
     """The node's owned models, less those no deployment names and that are gone from it: they
-    are drained, and if someone loads one of them again it is theirs. Call under the row lock."""
+    are drained, and if someone loads one of them again it is theirs. Set on the (locked) row,
+    for its caller to save."""
     owned = {
         name for name in node.owned if name in desired or observed.get(name, _GONE).ready
     } | set(desired)
-    save_owned(node, owned)
+    if owned != set(node.owned):
+        node.owned = sorted(owned)
     return owned
 
 
 _GONE = Observed(frozenset())
 
 
-def _record_drift(node: Node, operations: list[str], *, repair: bool = True) -> None:
-    """One `node.drift` event per drift: the same repair planned again within FLEET_FLAP_WINDOW_S
-    (something outside keeps undoing it) is not recorded again; its operations still are. A
-    plan for a desired state new to the node (no `repair`) is recorded without looking."""
+def _drift(node: Node, operations: list[str], *, repair: bool = True) -> AuditEvent | None:
+    """The `node.drift` event of a plan, one per drift: the same repair planned again within
+    FLEET_FLAP_WINDOW_S (something outside keeps undoing it) is not recorded again (None); its
+    operations still are. A plan for a desired state new to the node (no `repair`) is recorded
+    without looking."""
     target = f"node:{node.name}"
     if repair:
         since = timezone.now() - timedelta(seconds=settings.FLEET_FLAP_WINDOW_S)
@@ -291,8 +404,8 @@ def _record_drift(node: Node, operations: list[str], *, repair: bool = True) -> 
             .first()
         )
         if last is not None and last.get("operations") == operations:
-            return
-    audit_record(
+            return None
+    return audit_event(
         actor=RECONCILER, action="node.drift", target=target, after={"operations": operations}
     )
 

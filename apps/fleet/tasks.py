@@ -16,20 +16,17 @@ from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.utils import timezone
 
+from apps.audit.context import REQUEST_ID
 from apps.fleet.discovery import discover
 from apps.fleet.models import Heartbeat, Node, NodePool
 from apps.fleet.polling import node_poll
-from apps.fleet.reconcile import node_reconcile, rollback_windows_close
-from apps.fleet.runner import DesiredDigest, NodeBusy, node_run
+from apps.fleet.reconcile import Planned, node_reconcile, nodes_reconcile, rollback_windows_close
+from apps.fleet.runner import NodeBusy, node_run
 from apps.fleet.traffic.balancer import PoolAtCapacity, pool_sync
 from apps.fleet.triton import TritonUnreachable
 from controlplane.prometheus import PrometheusUnavailable
 
 log = logging.getLogger(__name__)
-
-
-# Seconds from now, or when (ISO 8601, as a task's request carries it); None: the task's own.
-Expires = float | str | None
 
 
 def _listed(node_ids: Iterable[int] | None) -> list[tuple[int, str]]:
@@ -40,7 +37,7 @@ def _listed(node_ids: Iterable[int] | None) -> list[tuple[int, str]]:
 
 
 def send_per_node(
-    task: Task, node_ids: Iterable[int] | None = None, *, expires: Expires = None
+    task: Task, node_ids: Iterable[int] | None = None, *, expires: float | None = None
 ) -> None:
     """One `task` per node (every node when None), each on its pool's queue, expiring after the
     task's own time unless `expires` says otherwise; a node that has departed gets none."""
@@ -57,7 +54,7 @@ SPREAD = 32
 
 
 def send_chunked(
-    task: Task, node_ids: Iterable[int] | None = None, *, expires: Expires = None
+    task: Task, node_ids: Iterable[int] | None = None, *, expires: float | None = None
 ) -> None:
     """`task(ids)` for chunks of these nodes (every node when None) that share a queue, on it;
     a node that has departed is in none."""
@@ -70,7 +67,7 @@ def send_chunked(
             send_to(queue, task, ids[start : start + size], expires=expires)
 
 
-def send_to(queue: str, task: Task, argument: object, *, expires: Expires = None) -> None:
+def send_to(queue: str, task: Task, argument: object, *, expires: float | None = None) -> None:
     """`task(argument)` on `queue`, or on the default queue when empty."""
     options: dict[str, Any] = {"queue": queue} if queue else {}
     if expires:
@@ -142,49 +139,50 @@ def sync_traffic(pool_id: int) -> None:
 
 
 # Planning is idempotent (a node with open operations is skipped), so a redelivery is harmless.
-# The plan runs in the same task: a release reaches each node without a second trip through a
-# queue that holds every other node's reconcile; so does work whose run was lost. A chunk's
-# nodes one after another, for CHUNK_BUDGET_S (then one node) at most: what is left goes to the
-# back of the queue by the same deadline, spread again, so nodes whose loads take minutes never
-# keep other chunks waiting long. Limits: the budget, then one node's run as for run_node.
+# A chunk's nodes are planned together (one transaction: a statement for all where each node
+# had its own), then run one after another in the same task: a release reaches each node
+# without a second trip through a queue that holds every other node's reconcile; so does work
+# whose run was lost. Runs go on for CHUNK_BUDGET_S (then one node) at most: the rest of the
+# chunk's runs go to run_node, a task a node, so nodes whose loads take minutes never keep other
+# chunks waiting long. Limits: the budget, then one node's run as for run_node.
 CHUNK_BUDGET_S = 60
 
 
 @shared_task(
-    bind=True,
     name="fleet.reconcile_nodes",
     acks_late=True,
     expires=60,
     soft_time_limit=CHUNK_BUDGET_S + 300,
     time_limit=CHUNK_BUDGET_S + 330,
 )
-def reconcile_nodes(self: Task, node_ids: list[int]) -> None:
+def reconcile_nodes(node_ids: list[int]) -> None:
     ends = time.monotonic() + CHUNK_BUDGET_S
-    for done, node_id in enumerate(node_ids, 1):
+    planned = list(nodes_reconcile(node_ids).items())
+    for done, (node_id, plan) in enumerate(planned, 1):
         try:
-            # A context of its own: the request a node's plan adopts (node_reconcile) ends with it.
-            copy_context().run(_converge, node_id)
+            # A context of its own: the request a node's plan is recorded under ends with it.
+            copy_context().run(_run, node_id, plan)
         except SoftTimeLimitExceeded:
             raise
         except Exception:  # one node's trouble is its own: the chunk's other nodes go on
-            log.exception("node %s: reconcile failed", node_id)
-        if time.monotonic() > ends and (rest := node_ids[done:]):
-            send_chunked(reconcile_nodes, rest, expires=self.request.expires)
+            log.exception("node %s: run failed", node_id)
+        if time.monotonic() > ends and (rest := planned[done:]):
+            send_per_node(run_node, [node_id for node_id, _ in rest])
             return
 
 
-def _converge(node_id: int) -> None:
-    """Plan the node's missing operations and run them; a node busy or away retries its run."""
-    wanted = DesiredDigest()  # what the plan is made from, handed to its run
-    if node_reconcile(node_id=node_id, wanted=wanted):
-        try:
-            node_run(node_id=node_id, wanted=wanted)
-        except (NodeBusy, PoolAtCapacity, TritonUnreachable):
-            enqueue_run(node_id)  # that task retries with backoff
-            return
-        # Only a node joining when its plan was made (`wanted`, read under the lock) can join now.
-        if wanted.node is None or wanted.node.stage == Node.Stage.JOINING:
-            _joined(node_id)
+def _run(node_id: int, planned: Planned) -> None:
+    """Run what the node's reconcile planned; a node busy or away retries its run."""
+    if planned.request:
+        REQUEST_ID.set(planned.request)
+    try:
+        node_run(node_id=node_id, wanted=planned.wanted)
+    except (NodeBusy, PoolAtCapacity, TritonUnreachable):
+        enqueue_run(node_id)  # that task retries with backoff
+        return
+    # Only a node joining when its plan was made (read under the lock) can join now.
+    if planned.wanted.node is None or planned.wanted.node.stage == Node.Stage.JOINING:
+        _joined(node_id)
 
 
 def _joined(node_id: int) -> None:

@@ -141,7 +141,7 @@ def _public_functions(module: ModuleType) -> dict[str, Callable[..., object]]:
 NOT_ACTIONS = {
     "roles_sync": "setup that `setup_roles` runs at deploy time, like a migration",
     "node_poll": "the poller's observation; it records the node going down or up itself",
-    "node_read_index": "an observation for the reconciler; a failure counts as a failed poll",
+    "nodes_read_index": "an observation for the reconciler; a failure counts as a failed poll",
     "token_authenticate": "bookkeeping: when a token was last used",
     "token_digest": "a hash",
     "read_candidates": "a read",
@@ -161,6 +161,7 @@ NOT_ACTIONS = {
     "audit_record": "the trail itself",
     "audit_event": "the trail itself",
     "audit_update": "the trail itself",
+    "audit_append": "the trail itself",
     "pin_owning": "a read: why a person's change of a pinned pool must wait",
     "fields_set": "the trail itself: a service's change of settings, recorded as its action",
     "audited": "the trail itself",

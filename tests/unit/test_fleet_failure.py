@@ -5,6 +5,8 @@ whose name HAProxy could not take is refused (tests/integration/test_connections
 real servers)."""
 
 import random
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -12,15 +14,16 @@ from typing import Any
 
 import pytest
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from apps.audit.models import AuditEvent
+from apps.fleet import reconcile
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.planner import Observed
-from apps.fleet.reconcile import node_reconcile, observed_state
+from apps.fleet.reconcile import node_reconcile, nodes_reconcile, observed_state
 from apps.fleet.runner import NodeBusy, node_run
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register
@@ -227,6 +230,81 @@ def test_a_planned_run_reads_neither_the_pool_nor_its_plan_nor_a_serving_nodes_s
     assert [q for q in sql if 'FROM "audit_auditevent"' in q] == []
     assert [q for q in sql if q.startswith('SELECT "fleet_deployment"."request_id"')] == []
     assert [q for q in sql if "lost mid-operation" in q] == []
+
+
+def test_a_chunk_of_nodes_is_planned_in_as_many_statements_as_one_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Read, desired state, lock, history, owned models, operations and drift events: one
+    statement each for a chunk of nodes, whatever its size. Issue 30: a release to 5,000 nodes
+    plans them 20 at a time."""
+    import_demo()
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])  # empty nodes
+    first = a_node("a0")
+    deployment_set(model_name="embedder", version=1, pool=first.pool, actor="system:test")
+    nodes_reconcile([first.pk])  # the pool's desired state computed, as each worker does once
+
+    def planned(names: list[str]) -> int:
+        nodes = [a_node(name) for name in names]
+        with CaptureQueriesContext(connection) as queries:
+            plans = nodes_reconcile([node.pk for node in nodes])
+        assert sorted(plans) == [node.pk for node in nodes]
+        assert all(len(plan.ops) == 1 for plan in plans.values())
+        return len(queries)
+
+    assert planned(["a1"]) == planned([f"b{n}" for n in range(6)])
+    assert AuditEvent.objects.filter(action="node.drift").count() == 8
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_plan_committed_while_a_reconcile_waits_for_the_nodes_lock_is_pending_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two reconciles of one node at once (a change's and the periodic one): the second waits
+    for the first's lock, then must see the plan the first committed meanwhile, not plan every
+    load again beside it."""
+    if connection.vendor != "postgresql":
+        pytest.skip("row locks and READ COMMITTED snapshots are PostgreSQL's")
+    import_demo()
+    node = a_node()
+    deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])  # an empty node
+    holding = threading.Event()
+
+    def first_reconcile() -> None:
+        """Plans under the node's lock, and commits once the second waits for that lock."""
+        try:
+            with transaction.atomic():
+                Node.objects.select_for_update().get(pk=node.pk)
+                Operation.objects.create(
+                    node_id=node.pk, kind="load", model_name="embedder", versions=[1]
+                )
+                holding.set()
+                waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                deadline = time.monotonic() + 10
+                with connection.cursor() as cursor:
+                    while time.monotonic() < deadline:
+                        cursor.execute(waiting)
+                        if cursor.fetchone()[0]:
+                            break
+                        time.sleep(0.01)
+        finally:
+            connection.close()
+
+    first = threading.Thread(target=first_reconcile)
+    desired = reconcile.nodes_desired
+
+    def meanwhile(nodes: list[Node]) -> dict:
+        """The first reconcile takes the lock as the second has read the node, before it locks."""
+        first.start()
+        holding.wait(10)
+        return desired(nodes)
+
+    monkeypatch.setattr(reconcile, "nodes_desired", meanwhile)
+    planned = nodes_reconcile([node.pk])
+    first.join()
+    assert planned == {}
+    assert Operation.objects.count() == 1
 
 
 def test_each_step_of_a_plan_is_claimed_with_the_end_of_the_one_before(

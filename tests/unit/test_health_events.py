@@ -7,9 +7,10 @@ import pytest
 from django.utils import timezone
 
 from apps.audit.models import AuditEvent
+from apps.audit.services import audit_append
 from apps.fleet.models import Node, NodePool
 from apps.fleet.polling import node_poll
-from apps.fleet.reconcile import _record_drift
+from apps.fleet.reconcile import _drift
 from apps.fleet.triton import ServerMetadata, TritonClient, TritonUnreachable
 
 pytestmark = pytest.mark.django_db
@@ -85,12 +86,15 @@ def test_a_flapping_node_is_folded_until_it_settles(node: Node, clock: Clock) ->
 
 
 def test_the_same_drift_repaired_again_soon_is_recorded_once(node: Node, clock: Clock) -> None:
-    _record_drift(node, ["load embedder [1] on n1"])
+    def drifted(operations: list[str]) -> None:
+        audit_append([event] if (event := _drift(node, operations)) else [])
+
+    drifted(["load embedder [1] on n1"])
     clock.advance(30)
-    _record_drift(node, ["load embedder [1] on n1"])  # something outside keeps unloading it
-    _record_drift(node, ["load generator [2] on n1"])
+    drifted(["load embedder [1] on n1"])  # something outside keeps unloading it
+    drifted(["load generator [2] on n1"])
     clock.advance(601)
-    _record_drift(node, ["load generator [2] on n1"])
+    drifted(["load generator [2] on n1"])
     drift = AuditEvent.objects.filter(action="node.drift").order_by("created_at", "id")
     assert [e.after["operations"] for e in drift] == [
         ["load embedder [1] on n1"],

@@ -8,6 +8,8 @@ from django.conf import settings
 
 from apps.fleet import tasks
 from apps.fleet.models import Node, NodePool
+from apps.fleet.reconcile import Planned
+from apps.fleet.runner import DesiredDigest
 from controlplane.celery import ROLLOUTS_QUEUE
 from controlplane.celery import app as celery_app
 
@@ -81,39 +83,33 @@ def test_a_large_queues_nodes_go_in_chunks_and_a_small_ones_each_alone(
 
 
 @pytest.mark.django_db
-def test_a_chunk_past_its_budget_sends_the_rest_by_the_same_deadline(
+def test_a_chunk_past_its_budget_hands_the_rest_of_its_runs_to_a_task_a_node(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Each chunk does one node at least; what is left goes to the back of its queue, spread
-    again (slow nodes are where a task a node costs least), and a node whose reconcile raised
-    does not stop the others."""
+    """A chunk's nodes are planned together, and each chunk runs one node at least; the runs
+    left when its budget is spent go to their queue as run_node tasks (slow nodes are where a
+    task a node costs least), and a node whose run raised does not stop the others."""
     pool = NodePool.objects.create(name="big", queue="east")
     ids = [Node.objects.create(name=f"n{n}", pool=pool, http_url="http://x:1").pk for n in range(3)]
-    done: list[int] = []
+    ran: list[int] = []
 
-    def converge(node_id: int) -> None:
-        done.append(node_id)
+    def run(*, node_id: int, wanted: DesiredDigest) -> None:
+        ran.append(node_id)
         raise RuntimeError("the database went away")
 
-    sent: list[tuple[list[int], dict]] = []
-    monkeypatch.setattr(tasks, "_converge", converge)
+    def planned(node_ids: list[int]) -> dict[int, Planned]:
+        return {node_id: Planned([], DesiredDigest(), "") for node_id in node_ids}
+
+    sent: list[tuple[int, dict]] = []
+    monkeypatch.setattr(tasks, "nodes_reconcile", planned)
+    monkeypatch.setattr(tasks, "node_run", run)
     monkeypatch.setattr(tasks, "CHUNK_BUDGET_S", -1)
     monkeypatch.setattr(
-        tasks.reconcile_nodes,
-        "apply_async",
-        lambda args, **options: sent.append((args[0], options)),
+        tasks.run_node, "apply_async", lambda args, **options: sent.append((args[0], options))
     )
-    deadline = "2026-12-04T10:00:00+00:00"
-    tasks.reconcile_nodes.push_request(expires=deadline)  # as a worker runs it
-    try:
-        tasks.reconcile_nodes.run(ids)
-    finally:
-        tasks.reconcile_nodes.pop_request()
-    assert done == ids[:1]
-    assert sent == [
-        (ids[1:2], {"queue": "east", "expires": deadline}),
-        (ids[2:], {"queue": "east", "expires": deadline}),
-    ]
+    tasks.reconcile_nodes(ids)
+    assert ran == ids[:1]
+    assert sent == [(ids[1], {"queue": "east"}), (ids[2], {"queue": "east"})]
     monkeypatch.setattr(tasks, "CHUNK_BUDGET_S", 60)
     tasks.reconcile_nodes(ids)
-    assert done == [ids[0], *ids]
+    assert ran == [ids[0], *ids]
