@@ -22,7 +22,7 @@ from apps.fleet.desired import Desired, DesiredStateError, nodes_desired, plan_d
 from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Action, Observed, plan
 from apps.fleet.polling import node_poll, nodes_read_index
-from apps.fleet.runner import RECONCILER, DesiredDigest
+from apps.fleet.runner import RECONCILER, DesiredDigest, Looks
 from apps.fleet.selectors import converged
 from apps.fleet.stages import stage_set
 from apps.fleet.traffic.balancer import traffic_sync
@@ -207,6 +207,7 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
         pruned: list[Node] = []  # whose owned models changed
         written: list[Operation] = []
         drifts: list[AuditEvent | None] = []
+        looks = Looks()  # the runs of these plans look again together
         for node, desired in nodes:
             if (row := locked.get(node.pk)) is None:
                 continue
@@ -218,7 +219,7 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
                 continue
             observed = observed_state(node, histories.get(node.pk, []))
             owned = list(row.owned)
-            plan, drift = _plan(node, row, desired, observed)
+            plan, drift = _plan(node, row, desired, observed, looks)
             if row.owned != owned:
                 pruned.append(row)
             if plan.ops:
@@ -238,10 +239,11 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
 
 
 def _plan(
-    node: Node, row: Node, desired: Desired, observed: dict[str, Observed]
+    node: Node, row: Node, desired: Desired, observed: dict[str, Observed], looks: Looks
 ) -> tuple[Planned, AuditEvent | None]:
     """The node's plan (its operations not written yet), and the drift event it is recorded
-    with, if any (_drift). `row` is the node's locked row; its owned models are pruned."""
+    with, if any (_drift). `row` is the node's locked row; its owned models are pruned. Its
+    run looks again with the others' (`looks`)."""
     actions = _actions(node, row, desired, observed)
     digest = plan_digest(desired)
     # A plan for a desired state the node was not planned for before is a change's; one for
@@ -268,7 +270,7 @@ def _plan(
         )
         for seq, action in enumerate(actions)
     ]
-    wanted = DesiredDigest()
+    wanted = DesiredDigest(looks)
     wanted.seed(row, digest, ops)  # read under the lock: its owned models as pruned
     drift = None
     if ops:

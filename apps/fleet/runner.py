@@ -4,22 +4,19 @@ where the pool has a balancer. The reconcile (apps/fleet/reconcile.py) plans the
 
 import json
 import logging
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from datetime import timedelta
+from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 
-from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F, QuerySet
 from django.utils import timezone
 
 from apps.audit.services import Then, audit_event, audit_update
 from apps.fleet import failures, memory, quarantine
-from apps.fleet.desired import DesiredStateError, node_desired, plan_digest
+from apps.fleet.desired import DesiredStateError, node_desired, nodes_desired, plan_digest
+from apps.fleet.lease import Lease
 from apps.fleet.models import Node, Operation
 from apps.fleet.traffic.balancer import drained
 from apps.fleet.traffic.warmup import warm_up
@@ -37,85 +34,6 @@ log = logging.getLogger(__name__)
 RECONCILER = "system:reconciler"  # the actor of what the reconcile plans
 
 
-class Lease:
-    """One worker's hold on a node. Short, and renewed by a heartbeat while the work goes on, so a
-    worker killed with SIGKILL frees the node within FLEET_LEASE_S. If a renewal fails (the
-    database was away longer than the lease), `held` turns false and the worker stops."""
-
-    def __init__(self, node_id: int) -> None:
-        self.node_id = node_id
-        self.owner = uuid.uuid4().hex
-        self.seconds = settings.FLEET_LEASE_S
-        self.held = False
-        self._stop = threading.Event()
-
-    def _take(self) -> bool:
-        """The lease, if the node is free: no lease, or a lapsed one whose worker can no longer
-        be waiting on a load it sent (_TAKE)."""
-        now = timezone.now()
-        until = now + timedelta(seconds=self.seconds)
-        may_run = now - timedelta(seconds=settings.FLEET_LOAD_TIMEOUT_S + settings.TRITON_TIMEOUT_S)
-        at = connection.ops.adapt_datetimefield_value
-        params = (
-            self.owner,
-            at(until),
-            self.node_id,
-            at(now),
-            Operation.Status.RUNNING,
-            at(may_run),
-        )
-        with connection.cursor() as cursor:
-            cursor.execute(_TAKE, params)
-            return cursor.rowcount == 1
-
-    def _renew(self) -> bool:
-        until = timezone.now() + timedelta(seconds=self.seconds)
-        renewed = Node.objects.filter(pk=self.node_id, lease_owner=self.owner)
-        return bool(renewed.update(lease_until=until))
-
-    def _heartbeat(self) -> None:
-        try:
-            while self.held and not self._stop.wait(self.seconds / 3):
-                self.held = self._renew()
-        except Exception:
-            log.exception("node %s: lease renewal failed", self.node_id)
-            self.held = False
-        finally:
-            connection.close()  # this thread's own connection
-
-    @contextmanager
-    def hold(self) -> Iterator["Lease"]:
-        self.held = self._take()
-        if not self.held:
-            yield self
-            return
-        thread = threading.Thread(target=self._heartbeat, name=f"lease-{self.node_id}", daemon=True)
-        thread.start()
-        try:
-            yield self
-        finally:
-            self._stop.set()
-            thread.join()
-            Node.objects.filter(pk=self.node_id, lease_owner=self.owner).update(
-                lease_owner="", lease_until=None
-            )
-            self.held = False
-
-
-# A lapsed lease does not prove its worker dead: one cut off from the database (or stalled) may
-# still be waiting on a load it sent. Until that load can no longer be answered (an operation
-# marked running, started less than a load's timeout ago, plus a connect's for the reads before
-# it), the node is busy: the next owner would send a second load beside it. Written out once:
-# built by the ORM, its subquery was compiled afresh for every node of a release.
-_TAKE = """
-UPDATE fleet_node SET lease_owner = %s, lease_until = %s
-WHERE id = %s AND (lease_until IS NULL OR lease_until < %s) AND NOT EXISTS (
-    SELECT 1 FROM fleet_operation
-    WHERE fleet_operation.node_id = fleet_node.id AND status = %s AND started_at > %s
-)
-"""
-
-
 class NodeBusy(Exception):
     """Another worker holds the node, or may still be at it; try again shortly."""
 
@@ -131,7 +49,7 @@ def node_run(*, node_id: int, wanted: "DesiredDigest | None" = None) -> None:
             raise NodeBusy(node_id)
         # We hold the lease, so an operation still marked running lost its worker mid-way. Not
         # after a plan made just now: its reconcile found no open operation, and one claimed
-        # since by a worker lost meanwhile would still keep the lease from us (_TAKE).
+        # since by a worker lost meanwhile would still keep the lease from us (lease._TAKE).
         if wanted is None or not wanted.planned:
             Operation.objects.filter(node_id=node_id, status=Operation.Status.RUNNING).update(
                 status=Operation.Status.UNKNOWN,
@@ -254,27 +172,34 @@ class DesiredDigest:
     """The digest of the node's desired state, and the node's memory fields, looked at again
     once a second at most: a load takes longer than that on a real node, and a plan's quick
     steps need not each pay for a look (`node_desired` recomputes only when what it is computed
-    from changed). Seeded by a reconcile, it also carries the operations it planned."""
+    from changed). Seeded by a reconcile, it also carries the operations it planned, and looks
+    again with the other nodes planned with it (`Looks`)."""
 
     RECHECK_S = 1.0
 
-    def __init__(self) -> None:
+    def __init__(self, looks: "Looks | None" = None) -> None:
         self.node: Node | None = None
         self.value: str | None = None
         self.looked = -self.RECHECK_S
         self.planned: list[Operation] = []
+        self.looks = looks
 
     def seed(self, node: Node, digest: str, planned: list[Operation]) -> None:
         """What a reconcile just planned from, and planned: the run starts from them instead
         of looking again. Each operation's node is `node`."""
         self.node, self.value, self.looked = node, digest, time.monotonic()
         self.planned = planned
+        if self.looks is not None:
+            self.looks.nodes[node.pk] = node
 
     def digest(self) -> str | None:
         assert self.node is not None
         if time.monotonic() - self.looked < self.RECHECK_S:
             return self.value
         self.looked = time.monotonic()
+        if self.looks is not None:
+            self.value = self.looks.digest(self.node)
+            return self.value
         # A limit may have been set since the run read the node (a long plan, or a limit set
         # just as the plan was made).
         self.node.refresh_from_db(fields=["memory_limit_mb", "gpus"])
@@ -283,6 +208,34 @@ class DesiredDigest:
         except DesiredStateError:
             self.value = None
         return self.value
+
+
+class Looks:
+    """The looks again of the nodes planned together (a chunk, run one after another), taken
+    for all of them at once: their memory fields and desired states in two statements, once a
+    second at most, rather than two statements for each node whose run starts a second or more
+    after the plan."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[int, Node] = {}
+        self.digests: dict[int, str | None] = {}
+        self.looked = -DesiredDigest.RECHECK_S
+
+    def digest(self, node: Node) -> str | None:
+        if time.monotonic() - self.looked >= DesiredDigest.RECHECK_S:
+            self.looked = time.monotonic()
+            self._look()
+        return self.digests.get(node.pk)
+
+    def _look(self) -> None:
+        fields = Node.objects.filter(pk__in=self.nodes).values_list("pk", "memory_limit_mb", "gpus")
+        for pk, limit, gpus in fields:
+            self.nodes[pk].memory_limit_mb, self.nodes[pk].gpus = limit, gpus
+        for pk, desired in nodes_desired(list(self.nodes.values())).items():
+            if isinstance(desired, DesiredStateError):
+                self.digests[pk] = None
+            else:
+                self.digests[pk] = plan_digest(desired)
 
 
 # The operation after the one at hand, if it may be claimed now; asked as that one ends.

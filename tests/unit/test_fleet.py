@@ -235,7 +235,7 @@ def test_a_refused_deployment_answers_htmx_with_its_message_and_status(
 
 
 def test_one_worker_at_a_time_holds_a_node_and_a_lapsed_lease_frees_it(node: Node) -> None:
-    from apps.fleet.runner import Lease
+    from apps.fleet.lease import Lease
 
     with Lease(node.pk).hold() as first:
         assert first.held
@@ -254,7 +254,8 @@ def test_one_worker_at_a_time_holds_a_node_and_a_lapsed_lease_frees_it(node: Nod
 def test_a_run_asked_for_a_node_since_removed_ends_instead_of_waiting_its_turn(
     node: Node,
 ) -> None:
-    from apps.fleet.runner import Lease, NodeBusy, node_run
+    from apps.fleet.lease import Lease
+    from apps.fleet.runner import NodeBusy, node_run
 
     with Lease(node.pk).hold(), pytest.raises(NodeBusy):  # another worker's: tried again later
         node_run(node_id=node.pk)

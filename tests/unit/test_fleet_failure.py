@@ -19,12 +19,12 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from apps.audit.models import AuditEvent
-from apps.fleet import reconcile
+from apps.fleet import reconcile, runner
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.planner import Observed
 from apps.fleet.reconcile import node_reconcile, nodes_reconcile, observed_state
-from apps.fleet.runner import NodeBusy, node_run
+from apps.fleet.runner import DesiredDigest, NodeBusy, node_run
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register
 from apps.fleet.tasks import reconcile_nodes
@@ -254,6 +254,36 @@ def test_a_chunk_of_nodes_is_planned_in_as_many_statements_as_one_node(
 
     assert planned(["a1"]) == planned([f"b{n}" for n in range(6)])
     assert AuditEvent.objects.filter(action="node.drift").count() == 8
+
+
+def test_the_runs_of_a_chunk_look_again_at_their_desired_state_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chunk's nodes run one after another: those whose run starts a second or more after
+    the plan look at their desired state and memory fields again, in two statements for all
+    of them, once a second at most."""
+    import_demo()
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])  # empty nodes
+    nodes = [a_node(f"n{n}") for n in range(3)]
+    deployment_set(model_name="embedder", version=1, pool=nodes[0].pool, actor="system:test")
+    plans = nodes_reconcile([node.pk for node in nodes])
+    planned = {plan.wanted.digest() for plan in plans.values()}
+    Node.objects.filter(pk=nodes[2].pk).update(memory_limit_mb=8000)
+    clock = time.monotonic()
+    monkeypatch.setattr(runner.time, "monotonic", lambda: clock)
+
+    def looked() -> set[str | None]:
+        nonlocal clock
+        clock += DesiredDigest.RECHECK_S
+        return {plan.wanted.digest() for plan in plans.values()}
+
+    with CaptureQueriesContext(connection) as queries:
+        assert looked() == planned
+    assert len(queries) == 2
+    assert plans[nodes[2].pk].wanted.node.memory_limit_mb == 8000
+    deployment_set(model_name="embedder", version=2, pool=nodes[0].pool, actor="system:test")
+    changed = looked()
+    assert len(changed) == 1 and changed != planned
 
 
 @pytest.mark.django_db(transaction=True)
