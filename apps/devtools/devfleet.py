@@ -21,6 +21,7 @@ import pytriton
 from apps.devtools.processes import (
     DevfleetError,
     FleetState,
+    PortTaken,
     Proc,
     haproxy_config,
     ports_free,
@@ -31,6 +32,7 @@ from apps.devtools.processes import (
     triton_env,
     wait_gone,
     wait_http,
+    wait_node,
     wait_simulator,
 )
 from apps.fleet.triton import TritonClient, TritonError
@@ -40,6 +42,8 @@ from apps.registry.repository import read_model
 
 # The stub must match the Python it embeds; pytriton ships one per version.
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
+# Starts of one node on newly picked ports before a port taken each time is the user's to see.
+PORT_PICKS = 3
 
 
 class Devfleet:
@@ -81,8 +85,8 @@ class Devfleet:
                 proc = self._start_node(f"{pool}-{i + 1}", ports[3 * i : 3 * i + 3], repository_key)
                 state.nodes.append(proc)
                 self._save(state)
-            for proc in state.nodes:
-                wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
+            for i in range(nodes):
+                self._serving(state, i, repository_key, repick=base_port is None)
             self._targets_write(state, pool)
             web = ports_free(1, prometheus_port)[0]
             state.prometheus = self._start_prometheus(prometheus, web)
@@ -119,6 +123,21 @@ class Devfleet:
         ports_of = {"http": http, "grpc": grpc, "metrics": metrics}
         return self._spawn(name, argv, ports_of, triton_env())
 
+    def _serving(self, state: FleetState, i: int, repository_key: str, *, repick: bool) -> None:
+        """Wait until node `i` serves. Ports are picked free, then bound by tritonserver
+        seconds later: if another process took one meanwhile, the node exits, and with
+        `repick` (ports of the OS's choice) starts again on new ones."""
+        for attempt in range(PORT_PICKS):
+            try:
+                wait_node(state.nodes[i])
+                return
+            except PortTaken:
+                if not repick or attempt == PORT_PICKS - 1:
+                    raise
+            name = state.nodes[i].name
+            state.nodes[i] = self._start_node(name, ports_free(3, None), repository_key)
+            self._save(state)
+
     # -- nodes that come and go, found by Prometheus (file_sd) -----------------------------------
 
     @property
@@ -138,10 +157,10 @@ class Devfleet:
         state = self.state()
         name = f"{pool}-{len(state.nodes) + 1}"
         self._precompile()
-        proc = self._start_node(name, ports_free(3, None))
-        state.nodes.append(proc)
+        state.nodes.append(self._start_node(name, ports_free(3, None)))
         self._save(state)
-        wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
+        self._serving(state, len(state.nodes) - 1, "", repick=True)
+        proc = state.nodes[-1]
         with self.targets.open("a") as listed:
             listed.write(_target_line(proc, pool) + "\n")
         return proc
@@ -307,7 +326,7 @@ class Devfleet:
         proc = self._spawn(name, old.argv, old.ports, triton_env())
         state.nodes = [proc if n.name == name else n for n in state.nodes]
         self._save(state)
-        wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
+        wait_node(proc)  # on its recorded ports: the same node to the control plane
         return proc
 
     def _proc(self, name: str) -> Proc:

@@ -26,6 +26,10 @@ class DevfleetError(Exception):
     """Something the user must fix; the message says what and how, in one line."""
 
 
+class PortTaken(DevfleetError):
+    """A process exited during start-up because another one held one of its ports."""
+
+
 @dataclass
 class Proc:
     name: str
@@ -203,11 +207,7 @@ def ports_free(count: int, base: int | None) -> list[int]:
 def wait_http(url: str, proc: Proc) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        if not proc.running:
-            tail = Path(proc.log).read_text(errors="replace").strip().splitlines()[-3:]
-            raise DevfleetError(
-                f"{proc.name} exited during start-up; {proc.log} ends with: {' | '.join(tail)}"
-            )
+        _require_running(proc)
         try:
             with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - our own localhost URL
                 if response.status == 200:
@@ -218,6 +218,51 @@ def wait_http(url: str, proc: Proc) -> None:
     raise DevfleetError(
         f"{proc.name} did not answer {url} within {START_TIMEOUT_S:.0f} s; see {proc.log}"
     )
+
+
+def wait_node(proc: Proc) -> None:
+    """Until the tritonserver `proc` answers and listens on all its ports itself. Answering is
+    not enough: it serves HTTP before it binds its metrics port, and exits if that one is taken
+    (so a load sent in between sees its connection closed)."""
+    wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not listens(proc):
+        _require_running(proc)
+        if time.monotonic() >= deadline:
+            raise DevfleetError(
+                f"{proc.name} answers but does not listen on all of {proc.ports}; see {proc.log}"
+            )
+        time.sleep(0.05)
+
+
+def _require_running(proc: Proc) -> None:
+    if proc.running:
+        return
+    lines = Path(proc.log).read_text(errors="replace").strip().splitlines()
+    if taken := [line for line in lines if "already in use" in line]:
+        # tritonserver logs its shutdown after the reason (verbosely in the fleet's nodes)
+        raise PortTaken(f"{proc.name} exited during start-up: {taken[0]} (see {proc.log})")
+    raise DevfleetError(
+        f"{proc.name} exited during start-up; {proc.log} ends with: {' | '.join(lines[-3:])}"
+    )
+
+
+def listens(proc: Proc) -> bool:
+    """Whether `proc` itself holds a listening socket on each of its ports, rather than some
+    other process answering on one of them."""
+    ports, ours = set(proc.ports.values()), set()
+    try:
+        held = {os.readlink(fd) for fd in Path(f"/proc/{proc.pid}/fd").iterdir()}
+        tables = [Path(f"/proc/{proc.pid}/net/{t}").read_text() for t in ("tcp", "tcp6")]
+    except OSError:  # gone, or a descriptor closed while listed: the caller looks again
+        return False
+    for line in "\n".join(tables).splitlines():
+        fields = line.split()  # sl, local address, remote, state ("0A": LISTEN)... inode
+        if len(fields) > 9 and fields[3] == "0A":
+            port = int(fields[1].rsplit(":", 1)[1], 16)
+            if port in ports and f"socket:[{fields[9]}]" in held:
+                ours.add(port)
+    return ours == ports
 
 
 def wait_simulator(proc: Proc) -> None:

@@ -22,6 +22,7 @@ from apps.fleet.traffic.balancer import drained
 from apps.fleet.traffic.warmup import warm_up
 from apps.fleet.triton import (
     TritonClient,
+    TritonDropped,
     TritonError,
     TritonRejected,
     TritonTimeout,
@@ -265,15 +266,21 @@ def _execute(node: Node, op: Operation, claimed: bool, following: Following) -> 
                     return _finish(op, following, refused, failure=failures.MEMORY)
             client.load(op.model_name, config_json=_json(op.config))
     except TritonTimeout as exc:
-        if op.kind != Operation.Kind.UNLOAD and (hung := quarantine.stuck(client, op)):
+        dropped = isinstance(exc, TritonDropped)
+        if (
+            op.kind != Operation.Kind.UNLOAD
+            and not dropped
+            and (hung := quarantine.stuck(client, op))
+        ):
             quarantine.quarantine(node, hung)
             return _finish(op, following, hung, failure=failures.STUCK)
-        # Sent, but no answer in time: Triton may still be at it. Never re-sent blindly; the
+        # Sent, but no answer: Triton may still be at it. Never re-sent blindly; the
         # reconciler reads the node's index and decides.
+        why = "sent, and the connection closed before an answer" if dropped else "no answer in time"
         return _finish(
             op,
             following,
-            f"no answer in time: {exc.message}",
+            f"{why}: {exc.message}",
             Operation.Status.UNKNOWN,
             failure=failures.TIMEOUT,
         )

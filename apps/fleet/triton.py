@@ -19,6 +19,7 @@ import gevent
 import numpy as np
 import tritonclient.http as httpclient
 from django.conf import settings
+from geventhttpclient import HTTPParseError
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype, triton_to_np_dtype
 
 from apps.fleet import addresses
@@ -39,6 +40,11 @@ class TritonUnreachable(TritonError):
 
 class TritonTimeout(TritonUnreachable):
     """No answer in time: the request may have reached the node and may still be in progress."""
+
+
+class TritonDropped(TritonTimeout):
+    """The connection closed before an answer (the node crashed, say): the request may have
+    reached the node too."""
 
 
 class TritonRejected(TritonError):
@@ -137,6 +143,8 @@ class TritonClient:
             raise TritonRejected(self.node, exc.message() or str(exc)) from exc
         except (TimeoutError, gevent.Timeout) as exc:
             raise TritonTimeout(self.node, f"{type(exc).__name__}: {exc}") from exc
+        except HTTPParseError as exc:
+            raise TritonDropped(self.node, f"{type(exc).__name__}: {exc}") from exc
         except OSError as exc:
             raise TritonUnreachable(self.node, f"{type(exc).__name__}: {exc}") from exc
 
@@ -253,7 +261,7 @@ class Session:
                 result = self._client.infer(
                     model, tensors, model_version=str(version) if version else ""
                 )
-            except (TimeoutError, gevent.Timeout, OSError):
+            except (TimeoutError, gevent.Timeout, HTTPParseError, OSError):
                 self.close()  # the connection may hold half an answer: the next one opens anew
                 raise
             outputs = result.get_response()["outputs"]

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
+from apps.devtools import devfleet
 from apps.devtools.devfleet import Devfleet
-from apps.devtools.processes import DevfleetError, FleetState, Proc, ports_free
+from apps.devtools.processes import DevfleetError, FleetState, PortTaken, Proc, listens, ports_free
 from tests.support import REPOSITORY
 from tests.support.fleet import wait_for
 
@@ -103,3 +104,74 @@ def test_load_of_an_unknown_version_names_what_exists(tmp_path: Path) -> None:
         match=r"rag_pipeline has no version 10 .* \(has \[1, 2, 3, 4, 5, 6, 7, 8, 9\]\)",
     ):
         fleet.load_release(None, "rag_pipeline", 10)  # type: ignore[arg-type]
+
+
+LISTENER = (
+    "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); "
+    "s.listen(); print('listening', flush=True); time.sleep(60)"
+)
+
+
+def test_a_process_listens_only_on_ports_it_holds_itself(tmp_path: Path) -> None:
+    fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
+    mine, other = ports_free(2, None)
+    with socket.socket() as held_here:
+        held_here.bind(("127.0.0.1", other))
+        held_here.listen()
+        proc = fleet._spawn("listener", ["python3", "-c", LISTENER, str(mine)], {"http": mine})
+        fleet._save(FleetState(nodes=[proc]))
+        try:
+            wait_for("it listens", lambda: "listening" in Path(proc.log).read_text(), 10)
+            assert listens(proc)
+            # The other port answers too, but from this test's socket, not from the process.
+            assert not listens(Proc(**{**proc.__dict__, "ports": {"http": mine, "x": other}}))
+        finally:
+            fleet.down()
+
+
+def _picks_a_taken_metrics_port(monkeypatch: pytest.MonkeyPatch, taken: int) -> list[list[int]]:
+    """The first pick of a node's three ports names `taken` as its metrics port, as if another
+    process had bound it between the pick and tritonserver's start; later picks are free."""
+    picks: list[list[int]] = []
+
+    def pick(count: int, base: int | None) -> list[int]:
+        ports = ports_free(count, None)
+        if not picks and count == 3:
+            ports[2] = taken
+        picks.append(ports)
+        return ports
+
+    monkeypatch.setattr(devfleet, "ports_free", pick)
+    return picks
+
+
+def test_a_node_whose_port_was_taken_after_the_pick_starts_on_new_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", 0))
+        thief.listen()
+        taken = thief.getsockname()[1]
+        picks = _picks_a_taken_metrics_port(monkeypatch, taken)
+        fleet = Devfleet(home=tmp_path / "fleet", repository=REPOSITORY)
+        state = fleet.up(nodes=1, pool="t", base_port=None, prometheus_port=None)
+        try:
+            (node,) = state.nodes
+            assert picks[0][2] == taken and node.ports["metrics"] not in (taken, picks[0][2])
+            assert listens(node) and fleet.state().nodes == [node]
+        finally:
+            fleet.down()
+
+
+def test_a_taken_port_given_by_the_user_is_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", 0))
+        thief.listen()
+        taken = thief.getsockname()[1]
+        _picks_a_taken_metrics_port(monkeypatch, taken)
+        fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
+        with pytest.raises(PortTaken, match=f"t-1 exited during start-up.*'127.0.0.1:{taken}'"):
+            fleet.up(nodes=1, pool="t", base_port=20000, prometheus_port=None)
+        assert fleet.state().processes == []

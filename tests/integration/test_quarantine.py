@@ -1,8 +1,12 @@
 """A load that hangs, as Triton's can until a restart (server#8766; here the simulator's `hang`
 knob): it fails once the load timeout has passed, its node is quarantined (no traffic, no more
-work), and the node works again only once it restarts or a person releases it, joining again."""
+work), and the node works again only once it restarts or a person releases it, joining again.
+A load whose connection closed before an answer is an unknown outcome, not a hang."""
 
+import socket
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,6 +18,7 @@ from apps.fleet.reconcile import node_reconcile
 from apps.fleet.runner import node_run
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register, node_release
+from apps.fleet.triton import TritonClient, TritonDropped
 from tests.support.registry import import_demo
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
@@ -94,3 +99,38 @@ def test_a_person_releases_a_quarantined_node_with_a_reason(hanging: Simulator) 
     assert (node.stage, node.stage_reason) == (Node.Stage.JOINING, "")
     event = AuditEvent.objects.get(action="node.release")
     assert (event.actor, event.message) == ("ops", "restarted it by hand")
+
+
+@pytest.fixture
+def hangs_up() -> Iterator[str]:
+    """A node that reads each request and closes the connection without an answer, as a
+    tritonserver that crashes mid-load does."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                conn.recv(65536)
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+
+
+def test_a_load_whose_connection_closed_is_an_unknown_outcome_not_a_hang(hangs_up: str) -> None:
+    with pytest.raises(TritonDropped, match="HTTPConnectionClosed"):
+        TritonClient(hangs_up, node="gpu-1").load("embedder")
+    pool = NodePool.objects.create(name="gpu")
+    node = Node.objects.create(name="gpu-1", pool=pool, http_url=hangs_up)
+    op = Operation.objects.create(
+        node=node, kind="load", model_name="embedder", versions=[1], seq=0
+    )
+    node_run(node_id=node.pk)
+    op.refresh_from_db()
+    assert (op.status, op.failure) == (Operation.Status.UNKNOWN, failures.TIMEOUT)
+    assert op.error.startswith("sent, and the connection closed before an answer: ")
+    assert Node.objects.get().stage != Node.Stage.QUARANTINED
