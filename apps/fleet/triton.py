@@ -101,11 +101,17 @@ def _connect_to(client: httpclient.InferenceServerClient, address: str) -> None:
     """Make `client` connect to `address`, the one addresses.pinned checked, instead of
     resolving the node's name again; the Host header and TLS (SNI, the certificate's name)
     still use the name. tritonclient has no option for it: its geventhttpclient pool resolves
-    `_connection_host` at each connection, and is given the address in its place."""
+    `_connection_host` at each connection (through gevent's resolver, a thread pool: a hand-off
+    to another thread for every call), and is given the address, already resolved."""
     pool = client._client_stub._connection_pool
     if not isinstance(getattr(pool, "_connection_host", None), str):
         raise RuntimeError("geventhttpclient changed: cannot pin the node's address")
     pool._connection_host = address
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    resolved = [
+        (family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, pool._connection_port))
+    ]
+    pool._resolve = lambda: resolved
 
 
 class TritonClient:

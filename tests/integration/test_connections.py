@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
+import gevent.socket
 import pytest
 
 from apps.fleet import addresses
@@ -168,9 +169,14 @@ def node_at_a_name(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list[
 
 
 def test_a_node_is_contacted_at_the_address_that_was_checked(
-    node_at_a_name: tuple[str, list[str]],
+    node_at_a_name: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, lookups = node_at_a_name
+
+    def resolve_again(*args: object) -> None:  # gevent's resolver: a thread hand-off a call
+        raise AssertionError(f"resolved again: {args}")
+
+    monkeypatch.setattr(gevent.socket, "getaddrinfo", resolve_again)
     assert TritonClient(url, node="n1").health() == "ready"  # two requests, one lookup
     assert read_metrics(f"{url}/metrics", node="n1") == METRICS.decode()
     assert lookups == ["triton-node.test"] * 2
