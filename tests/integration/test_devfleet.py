@@ -3,6 +3,7 @@
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -129,49 +130,47 @@ def test_a_process_listens_only_on_ports_it_holds_itself(tmp_path: Path) -> None
             fleet.down()
 
 
-def _picks_a_taken_metrics_port(monkeypatch: pytest.MonkeyPatch, taken: int) -> list[list[int]]:
-    """The first pick of a node's three ports names `taken` as its metrics port, as if another
-    process had bound it between the pick and tritonserver's start; later picks are free."""
+@pytest.fixture
+def taken_metrics_port(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, list[list[int]]]]:
+    """A port held by this test, named as its metrics port by the first pick of a node's three
+    ports, as if another process had bound it between the pick and tritonserver's start; later
+    picks are free. Yields the port and the picks made."""
     picks: list[list[int]] = []
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", 0))
+        thief.listen()
+        taken = thief.getsockname()[1]
 
-    def pick(count: int, base: int | None) -> list[int]:
-        ports = ports_free(count, None)
-        if not picks and count == 3:
-            ports[2] = taken
-        picks.append(ports)
-        return ports
+        def pick(count: int, base: int | None) -> list[int]:
+            ports = ports_free(count, None)
+            if not picks and count == 3:
+                ports[2] = taken
+            picks.append(ports)
+            return ports
 
-    monkeypatch.setattr(devfleet, "ports_free", pick)
-    return picks
+        monkeypatch.setattr(devfleet, "ports_free", pick)
+        yield taken, picks
 
 
 def test_a_node_whose_port_was_taken_after_the_pick_starts_on_new_ones(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, taken_metrics_port: tuple[int, list[list[int]]]
 ) -> None:
-    with socket.socket() as thief:
-        thief.bind(("127.0.0.1", 0))
-        thief.listen()
-        taken = thief.getsockname()[1]
-        picks = _picks_a_taken_metrics_port(monkeypatch, taken)
-        fleet = Devfleet(home=tmp_path / "fleet", repository=REPOSITORY)
-        state = fleet.up(nodes=1, pool="t", base_port=None, prometheus_port=None)
-        try:
-            (node,) = state.nodes
-            assert picks[0][2] == taken and node.ports["metrics"] not in (taken, picks[0][2])
-            assert listens(node) and fleet.state().nodes == [node]
-        finally:
-            fleet.down()
+    taken, picks = taken_metrics_port
+    fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
+    state = fleet.up(nodes=1, pool="t", base_port=None, prometheus_port=None)
+    try:
+        (node,) = state.nodes
+        assert picks[0][2] == taken and node.ports["metrics"] != taken
+        assert listens(node) and fleet.state().nodes == [node]
+    finally:
+        fleet.down()
 
 
 def test_a_taken_port_given_by_the_user_is_not_replaced(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, taken_metrics_port: tuple[int, list[list[int]]]
 ) -> None:
-    with socket.socket() as thief:
-        thief.bind(("127.0.0.1", 0))
-        thief.listen()
-        taken = thief.getsockname()[1]
-        _picks_a_taken_metrics_port(monkeypatch, taken)
-        fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
-        with pytest.raises(PortTaken, match=f"t-1 exited during start-up.*'127.0.0.1:{taken}'"):
-            fleet.up(nodes=1, pool="t", base_port=20000, prometheus_port=None)
-        assert fleet.state().processes == []
+    taken, _ = taken_metrics_port
+    fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
+    with pytest.raises(PortTaken, match=f"t-1 exited during start-up.*'127.0.0.1:{taken}'"):
+        fleet.up(nodes=1, pool="t", base_port=20000, prometheus_port=None)
+    assert fleet.state().processes == []
