@@ -32,7 +32,6 @@ from apps.devtools.processes import (
     triton_env,
     wait_gone,
     wait_http,
-    wait_node,
     wait_simulator,
 )
 from apps.fleet.triton import TritonClient, TritonError
@@ -129,7 +128,8 @@ class Devfleet:
         `repick` (ports of the OS's choice) starts again on new ones."""
         for attempt in range(PORT_PICKS):
             try:
-                wait_node(state.nodes[i])
+                node = state.nodes[i]
+                wait_http(f"http://127.0.0.1:{node.ports['http']}/v2/health/live", node)
                 return
             except PortTaken:
                 if not repick or attempt == PORT_PICKS - 1:
@@ -326,7 +326,8 @@ class Devfleet:
         proc = self._spawn(name, old.argv, old.ports, triton_env())
         state.nodes = [proc if n.name == name else n for n in state.nodes]
         self._save(state)
-        wait_node(proc)  # on its recorded ports: the same node to the control plane
+        # On its recorded ports: the same node to the control plane.
+        wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
         return proc
 
     def _proc(self, name: str) -> Proc:

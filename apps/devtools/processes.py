@@ -205,34 +205,26 @@ def ports_free(count: int, base: int | None) -> list[int]:
 
 
 def wait_http(url: str, proc: Proc) -> None:
+    """Until `proc` answers `url` with 200 and listens on each of its ports itself. Answering
+    is not enough: a port picked free may be taken before `proc` binds it, by a process that
+    answers too (`proc` then exits); and a tritonserver serves HTTP before it binds its metrics
+    port, and exits if that one is taken (a load sent in between sees its connection closed)."""
     deadline = time.monotonic() + START_TIMEOUT_S
+    answered = False
     while time.monotonic() < deadline:
         _require_running(proc)
+        if answered and listens(proc):
+            return
         try:
             with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - our own localhost URL
-                if response.status == 200:
-                    return
+                answered = response.status == 200
         except OSError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.05 if answered else 0.2)
     raise DevfleetError(
-        f"{proc.name} did not answer {url} within {START_TIMEOUT_S:.0f} s; see {proc.log}"
+        f"{proc.name} did not answer {url} and listen on {sorted(proc.ports.values())} within "
+        f"{START_TIMEOUT_S:.0f} s; see {proc.log}"
     )
-
-
-def wait_node(proc: Proc) -> None:
-    """Until the tritonserver `proc` answers and listens on all its ports itself. Answering is
-    not enough: it serves HTTP before it binds its metrics port, and exits if that one is taken
-    (so a load sent in between sees its connection closed)."""
-    wait_http(f"http://127.0.0.1:{proc.ports['http']}/v2/health/live", proc)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not listens(proc):
-        _require_running(proc)
-        if time.monotonic() >= deadline:
-            raise DevfleetError(
-                f"{proc.name} answers but does not listen on all of {proc.ports}; see {proc.log}"
-            )
-        time.sleep(0.05)
 
 
 def _require_running(proc: Proc) -> None:
