@@ -242,19 +242,28 @@ def _require_running(proc: Proc) -> None:
 def listens(proc: Proc) -> bool:
     """Whether `proc` itself holds a listening socket on each of its ports, rather than some
     other process answering on one of them."""
-    ports, ours = set(proc.ports.values()), set()
     try:
-        held = {os.readlink(fd) for fd in Path(f"/proc/{proc.pid}/fd").iterdir()}
-        tables = [Path(f"/proc/{proc.pid}/net/{t}").read_text() for t in ("tcp", "tcp6")]
+        held = held_sockets(proc.pid)
     except OSError:  # gone, or a descriptor closed while listed: the caller looks again
         return False
-    for line in "\n".join(tables).splitlines():
-        fields = line.split()  # sl, local address, remote, state ("0A": LISTEN)... inode
-        if len(fields) > 9 and fields[3] == "0A":
-            port = int(fields[1].rsplit(":", 1)[1], 16)
-            if port in ports and f"socket:[{fields[9]}]" in held:
-                ours.add(port)
-    return ours == ports
+    return set(proc.ports.values()) <= tcp_ports(held, listening=True)
+
+
+def held_sockets(pid: int) -> set[str]:
+    """The sockets process `pid` holds, as its /proc fd links name them ("socket:[inode]")."""
+    return {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+
+
+def tcp_ports(sockets: set[str], *, listening: bool) -> set[int]:
+    """The local ports of the TCP sockets among `sockets` (`held_sockets`); with `listening`,
+    of those that listen only."""
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()  # sl, local address, remote, state ("0A": LISTEN)... inode
+            if f"socket:[{fields[9]}]" in sockets and (fields[3] == "0A" or not listening):
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def wait_simulator(proc: Proc) -> None:

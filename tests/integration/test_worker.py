@@ -1,4 +1,3 @@
-import os
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -6,6 +5,7 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
+from apps.devtools.processes import held_sockets, proc_stat, tcp_ports
 from apps.fleet.models import Node
 from apps.fleet.services.nodes import node_register
 from apps.fleet.tasks import poll_nodes
@@ -80,29 +80,18 @@ def test_a_worker_keeps_its_database_connection_from_task_to_task(celery: Celery
 
 def process_tree(pid: int) -> set[int]:
     """`pid` and its children (a prefork worker's processes)."""
-    children = {
-        int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat") if _parent(stat) == pid
-    }
+    children = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        stat = proc_stat(int(entry.name))  # None: ended meanwhile
+        if stat is not None and int(stat[1]) == pid:
+            children.add(int(entry.name))
     return {pid} | children
-
-
-def _parent(stat: Path) -> int | None:
-    try:
-        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:  # ended meanwhile
-        return None
 
 
 def local_ports(pids: set[int]) -> set[int]:
     """The local ports of the TCP connections these processes hold."""
     sockets: set[str] = set()
     for pid in pids:
-        with suppress(OSError):
-            sockets |= {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()  # sl, local address, remote address, state... inode
-            if f"socket:[{fields[9]}]" in sockets:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+        with suppress(OSError):  # ended meanwhile
+            sockets |= held_sockets(pid)
+    return tcp_ports(sockets, listening=False)
