@@ -1,4 +1,4 @@
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from functools import cache, wraps
 from typing import Any, TypeVar, cast
@@ -6,9 +6,7 @@ from typing import Any, TypeVar, cast
 from django.contrib.auth.models import AnonymousUser, User
 from django.core.exceptions import PermissionDenied
 from django.db import connection, transaction
-from django.db.models import BooleanField, Model, QuerySet
-from django.db.models.expressions import RawSQL
-from django.db.models.sql import UpdateQuery
+from django.db.models import Model
 from django.utils import timezone
 
 from apps.audit.actions import ACTIONS
@@ -90,43 +88,47 @@ def _append(event: AuditEvent) -> AuditEvent:
     return event
 
 
-# A second update, made only if the first changed a row: the rows, and the values they take.
-Then = tuple["QuerySet[Any]", dict[str, Any]]
+# An UPDATE written out, and its parameters: its WHERE clause comes last, its conditions ANDed
+# (a condition may be added to it). Written once by its caller: built by the ORM, a statement a
+# release runs thousands of times cost more to compile than to run.
+Statement = tuple[str, Sequence[Any]]
 
 
 def audit_update(
-    rows: "QuerySet[Any]", values: dict[str, Any], event: AuditEvent, then: Then | None = None
+    changing: Statement, event: AuditEvent, then: Statement | None = None
 ) -> tuple[int, int]:
-    """`rows.update(**values)` and, if that changed any row, `event` (from `audit_event`)
-    appended with it and `then` updated, atomically. Returns how many rows each update changed.
-    On PostgreSQL, outside an `audited` service, it is one statement, its own transaction
-    unless the caller has one: a release records each load of thousands of nodes this way, and
-    claims the next one with it."""
+    """`changing` and, if it changed any row, `event` (from `audit_event`) appended with it and
+    `then` run, atomically. Returns how many rows each update changed. On PostgreSQL, outside
+    an `audited` service, it is one statement, its own transaction unless the caller has one:
+    a release records each load of thousands of nodes this way, and claims the next one with
+    it."""
     if connection.vendor != "postgresql" or _ACTION.get() is not None:
-        with transaction.atomic():
-            if not (changed := rows.update(**values)):
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(*changing)
+            if not (changed := cursor.rowcount):
                 return 0, 0
             _append(event)
-            return changed, then[0].update(**then[1]) if then else 0
-    changing, params = _update_sql(rows, values)
+            if not then:
+                return changed, 0
+            cursor.execute(*then)
+            return changed, cursor.rowcount
     event.created_at = timezone.now()
     for name, value in target_parts(event.target).items():
         setattr(event, name, value)
     # Every column but those the database fills (the id, and the user when there is none).
     columns = [f for f in _EVENT_FIELDS if getattr(event, f.attname) is not None]
     row = [f.get_db_prep_save(getattr(event, f.attname), connection) for f in columns]
-    # Made of Django's compiled UPDATEs and the model's own names; every value a parameter.
     logged = _logged(tuple(f.attname for f in columns))
-    statement = f"WITH changed AS ({changing} RETURNING 1), {logged}"
+    # Made of the callers' written-out UPDATEs and the model's own names; every value a parameter.
+    statement = f"WITH changed AS ({changing[0]} RETURNING 1), {logged}"
     followed, more = "0", ()
     if then:
-        after = then[0].filter(RawSQL("EXISTS (SELECT 1 FROM changed)", (), BooleanField()))
-        following, more = _update_sql(after, then[1])
+        following = f"{then[0]} AND EXISTS (SELECT 1 FROM changed)"  # noqa: S608
         statement += f", followed AS ({following} RETURNING 1)"
-        followed = "(SELECT count(*) FROM followed)"
+        followed, more = "(SELECT count(*) FROM followed)", tuple(then[1])
     statement += f" SELECT (SELECT count(*) FROM changed), {followed}"  # noqa: S608
     with connection.cursor() as cursor:
-        cursor.execute(statement, (*params, *row, *more))
+        cursor.execute(statement, (*changing[1], *row, *more))
         changed, follows = cursor.fetchone()
     return changed, follows
 
@@ -144,13 +146,6 @@ def _logged(attnames: tuple[str, ...]) -> str:
     casts = ", ".join(f"%s::{f.db_type(connection)}" for f in columns)
     table = connection.ops.quote_name(AuditEvent._meta.db_table)
     return f"logged AS (INSERT INTO {table} ({names}) SELECT {casts} FROM changed)"  # noqa: S608
-
-
-def _update_sql(rows: "QuerySet[Any]", values: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
-    """`rows.update(**values)` compiled, not run."""
-    update = cast(UpdateQuery, rows.query.chain(UpdateQuery))
-    update.add_update_values(values)
-    return update.get_compiler(rows.db).as_sql()
 
 
 def fields_set(row: Model, values: dict[str, Any], *, actor: Actor, target: str) -> dict[str, Any]:

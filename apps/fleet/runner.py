@@ -9,11 +9,11 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
 
-from django.db import transaction
-from django.db.models import F, QuerySet
+from django.db import connection, transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
-from apps.audit.services import Then, audit_event, audit_update
+from apps.audit.services import Statement, audit_event, audit_update
 from apps.fleet import failures, memory, quarantine
 from apps.fleet.desired import DesiredStateError, node_desired, nodes_desired, plan_digest
 from apps.fleet.lease import Lease
@@ -248,9 +248,10 @@ def _execute(node: Node, op: Operation, claimed: bool, following: Following) -> 
     the status it ended with (TAKEN: another worker declared it lost before it ended), and
     whether the operation after it was claimed with its end."""
     if not claimed:
-        rows, values = _claim(op)
-        if rows.update(**values) != 1:
-            return Operation.Status.CANCELLED, False
+        with connection.cursor() as cursor:
+            cursor.execute(*_claim(op))
+            if cursor.rowcount != 1:
+                return Operation.Status.CANCELLED, False
     client = TritonClient(node.http_url, node=node.name)
     measured: tuple[int, float] | None = None
     try:
@@ -375,8 +376,8 @@ def _finish(
     # Only from running: another worker may have declared this operation lost meanwhile, and
     # then neither its status nor the trail may say what this worker saw, nor may it claim
     # more. The end, its event and the next claim are one statement on PostgreSQL.
-    ending = Operation.objects.filter(pk=op.pk, status=Operation.Status.RUNNING)
-    ended = dict(status=status, error=error, finished_at=now, failure=op.failure, retry_at=retry_at)
+    at = connection.ops.adapt_datetimefield_value
+    ending = (_END, (status, error, at(now), op.failure, at(retry_at), op.pk, RUNNING))
     event = audit_event(
         actor=op.requested_by,
         action=f"operation.{op.kind}",
@@ -392,7 +393,7 @@ def _finish(
     after = following() if _goes_on(op, status) else None
     then = _claim(after) if after else None
     with transaction.atomic() if owning else nullcontext():
-        ended_here, claimed = audit_update(ending, ended, event, then)
+        ended_here, claimed = audit_update(ending, event, then)
         if not ended_here:
             log.warning("node %s: operation %s was taken over before it ended", op.node_id, op.pk)
             return TAKEN, False
@@ -401,14 +402,23 @@ def _finish(
     return status, bool(claimed)
 
 
-def _claim(op: Operation) -> Then:
+def _claim(op: Operation) -> Statement:
     """`op` taken from the queue, if it is still there (a cancel may have come first)."""
-    rows = Operation.objects.filter(pk=op.pk, status=Operation.Status.QUEUED)
-    return rows, {
-        "status": Operation.Status.RUNNING,
-        "started_at": timezone.now(),
-        "attempts": F("attempts") + 1,
-    }
+    now = connection.ops.adapt_datetimefield_value(timezone.now())
+    return _CLAIM, (RUNNING, now, op.pk, Operation.Status.QUEUED)
+
+
+RUNNING = Operation.Status.RUNNING
+# An operation's end and the claim of the next, each conditional on the status it leaves, are
+# a release's most frequent statements: written out once (audit_update's `Statement`).
+_END = """
+UPDATE fleet_operation SET status = %s, error = %s, finished_at = %s, failure = %s, retry_at = %s
+WHERE id = %s AND status = %s
+"""
+_CLAIM = """
+UPDATE fleet_operation SET status = %s, started_at = %s, attempts = attempts + 1
+WHERE id = %s AND status = %s
+"""
 
 
 def _tries(op: Operation) -> int:

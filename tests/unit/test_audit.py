@@ -541,7 +541,9 @@ def test_an_update_and_its_event_are_written_together_or_not_at_all(db: None) ->
     pool = NodePool.objects.create(name="p")
     node = Node.objects.create(name="n1", pool=pool, http_url="http://n1:8000")
     op = Operation.objects.create(node=node, kind="load", model_name="rag", status="running")
-    running = Operation.objects.filter(pk=op.pk, status="running")
+    update = "UPDATE fleet_operation SET status = %s WHERE id = %s AND status = %s"
+    succeeded = (update, ("succeeded", op.pk, "running"))
+    failed = (update, ("failed", op.pk, "running"))
     token = REQUEST_ID.set("req-7")  # as the request that changed the desired state set it
     try:
         event = audit_event(
@@ -554,7 +556,7 @@ def test_an_update_and_its_event_are_written_together_or_not_at_all(db: None) ->
     finally:
         REQUEST_ID.reset(token)
     with CaptureQueriesContext(connection) as statements:
-        assert audit_update(running, {"status": "succeeded", "error": ""}, event) == (1, 0)
+        assert audit_update(succeeded, event) == (1, 0)
     if connection.vendor == "postgresql":
         assert len(statements) == 1
     op.refresh_from_db()
@@ -575,15 +577,15 @@ def test_an_update_and_its_event_are_written_together_or_not_at_all(db: None) ->
     # Taken over meanwhile: nothing changed, so nothing is recorded.
     again = audit_event(actor="system:reconciler", action="operation.load", target="node:n1:rag")
     later = Operation.objects.create(node=node, kind="load", model_name="emb", status="queued")
-    claim = (Operation.objects.filter(pk=later.pk, status="queued"), {"status": "running"})
-    assert audit_update(running, {"status": "failed"}, again, claim) == (0, 0)
+    claim = (update, ("running", later.pk, "queued"))
+    assert audit_update(failed, again, claim) == (0, 0)
     assert AuditEvent.objects.count() == 1
     assert Operation.objects.get(pk=op.pk).status == "succeeded"
     assert Operation.objects.get(pk=later.pk).status == "queued"  # nor the update after it
     # Changed, with the update after it: in the same statement on PostgreSQL.
     Operation.objects.filter(pk=op.pk).update(status="running")
     with CaptureQueriesContext(connection) as statements:
-        assert audit_update(running, {"status": "succeeded"}, again, claim) == (1, 1)
+        assert audit_update(succeeded, again, claim) == (1, 1)
     if connection.vendor == "postgresql":
         assert len(statements) == 1
     assert (
