@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
+from apps.devtools.devfleet import PORT_PICKS
+from apps.devtools.processes import held_sockets, tcp_ports
 from controlplane.celery import app as celery_app
 from tests.support import ROOT
 
@@ -29,29 +31,57 @@ def free_port() -> int:
 
 @contextmanager
 def redis_server(home: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """A redis-server of its own on a free port, keeping nothing on disk, once it answers; and
-    its URL. Stopped on the way out (if the test has not stopped it already)."""
+    """A redis-server of its own on a free port, keeping nothing on disk, once it listens there
+    itself; and its URL. Stopped on the way out (if the test has not stopped it already). The
+    port is free when picked, not when Redis binds it: another process (another xdist worker's
+    Redis) may take it meanwhile, and this one then exits; it starts again on a new port."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is not installed: apt-get install -y redis-server")
-    port = free_port()
-    server = subprocess.Popen(
-        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        cwd=home,
-    )
+    for _ in range(PORT_PICKS):
+        port = free_port()
+        server = subprocess.Popen(
+            [
+                binary,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            cwd=home,
+        )
+        if _listening(server, port):
+            break
+    else:
+        pytest.fail(f"redis-server exited on each of {PORT_PICKS} free ports")
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
         yield server, f"redis://127.0.0.1:{port}/0"
     finally:
         server.terminate()
         server.wait(10)
+
+
+def _listening(server: subprocess.Popen[bytes], port: int) -> bool:
+    """Whether `server` listens on `port` itself (False: it exited first); fails the test if it
+    does neither within 10 s."""
+    deadline = time.monotonic() + 10
+    while server.poll() is None:
+        try:
+            if port in tcp_ports(held_sockets(server.pid), listening=True):
+                return True
+        except OSError:  # a descriptor closed while listed: look again
+            pass
+        if time.monotonic() > deadline:
+            server.kill()
+            server.wait(10)
+            pytest.fail("redis-server did not start listening in 10 s")
+        time.sleep(0.05)
+    return False
 
 
 class Webhook(ThreadingHTTPServer):
