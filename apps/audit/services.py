@@ -12,6 +12,7 @@ from django.utils import timezone
 from apps.audit.actions import ACTIONS
 from apps.audit.context import REQUEST_ID, VIA
 from apps.audit.models import AuditEvent, target_parts
+from controlplane.prepared import prepared_cursor
 
 Actor = str | User  # a person, or `system:<component>`
 
@@ -127,7 +128,7 @@ def audit_update(
         statement += f", followed AS ({following} RETURNING 1)"
         followed, more = "(SELECT count(*) FROM followed)", tuple(then[1])
     statement += f" SELECT (SELECT count(*) FROM changed), {followed}"  # noqa: S608
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(statement, (*changing[1], *row, *more))
         changed, follows = cursor.fetchone()
     return changed, follows

@@ -12,6 +12,7 @@ from django.db import connection
 from django.utils import timezone
 
 from apps.fleet.models import Node, Operation
+from controlplane.prepared import prepared_cursor
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class Lease:
             Operation.Status.RUNNING,
             at(may_run),
         )
-        with connection.cursor() as cursor:
+        with prepared_cursor() as cursor:
             cursor.execute(_TAKE, params)
             return cursor.rowcount == 1
 
@@ -75,9 +76,8 @@ class Lease:
         finally:
             self._stop.set()
             thread.join()
-            Node.objects.filter(pk=self.node_id, lease_owner=self.owner).update(
-                lease_owner="", lease_until=None
-            )
+            with prepared_cursor() as cursor:
+                cursor.execute(_RELEASE, (self.node_id, self.owner))
             self.held = False
 
 
@@ -93,3 +93,6 @@ WHERE id = %s AND (lease_until IS NULL OR lease_until < %s) AND NOT EXISTS (
     WHERE fleet_operation.node_id = fleet_node.id AND status = %s AND started_at > %s
 )
 """
+_RELEASE = (
+    "UPDATE fleet_node SET lease_owner = '', lease_until = NULL WHERE id = %s AND lease_owner = %s"
+)

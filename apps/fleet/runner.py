@@ -30,6 +30,7 @@ from apps.fleet.triton import (
     ready_in,
 )
 from apps.registry.codec import stored_steps
+from controlplane.prepared import prepared_cursor
 
 log = logging.getLogger(__name__)
 RECONCILER = "system:reconciler"  # the actor of what the reconcile plans
@@ -248,7 +249,7 @@ def _execute(node: Node, op: Operation, claimed: bool, following: Following) -> 
     the status it ended with (TAKEN: another worker declared it lost before it ended), and
     whether the operation after it was claimed with its end."""
     if not claimed:
-        with connection.cursor() as cursor:
+        with prepared_cursor() as cursor:
             cursor.execute(*_claim(op))
             if cursor.rowcount != 1:
                 return Operation.Status.CANCELLED, False
