@@ -208,8 +208,9 @@ def test_a_planned_run_reads_neither_the_pool_nor_its_plan_nor_a_serving_nodes_s
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A worker's reconcile hands its run what it read under the node's lock and what it
-    planned: the run reads neither the node's pool nor the operations just written again (only
-    the queue after them, for what was queued meanwhile), and a node that was serving is not
+    planned: the run reads neither the node's pool nor the operations just written again (it
+    looks at the queue after them, for what was queued meanwhile, and reads it only when it
+    holds any), and a node that was serving is not
     asked whether it joined. Issue 30: each statement here is paid by every node of a release."""
     import_demo()
     node = a_node()
@@ -224,8 +225,9 @@ def test_a_planned_run_reads_neither_the_pool_nor_its_plan_nor_a_serving_nodes_s
     sql = [query["sql"] for query in queries]
     assert [q for q in sql if 'FROM "fleet_nodepool"' in q] == []
     assert [q for q in sql if '"fleet_node"."stage" = ' in q] == []
-    queue = [q for q in sql if q.startswith('SELECT "fleet_operation".') and "'queued'" in q]
-    assert len(queue) == 1
+    looks = [q for q in sql if "FROM fleet_operation WHERE node_id" in q and "'queued'" in q]
+    reads = [q for q in sql if q.startswith('SELECT "fleet_operation".') and "'queued'" in q]
+    assert (len(looks), reads) == (1, [])
     # A plan for a new desired state looks for no earlier drift to repeat, finds its request
     # with the node's lock, and its run has no lost operation to look for.
     assert [q for q in sql if 'FROM "audit_auditevent"' in q] == []
@@ -336,6 +338,31 @@ def test_a_plan_committed_while_a_reconcile_waits_for_the_nodes_lock_is_pending_
     first.join()
     assert planned == {}
     assert Operation.objects.count() == 1
+
+
+def test_an_operation_queued_while_a_run_goes_on_is_run_by_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run looks at the node's queue once its plan is done, and reads and runs what a
+    person queued meanwhile (an empty queue is only looked at: the test above)."""
+    import_demo()
+    node = a_node()
+    Node.objects.filter(pk=node.pk).update(stage=Node.Stage.SERVING)
+
+    def queue_one(model: str) -> None:
+        if model == "embedder":
+            Operation.objects.create(
+                node=node, kind="load", model_name="reranker", versions=[1], requested_by="alice"
+            )
+
+    loaded = loading_to_index(monkeypatch, queue_one)
+    deployment_set(model_name="embedder", version=1, pool=node.pool, actor="system:test")
+    reconcile_nodes([node.pk])
+    assert loaded == ["embedder", "reranker"]
+    assert list(Operation.objects.order_by("id").values_list("requested_by", "status")) == [
+        ("system:reconciler", Operation.Status.SUCCEEDED),
+        ("alice", Operation.Status.SUCCEEDED),
+    ]
 
 
 def test_each_step_of_a_plan_is_claimed_with_the_end_of_the_one_before(
