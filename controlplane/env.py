@@ -122,10 +122,6 @@ def database_from_url(name: str, default: str, base_dir: Path) -> dict[str, obje
             "PORT": str(port or ""),
             "CONN_MAX_AGE": 60,
             "CONN_HEALTH_CHECKS": True,
-            # psycopg prepares nothing with no threshold (Django's default), not even what is
-            # asked for by name; Django's cursors bind on the client and never prepare, so only
-            # controlplane.prepared's statements are, whatever the count.
-            "OPTIONS": {"prepare_threshold": 2**31},
         }
     raise ImproperlyConfigured(
         f"{name}={raw!r} is not supported; use sqlite:///path or postgres://user@host:port/db."

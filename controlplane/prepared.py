@@ -15,6 +15,11 @@ from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 
 
 class _Prepared(psycopg.Cursor[Any]):
+    """Asks for each statement to be prepared. psycopg prepares nothing while the connection's
+    threshold is None (Django's default), not even what is asked for by name: it is set for
+    this statement only. Set for good, it would have psycopg count every statement of Django's
+    own (bound on the client, never prepared), keeping the whole text of the last hundred."""
+
     def execute(
         self,
         query: Any,
@@ -23,7 +28,15 @@ class _Prepared(psycopg.Cursor[Any]):
         prepare: bool | None = None,
         binary: bool | None = None,
     ) -> "_Prepared":
-        return super().execute(query, params, prepare=True, binary=binary)
+        before = self.connection.prepare_threshold
+        self.connection.prepare_threshold = _BY_NAME_ONLY if before is None else before
+        try:
+            return super().execute(query, params, prepare=True, binary=binary)
+        finally:
+            self.connection.prepare_threshold = before
+
+
+_BY_NAME_ONLY = 2**31  # a count no statement reaches: only those asked for are prepared
 
 
 class _Logged(CursorDebugWrapper):

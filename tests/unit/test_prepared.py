@@ -23,7 +23,8 @@ def _prepared() -> list[tuple[str, int]]:
 )
 def test_a_statement_is_prepared_once_and_then_run_without_planning_again() -> None:
     """Run six times, PostgreSQL holds it once, and runs it from a generic plan after the first
-    five (its own rule); Django's own statements are not prepared."""
+    five (its own rule); Django's own statements are neither prepared nor counted (psycopg
+    would keep their text)."""
     pool = NodePool.objects.create(name="p")
     node = Node.objects.create(name="n1", pool=pool, http_url="http://n1:8000")
     statement = "UPDATE fleet_node SET weight = %s WHERE id = %s"
@@ -33,6 +34,7 @@ def test_a_statement_is_prepared_once_and_then_run_without_planning_again() -> N
                 cursor.execute(statement, (weight, node.pk))
                 assert cursor.rowcount == 1
     Node.objects.filter(pk=node.pk).update(draining=True)
+    assert connection.connection.prepare_threshold is None  # Django's own: not even counted
     assert _prepared() == [("UPDATE fleet_node SET weight = $1 WHERE id = $2", 6)]
     assert Node.objects.get(pk=node.pk).weight == 5
     logged = [q["sql"] for q in captured]
