@@ -59,7 +59,7 @@ from apps.fleet.runner import node_run
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register
 from apps.fleet.tasks import (
-    CHUNK_NODES,
+    chunked,
     poll_node,
     reconcile_change,
     reconcile_nodes,
@@ -382,9 +382,9 @@ GAUGE_NODES = 100
 @pytest.mark.django_db(transaction=True)
 def test_one_worker_cpu_per_node_against_the_floor(report: Report) -> None:
     """The Celery workers' share of the release's CPU, without Celery: `reconcile_nodes` (plan
-    and run, as a worker runs it) for GAUGE_NODES nodes in chunks of CHUNK_NODES in this process,
-    against `floor_load` of the same loads one node at a time; each counts this process' CPU
-    only (the simulator is a process of its own). The statements it ran, the CPU spent
+    and run, as a worker runs it) for a pool of GAUGE_NODES nodes, in the chunks a change to it
+    is sent in, in this process, against `floor_load` of the same loads one node at a time; each
+    counts this process' CPU only (the simulator is a process of its own). The statements it ran, the CPU spent
     executing them (the database driver) and PostgreSQL's own for them (its backend process) are
     reported beside it: where the rest goes is Python, the ORM's building of those statements
     most of all."""
@@ -410,8 +410,8 @@ def test_one_worker_cpu_per_node_against_the_floor(report: Report) -> None:
 
         started, database = time.process_time(), backend_cpu_s()
         with connection.execute_wrapper(counted):
-            for start in range(0, len(ids), CHUNK_NODES):
-                reconcile_nodes(ids[start : start + CHUNK_NODES])
+            for chunk in chunked(ids):
+                reconcile_nodes(chunk)
         product_ms = (time.process_time() - started) / len(ids) * 1000
         database_ms = (backend_cpu_s() - database) / len(ids) * 1000
         succeeded = Operation.objects.filter(status=Operation.Status.SUCCEEDED)

@@ -59,12 +59,16 @@ def test_a_change_outlives_the_queue_ahead_of_it_and_a_periodic_pass_does_not(
 def test_a_large_queues_nodes_go_in_chunks_and_a_small_ones_each_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    big, small = (
+    """Chunks of CHUNK_NODES at most, and SPREAD tasks at least where a queue has that many
+    nodes: a pool's change of 100 nodes keeps 8 workers busy, in chunks of 12."""
+    big, mid, small = (
         NodePool.objects.create(name="big", queue="east"),
+        NodePool.objects.create(name="mid", queue="west"),
         NodePool.objects.create(name="small"),
     )
     Node.objects.bulk_create(
         [Node(name=f"b{n}", pool=big, http_url="http://x:1") for n in range(700)]
+        + [Node(name=f"m{n}", pool=mid, http_url="http://x:1") for n in range(100)]
         + [Node(name=f"s{n}", pool=small, http_url="http://x:1") for n in range(3)]
         + [Node(name="gone", pool=small, http_url="http://x:1", stage=Node.Stage.DEPARTED)]
     )
@@ -76,7 +80,12 @@ def test_a_large_queues_nodes_go_in_chunks_and_a_small_ones_each_alone(
     )
     tasks.reconcile_all()
     chunks = Counter((len(ids), queue) for ids, queue in sent)
-    assert chunks == {(tasks.CHUNK_NODES, "east"): 35, (1, None): 3}
+    assert chunks == {
+        (tasks.CHUNK_NODES, "east"): 35,
+        (12, "west"): 8,
+        (4, "west"): 1,
+        (1, None): 3,
+    }
     ids = [node_id for chunk, _ in sent for node_id in chunk]
     departed = Node.objects.get(name="gone").pk
     assert sorted(ids) == sorted(Node.objects.exclude(pk=departed).values_list("pk", flat=True))
