@@ -100,8 +100,10 @@ def discover(now: datetime | None = None) -> Discovered:
 def nodes_sync(found: list[dict], now: datetime) -> Discovered:
     """The fleet made to agree with `found` (the targets API's active targets): a handful of
     statements whatever the fleet's size, plus a few for each node that came, came back or
-    went. Nodes listed as before cost no lock, no name resolution and no model instance: at
-    5,000 nodes a pass that locked them all held every worker's reconcile back meanwhile."""
+    went. Nodes listed as before cost no model instance and no name resolution, and are locked
+    only to note that they were listed, after the rest commits: at 5,000 nodes a pass that held
+    them all while it worked held every worker's reconcile back meanwhile. What it locks, it
+    locks at once (Node.objects.lock): a chunk's reconcile locks its nodes too."""
     outcome = Discovered()
     targets: dict[str, tuple[Target, str]] = {}  # by name: the target, and its scrape URL
     for listed in found:
@@ -114,40 +116,46 @@ def nodes_sync(found: list[dict], now: datetime) -> Discovered:
         targets.setdefault(target.name, (target, address))
     fields = ("name", "pk", "discovered_at", "stage", *ADDRESSES)
     known = {row[0]: row[1:] for row in Node.objects.filter(name__in=targets).values_list(*fields)}
+    new: list[Target] = []
+    again: dict[int, Target] = {}  # departed, or at other addresses
+    for name, (target, address) in list(targets.items()):
+        if name in known:
+            pk, discovered_at, stage, *addresses = known[name]
+            if discovered_at is None:
+                outcome.refused[target.metrics_url] = f"node {name} was registered by hand"
+                continue
+            held = dict(zip(ADDRESSES, addresses, strict=True))
+            if stage != Node.Stage.DEPARTED and held == _addresses(target):
+                continue  # listed as before
+        if not _checked(target, address, outcome):
+            del targets[name]  # no node of it is listed
+        elif name in known:
+            again[known[name][0]] = target
+        else:
+            new.append(target)
+    unseen = Node.objects.filter(
+        discovered_at__isnull=False,
+        listed_at__lt=now - timedelta(seconds=settings.DISCOVERY_GRACE_S),
+    ).exclude(stage=Node.Stage.DEPARTED)
+    gone: list[int] = []
+    if found:
+        # None departs on an empty listing: nothing listed at all is a scrape pool misnamed or
+        # a Prometheus still discovering after a restart far more often than a fleet scaled to
+        # zero, and departing every node would take the fleet out of traffic.
+        gone = [pk for pk, name in unseen.values_list("pk", "name") if name not in targets]
     with transaction.atomic():
-        for name, (target, address) in list(targets.items()):
-            joined: Node | None = None
-            if name not in known:
-                if _checked(target, address, outcome):
-                    joined = _join_new(target, now)
-            else:
-                pk, discovered_at, stage, *addresses = known[name]
-                if discovered_at is None:
-                    outcome.refused[target.metrics_url] = f"node {name} was registered by hand"
-                    continue
-                held = dict(zip(ADDRESSES, addresses, strict=True))
-                if stage != Node.Stage.DEPARTED and held == _addresses(target):
-                    continue  # listed as before
-                if _checked(target, address, outcome):
-                    joined = _join_again(pk, target, now)
-            if joined:
+        Node.objects.filter(pk__in=[*again, *gone]).lock()
+        outcome.joining += [_join_new(target, now).pk for target in new]
+        for pk, target in again.items():
+            if joined := _join_again(pk, target, now):
                 outcome.joining.append(joined.pk)
-            elif address in outcome.refused:
-                del targets[name]  # no node of it is listed
-        if found:
-            # None departs on an empty listing: nothing listed at all is a scrape pool misnamed
-            # or a Prometheus still discovering after a restart far more often than a fleet
-            # scaled to zero, and departing every node would take the fleet out of traffic.
-            unseen = Node.objects.filter(
-                discovered_at__isnull=False,
-                listed_at__lt=now - timedelta(seconds=settings.DISCOVERY_GRACE_S),
-            ).exclude(stage=Node.Stage.DEPARTED)
-            gone = [pk for pk, name in unseen.values_list("pk", "name") if name not in targets]
-            for node in unseen.filter(pk__in=gone).select_for_update():
-                _depart(node, now)
-                outcome.departed.append(node.name)
-        # Last, so that the listed nodes' rows are locked only until the commit that follows.
-        Node.objects.filter(name__in=targets, discovered_at__isnull=False).update(listed_at=now)
+        for node in unseen.filter(pk__in=gone):  # still unseen, now that it is locked
+            _depart(node, now)
+            outcome.departed.append(node.name)
+    with transaction.atomic():
+        noted = Node.objects.filter(name__in=targets, discovered_at__isnull=False)
+        noted.lock()
+        noted.update(listed_at=now)
     outcome.listed = len(targets)
     _note_refused(outcome.refused)
     return outcome
@@ -192,7 +200,7 @@ def _join_new(target: Target, now: datetime) -> Node:
 def _join_again(pk: int, target: Target, now: datetime) -> Node | None:
     """A node listed again after it departed, or at other addresses (a replaced pod under the
     same name, empty and cold); None when another pass saw to it first."""
-    node = Node.objects.select_for_update().get(pk=pk)
+    node = Node.objects.get(pk=pk)  # locked by nodes_sync
     before = {key: getattr(node, key) for key in ADDRESSES}
     if node.stage != Node.Stage.DEPARTED and before == _addresses(target):
         return None

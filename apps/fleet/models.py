@@ -94,6 +94,13 @@ class NodeQuerySet(models.QuerySet["Node"]):
         (not those joining, quarantined or departed)."""
         return self.filter(stage=Node.Stage.SERVING)
 
+    def lock(self) -> list[int]:
+        """These nodes' rows locked, in id order, within the caller's transaction; returns their
+        ids. Whatever locks more than one node locks them this way first: two lockers that
+        take rows in other orders (a statement's scan order is the table's, not the ids') may
+        each wait for a row the other holds, and PostgreSQL fails one as a deadlock."""
+        return list(self.select_for_update().order_by("pk").values_list("pk", flat=True))
+
 
 class Node(models.Model):
     class Health(models.TextChoices):

@@ -79,7 +79,10 @@ def nodes_read_index(node_ids: list[int]) -> list[Node]:
         node.index, node.last_seen = [dataclasses.asdict(entry) for entry in index], timezone.now()
         nodes.append(node)
         read.append(node)
-    Node.objects.bulk_update(read, ["index", "last_seen"])
+    if read:
+        with transaction.atomic():  # locked first (Node.objects.lock), then written
+            Node.objects.filter(pk__in=[node.pk for node in read]).lock()
+            Node.objects.bulk_update(read, ["index", "last_seen"])
     return nodes
 
 

@@ -280,15 +280,14 @@ def _plan(
 
 
 def _locked(node_ids: list[int]) -> dict[int, Node]:
-    """The nodes' rows, locked (in one order: two chunks never wait on each other's locks), with
+    """The nodes' rows, locked (Node.objects.lock: never in a deadlock with another chunk's), with
     their pools for the runs these plans are handed to (`wanted`: the balancer, the warm-up),
     whether work is pending on each (`pending`), and what a plan is recorded with (`last_plan`,
     whether it repeats a repair: _drift; `newest_request`, the request of the newest deployment
     targeting it). Locked first, then read: a statement that waited for a lock sees what was
     committed when it began (READ COMMITTED), so a plan committed meanwhile by the worker it
     waited for would not be pending in its eyes, and the node would be planned twice."""
-    locking = Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk")
-    list(locking.values_list("pk", flat=True))
+    Node.objects.filter(pk__in=node_ids).lock()
     pending = Operation.objects.filter(node=OuterRef("pk"), status__in=Operation.OPEN)
     planned = Operation.objects.filter(node=OuterRef("pk")).exclude(plan_digest="")
     newest = Deployment.objects.filter(Q(pool_id=OuterRef("pool_id")) | Q(node=OuterRef("pk")))

@@ -3,11 +3,14 @@ grace period depart, returning ones are the same node, and hand-registered nodes
 are. The targets API itself is the boundary here (its JSON as Prometheus writes it); the real
 Prometheus is in tests/integration/test_discovery.py."""
 
+import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -203,11 +206,11 @@ def test_a_pass_costs_the_same_statements_at_5_and_at_50_nodes() -> None:
     assert statements(5) == statements(50)
 
 
-def test_nodes_listed_as_before_are_neither_locked_nor_resolved_again(
+def test_nodes_listed_as_before_are_neither_held_nor_resolved_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A pass over 5,000 nodes that locked them all held back every worker's reconcile until
-    it ended, and it resolved 15,000 names; a node's addresses are checked when it joins (and
+    """A pass over 5,000 nodes that held them all locked held back every worker's reconcile
+    until it ended, and it resolved 15,000 names; a node's addresses are checked when it joins (and
     at each connection: addresses.pinned)."""
     from apps.fleet import addresses
 
@@ -223,9 +226,11 @@ def test_nodes_listed_as_before_are_neither_locked_nor_resolved_again(
         again = nodes_sync(moved, timezone.now())
     assert again.joining == [Node.objects.get(name="gpu-2").pk]
     assert resolved == ["10.0.0.9"] * 3  # the moved node's only
-    # Locked: the moved node alone, by its id (none is gone: no departure to lock).
+    # Locked while the pass works: the moved node alone (none is gone: no departure to lock);
+    # the nodes listed, only to note them, last, in a transaction of their own.
     locking = [q["sql"] for q in queries if "FOR UPDATE" in q["sql"]]
-    assert len(locking) == 1 and '"fleet_node"."id" = ' in locking[0]
+    assert len(locking) == 2, locking
+    assert '"fleet_node"."id" IN ' in locking[0] and '"fleet_node"."name" IN ' in locking[1]
 
 
 def test_a_departed_node_is_neither_polled_nor_reconciled(
@@ -341,3 +346,67 @@ def test_a_rollout_and_a_deployments_progress_count_only_the_nodes_that_serve(
     client.force_login(viewer)
     (progress,) = client.get("/api/deployments", headers=bearer(viewer)).json()
     assert [n["node"] for n in progress["nodes"]] == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pass_that_departs_a_node_never_deadlocks_with_a_reconciles_index_write(
+    monkeypatch: pytest.MonkeyPatch, settings: object
+) -> None:
+    """What a 5,000-node release met: a pass locked a departing node (G), then the listed ones
+    (L among them) one by one; a chunk's reconcile, writing the indexes it read of L and G,
+    locked L and waited for G; PostgreSQL failed one of them, and the chunk was lost. Here a
+    third holder of G lines them up that way: the pass waits for G first, the write second.
+    Every locker of several nodes now takes them at once, in id order (Node.objects.lock)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("row locks: PostgreSQL's")
+    nodes_sync([target("l", port=8002), target("g", port=8003)], timezone.now())
+    listed, gone = Node.objects.get(name="l"), Node.objects.get(name="g")
+    assert listed.pk < gone.pk  # the order the index write's scan met them in, too
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])
+    settings.DISCOVERY_GRACE_S = 0  # type: ignore[attr-defined]
+    held, release, errors = threading.Event(), threading.Event(), []
+
+    def hold_gone() -> None:
+        with transaction.atomic():
+            Node.objects.filter(pk=gone.pk).lock()
+            held.set()
+            release.wait(10)
+
+    def run(work: Callable[[], object]) -> threading.Thread:
+        def guarded() -> None:
+            try:
+                work()
+            except Exception as exc:  # the deadlock, said by the assertion below
+                errors.append(exc)
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=guarded)
+        thread.start()
+        return thread
+
+    def waiting(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                )
+                if cursor.fetchone()[0] >= count:
+                    return
+            time.sleep(0.02)
+        pytest.fail(f"{count} lockers never waited")
+
+    holder = run(hold_gone)
+    assert held.wait(10)
+    passing = run(lambda: nodes_sync([target("l", port=8002)], timezone.now()))
+    waiting(1)
+    writing = run(lambda: polling.nodes_read_index([listed.pk, gone.pk]))
+    waiting(2)
+    release.set()
+    for thread in (holder, passing, writing):
+        thread.join(20)
+    assert errors == []
+    assert Node.objects.get(pk=gone.pk).stage == Node.Stage.DEPARTED
+    assert Node.objects.get(pk=listed.pk).last_seen is not None
