@@ -107,6 +107,10 @@ def test_a_worker_killed_mid_step_resumes_without_repeating_it(
 STATISTICAL = {"judge": "statistical", "sample_s": 2, "warmup_s": 2}
 
 
+# As the marginal test below: with another test's fleet on the same two cores, the canary
+# node's requests were measured 27 % (5 ms) slower than the baseline's once (p=0.018, a fresh
+# clone's CI, 2026-12-04), and the healthy release was judged a failure. It runs alone.
+@pytest.mark.alone
 def test_the_statistical_judge_passes_a_healthy_release_after_a_short_warm_up(
     serving_v1: NodePool, traffic: None
 ) -> None:
