@@ -14,6 +14,7 @@ from typing import Any
 from celery import Task, shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
+from django.db import OperationalError
 from django.utils import timezone
 
 from apps.audit.context import REQUEST_ID
@@ -151,13 +152,19 @@ def sync_traffic(pool_id: int) -> None:
 # without a second trip through a queue that holds every other node's reconcile; so does work
 # whose run was lost. Runs go on for CHUNK_BUDGET_S (then one node) at most: the rest of the
 # chunk's runs go to run_node, a task a node, so nodes whose loads take minutes never keep other
-# chunks waiting long. Limits: the budget, then one node's run as for run_node.
+# chunks waiting long. Limits: the budget, then one node's run as for run_node. A plan the
+# database refused (a deadlock, a lost connection) is tried again shortly: acked, the chunk
+# would wait for the next periodic pass, and a change sent by hand would wait for none.
 CHUNK_BUDGET_S = 60
 
 
 @shared_task(
     name="fleet.reconcile_nodes",
     acks_late=True,
+    autoretry_for=(OperationalError,),
+    retry_backoff=1,
+    retry_jitter=True,
+    max_retries=3,
     expires=60,
     soft_time_limit=CHUNK_BUDGET_S + 300,
     time_limit=CHUNK_BUDGET_S + 330,

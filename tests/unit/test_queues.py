@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 from django.conf import settings
+from django.db import OperationalError
 
 from apps.fleet import tasks
 from apps.fleet.models import Node, NodePool
@@ -122,3 +123,24 @@ def test_a_chunk_past_its_budget_hands_the_rest_of_its_runs_to_a_task_a_node(
     monkeypatch.setattr(tasks, "CHUNK_BUDGET_S", 60)
     tasks.reconcile_nodes(ids)
     assert ran == [ids[0], *ids]
+
+
+@pytest.mark.django_db
+def test_a_chunk_whose_plan_the_database_refused_is_tried_again_not_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A deadlock, say, while its nodes are locked: acked and dropped, the chunk would wait for
+    the next periodic pass (and a benchmark without beat, for ever)."""
+    pool = NodePool.objects.create(name="big", queue="east")
+    ids = [Node.objects.create(name=f"n{n}", pool=pool, http_url="http://x:1").pk for n in range(2)]
+    tries: list[list[int]] = []
+
+    def planned(node_ids: list[int]) -> dict[int, Planned]:
+        tries.append(node_ids)
+        if len(tries) == 1:
+            raise OperationalError("deadlock detected")
+        return {}
+
+    monkeypatch.setattr(tasks, "nodes_reconcile", planned)
+    result = tasks.reconcile_nodes.apply((ids,))  # eager: the retry runs at once, in-process
+    assert result.successful() and tries == [ids, ids]
