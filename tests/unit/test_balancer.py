@@ -3,12 +3,14 @@ same paths run against a real HAProxy in tests/integration/test_traffic.py."""
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.db import DatabaseError, connection, transaction
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from hypothesis import given
 from hypothesis import strategies as st
@@ -422,3 +424,34 @@ def test_haproxy_gets_a_joined_node_as_a_server_a_replaced_pod_moved_a_departed_
     assert ("triton_http/moved", "10.0.0.9:8000", 0) in runtime.moved
     assert ("triton_grpc/moved", "10.0.0.9:8001", 8000) in runtime.moved
     assert not any(server.endswith("/named") for server, _, _ in runtime.moved)  # a host name
+
+
+def test_several_nodes_weights_or_errors_are_written_after_locking_them_in_id_order(
+    balancer: Balancer,
+) -> None:
+    """As every locker of several nodes does (`NodeQuerySet.lock`): an UPDATE of several rows
+    takes them in the table's scan order, and a reconcile locking some of them in id order
+    meanwhile could deadlock with it."""
+    pool = node("gpu-1").pool
+
+    def locks_then_writes(change: Callable[[], object]) -> bool:
+        with CaptureQueriesContext(connection) as queries:
+            change()
+        sqls = [
+            q["sql"]
+            for q in queries.captured_queries
+            if q["sql"].startswith('UPDATE "fleet_node"')
+            or ('FROM "fleet_node"' in q["sql"] and "FOR UPDATE" in q["sql"])
+        ]
+        assert len(sqls) > 1, sqls
+        return sqls[0].endswith("ORDER BY 1 ASC FOR UPDATE") and all(
+            sql.startswith("UPDATE") for sql in sqls[1:]
+        )
+
+    weights = {"gpu-1": 0, "gpu-2": 7, "gpu-3": 7}
+    assert locks_then_writes(lambda: balancing.weights_set(pool, weights, "release"))
+    expired = timezone.now() - timedelta(seconds=1)
+    Node.objects.filter(name__in=["gpu-1", "gpu-2"]).update(draining=True, lease_until=expired)
+    assert locks_then_writes(lambda: traffic_sync(pool.pk))  # two drains lapsed, then each node
+    balancer.down = True
+    assert locks_then_writes(lambda: traffic_sync(pool.pk))

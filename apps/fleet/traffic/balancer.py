@@ -205,6 +205,7 @@ def weights_set(pool: NodePool, weights: dict[str, int], actor: str) -> None:
         changed = {name: w for name, w in weights.items() if before.get(name, w) != w}
         if not changed:
             return
+        pool.nodes.filter(name__in=changed).lock()  # in id order, before several rows change
         for weight in set(changed.values()):
             names = [name for name, w in changed.items() if w == weight]
             pool.nodes.filter(name__in=names).update(weight=weight)
@@ -265,12 +266,14 @@ def _sync(pool: NodePool) -> dict[str, int]:
         # Nothing written yet in this transaction: it holds no row while the balancer answers.
         reading = target.sync(wanted, places, gone)
     except BalancerError as exc:
-        pool.nodes.update(traffic_error=str(exc))
+        Node.objects.filter(pk__in=pool.nodes.lock()).update(traffic_error=str(exc))
         log.warning("pool %s: %s", pool.name, exc)
         return {}
     finally:
-        Node.objects.filter(pk__in=[n.pk for n in lapsed], draining=True).update(draining=False)
-    for node in nodes:
+        if lapsed:
+            ended = Node.objects.filter(pk__in=[n.pk for n in lapsed], draining=True)
+            Node.objects.filter(pk__in=ended.lock()).update(draining=False)
+    for node in sorted(nodes, key=lambda n: n.pk):  # one row at a time, in id order
         now = (reading.served.get(node.name), reading.problems.get(node.name, ""))
         if (node.served_weight, node.traffic_error) != now:
             Node.objects.filter(pk=node.pk).update(served_weight=now[0], traffic_error=now[1])
