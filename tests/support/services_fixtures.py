@@ -5,18 +5,19 @@ directories run."""
 
 import shutil
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import POOL_BACKENDS, FleetState, Proc
-from apps.fleet.models import NodePool, Operation
+from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register
 from apps.fleet.services.pools import pool_set_traffic
-from apps.fleet.triton import TritonClient
+from apps.fleet.triton import TritonClient, TritonError
 from apps.registry.imports import repository_import
 from apps.rollouts.services import template_save
 from controlplane.celery import app as celery_app
@@ -170,8 +171,33 @@ def serving_v1(
     celery.use_prometheus(state.prometheus_url)
     settings.PROMETHEUS_URL = state.prometheus_url  # type: ignore[attr-defined]
     deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
-    wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
+    wait_for("v1 is READY on every node", v1_everywhere(trio[0], pool), timeout=240)
     return pool
+
+
+def v1_everywhere(devfleet: Devfleet, pool: NodePool) -> Callable[[], bool]:
+    """`converged(pool, STEPS_V1)`, for a fixture's set-up: a node quarantined meanwhile for a
+    load that real Triton left LOADING (server#8766: a Python stub started and never heard
+    from, seen in CI) is restarted once, as its operator would, and the product releases it
+    to join again. Only where its index shows the load still LOADING, and said in a warning;
+    never in a test's own waits, where a quarantine is what is tested."""
+    on_v1 = converged(pool, STEPS_V1)
+    restarted: set[str] = set()
+
+    def check() -> bool:
+        for node in pool.nodes.filter(stage=Node.Stage.QUARANTINED).exclude(name__in=restarted):
+            try:
+                index = TritonClient(node.http_url, node=node.name).repository_index()
+            except TritonError:
+                continue  # looked at again next time
+            if any(entry.state == "LOADING" for entry in index):
+                warnings.warn(f"{node.name} restarted: {node.stage_reason}", stacklevel=1)
+                devfleet.kill(node.name)
+                devfleet.restart(node.name)
+                restarted.add(node.name)
+        return on_v1()
+
+    return check
 
 
 @pytest.fixture
@@ -222,7 +248,7 @@ def weighted(
         actor="system:test",
     )
     deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
-    wait_for("v1 is READY on every node", converged(pool, STEPS_V1))
+    wait_for("v1 is READY on every node", v1_everywhere(trio[0], pool), timeout=240)
     # Nodes an earlier test left on v1 reload it (what they run is no longer on record): each
     # node's every step loaded by this test, nothing open. Not an exact count of operations: a
     # worker starved of CPU in CI once reloaded a node's pipeline a second time, harmlessly.
