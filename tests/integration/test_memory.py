@@ -1,6 +1,6 @@
 """Memory-aware loads on a real CPU Triton node with a memory limit, driven by the real worker:
-the demo's generator holds 64 MiB while loaded (`alloc_mb`). One node alone, so that the host's
-memory in use (Triton's `nv_cpu_memory_used_bytes`) moves with its loads only."""
+the generator holds BALLAST_MB while loaded (`alloc_mb`). One node alone, so that the host's
+memory in use (Triton's `nv_cpu_memory_used_bytes`) moves with its loads mostly."""
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +22,21 @@ pytestmark = [
     pytest.mark.alone,
     pytest.mark.django_db(transaction=True),
 ]
+
+
+# The demo's 64 MiB, four times: the host's memory in use is what a load is measured by, and other
+# processes move it meanwhile (CI once measured the 64 MiB generator at 25 MiB).
+BALLAST_MB = 256
+
+
+@pytest.fixture(scope="module")
+def repository(repository: Path) -> Path:
+    """The demo repository's copy, its generator holding BALLAST_MB."""
+    config = repository / "generator" / "config.pbtxt"
+    held = '{ key: "alloc_mb", value: { string_value: "64" } }'
+    assert held in config.read_text()
+    config.write_text(config.read_text().replace(held, held.replace("64", str(BALLAST_MB))))
+    return repository
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +72,11 @@ def test_a_switch_that_fits_only_without_the_old_version_unloads_it_first(
 ) -> None:
     node = Node.objects.get(pool=limited)
     generator = footprint("generator", 1)
-    # Its 64 MiB, and the Python backend's own process for it; read from the host's memory in
-    # use, which any other process moves by a little (63.9 MiB was seen in CI).
-    assert generator.samples == 1 and 60 <= generator.mb <= 400, generator
+    # Its ballast, and the Python backend's own process for it; read from the host's memory in
+    # use, which other processes move by tens of MiB.
+    assert generator.samples == 1 and 0.7 * BALLAST_MB <= generator.mb <= BALLAST_MB + 400, (
+        generator
+    )
     version_set_memory(
         model_name="generator", version=2, memory_mb=round(generator.mb), actor="sre"
     )
