@@ -154,8 +154,7 @@ def nodes_sync(found: list[dict], now: datetime) -> Discovered:
             outcome.departed.append(node.name)
     with transaction.atomic():
         noted = Node.objects.filter(name__in=targets, discovered_at__isnull=False)
-        noted.lock()
-        noted.update(listed_at=now)
+        noted.locked_update(listed_at=now)
     outcome.listed = len(targets)
     _note_refused(outcome.refused)
     return outcome

@@ -101,6 +101,11 @@ class NodeQuerySet(models.QuerySet["Node"]):
         each wait for a row the other holds, and PostgreSQL fails one as a deadlock."""
         return list(self.select_for_update().order_by("pk").values_list("pk", flat=True))
 
+    def locked_update(self, **fields: object) -> int:
+        """`update` of these nodes, their rows locked first (`lock`): an UPDATE of several rows
+        takes them in scan order. Within the caller's transaction; returns how many changed."""
+        return self.model.objects.filter(pk__in=self.lock()).update(**fields)
+
 
 class Node(models.Model):
     class Health(models.TextChoices):

@@ -266,13 +266,13 @@ def _sync(pool: NodePool) -> dict[str, int]:
         # Nothing written yet in this transaction: it holds no row while the balancer answers.
         reading = target.sync(wanted, places, gone)
     except BalancerError as exc:
-        Node.objects.filter(pk__in=pool.nodes.lock()).update(traffic_error=str(exc))
+        pool.nodes.locked_update(traffic_error=str(exc))
         log.warning("pool %s: %s", pool.name, exc)
         return {}
     finally:
         if lapsed:
             ended = Node.objects.filter(pk__in=[n.pk for n in lapsed], draining=True)
-            Node.objects.filter(pk__in=ended.lock()).update(draining=False)
+            ended.locked_update(draining=False)
     for node in sorted(nodes, key=lambda n: n.pk):  # one row at a time, in id order
         now = (reading.served.get(node.name), reading.problems.get(node.name, ""))
         if (node.served_weight, node.traffic_error) != now:
