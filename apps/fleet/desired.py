@@ -45,7 +45,14 @@ class DesiredStateError(Exception):
     """A deployment that cannot be turned into loads (a version or a step is missing)."""
 
 
-Desired = dict[str, DesiredModel]
+class Desired(dict[str, DesiredModel]):
+    """What a node must serve, by model name; never changed once computed, so its plan digest
+    is worked out once: the nodes of a pool share one, and a release asks for it with every
+    node's plan and every look again of a run (runner.Looks)."""
+
+    @cached_property
+    def plan_digest(self) -> str:
+        return digest({name: model.config for name, model in sorted(self.items())})
 
 
 class Want(NamedTuple):
@@ -143,7 +150,7 @@ def _compute(wanted: Wanted, registry: _Registry) -> Desired:
         steps = [s for config in configs[name].values() for s, _ in ensemble_steps(config)]
         return 1 + max(map(depth, steps)) if steps else 0  # validation rules out cycles
 
-    desired = {}
+    desired = Desired()
     for name, by_version in configs.items():
         # Triton keeps one config per model: the newest wanted version's config serves them all.
         versions = sorted(by_version)
@@ -327,7 +334,3 @@ def _desired(node: Node, key: tuple) -> Desired | DesiredStateError:
         if len(_COMPUTED) > _COMPUTED_MAX:
             _COMPUTED.popitem(last=False)
     return found
-
-
-def plan_digest(desired: Desired) -> str:
-    return digest({name: model.config for name, model in sorted(desired.items())})

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
+from functools import cache
 from typing import NamedTuple
 
 from django.conf import settings
@@ -18,7 +19,7 @@ from apps.audit.context import REQUEST_ID
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_append, audit_event, audit_record
 from apps.fleet import memory, quarantine
-from apps.fleet.desired import Desired, DesiredStateError, nodes_desired, plan_digest
+from apps.fleet.desired import Desired, DesiredStateError, nodes_desired
 from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Action, Observed, plan
 from apps.fleet.polling import node_poll, nodes_read_index
@@ -204,8 +205,7 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
         now = timezone.now()
         idle = [pk for pk, row in locked.items() if not row.pending]  # type: ignore[attr-defined]
         histories = _histories(idle, now)
-        pruned: list[Node] = []  # whose owned models changed
-        written: list[Operation] = []
+        pruned: dict[tuple[str, ...], list[int]] = {}  # nodes by their owned models, changed
         drifts: list[AuditEvent | None] = []
         looks = Looks()  # the runs of these plans look again together
         for node, desired in nodes:
@@ -221,17 +221,17 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
             owned = list(row.owned)
             plan, drift = _plan(node, row, desired, observed, looks)
             if row.owned != owned:
-                pruned.append(row)
+                pruned.setdefault(tuple(row.owned), []).append(row.pk)
             if plan.ops:
                 planned[node.pk] = plan
-                written += plan.ops
                 drifts.append(drift)
             elif node.stage == Node.Stage.JOINING:
                 joining.append((node, desired, observed))
-        Node.objects.bulk_update(pruned, ["owned"])
-        Operation.objects.bulk_create(
-            op for plan in planned.values() for op in plan.ops if not op.pk
-        )
+        # A statement per set of models owned (a pool's nodes own the same): a bulk_update
+        # builds a CASE a node, which cost more than the plan.
+        for names, pks in pruned.items():
+            Node.objects.filter(pk__in=pks).update(owned=list(names))
+        _write([op for plan in planned.values() for op in plan.ops if not op.pk])
         audit_append([event for event in drifts if event])
     for node, desired, observed in joining:
         _join(node, desired, observed)
@@ -245,7 +245,7 @@ def _plan(
     with, if any (_drift). `row` is the node's locked row; its owned models are pruned. Its
     run looks again with the others' (`looks`)."""
     actions = _actions(node, row, desired, observed)
-    digest = plan_digest(desired)
+    digest = desired.plan_digest
     # A plan for a desired state the node was not planned for before is a change's; one for
     # the same state again, a repair's.
     changed = digest != row.last_plan  # type: ignore[attr-defined]
@@ -277,6 +277,45 @@ def _plan(
         with _request(request):
             drift = _drift(node, [str(op) for op in ops], repair=not changed)
     return Planned(ops, wanted, request), drift
+
+
+def _write(ops: list[Operation]) -> None:
+    """Write the planned operations, their ids and creation times set as bulk_create sets them.
+    On PostgreSQL one statement, its one parameter every row as JSON: bulk_create hands each
+    column over as an array literal, quoting each config into it a character at a time, ten
+    times the CPU of this for the hundred loads a chunk plans."""
+    if connection.vendor != "postgresql" or not ops:
+        Operation.objects.bulk_create(ops)
+        return
+    now = timezone.now()
+    rows = []
+    for op in ops:
+        op.created_at = now
+        rows.append({f.column: getattr(op, f.attname) for f in _WRITTEN})
+    with connection.cursor() as cursor:
+        # A date goes as its str(), which PostgreSQL reads as it reads its own.
+        cursor.execute(_insert(), [json.dumps(rows, default=str)])
+        ids = cursor.fetchall()
+    for op, (pk,) in zip(ops, ids, strict=True):
+        op.pk = pk
+        op._state.adding, op._state.db = False, connection.alias
+
+
+_WRITTEN = [f for f in Operation._meta.concrete_fields if not f.primary_key]
+
+
+@cache
+def _insert() -> str:
+    """_write's statement: the rows in the order given (their ids come back in it), each
+    column read as its own type."""
+    quote = connection.ops.quote_name
+    names = ", ".join(quote(f.column) for f in _WRITTEN)
+    types = ", ".join(f"{quote(f.column)} {f.db_type(connection)}" for f in _WRITTEN)
+    return (
+        f"INSERT INTO {quote(Operation._meta.db_table)} ({names}) SELECT {names} "  # noqa: S608
+        "FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS listed(value, n), "
+        f"jsonb_to_record(listed.value) AS r({types}) ORDER BY listed.n RETURNING id"
+    )
 
 
 def _locked(node_ids: list[int]) -> dict[int, Node]:

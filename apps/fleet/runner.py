@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from apps.audit.services import Statement, audit_event, audit_update
 from apps.fleet import failures, memory, quarantine
-from apps.fleet.desired import DesiredStateError, node_desired, nodes_desired, plan_digest
+from apps.fleet.desired import DesiredStateError, node_desired, nodes_desired
 from apps.fleet.lease import Lease
 from apps.fleet.models import Node, Operation
 from apps.fleet.traffic.balancer import drained
@@ -213,7 +213,7 @@ class DesiredDigest:
         # just as the plan was made).
         self.node.refresh_from_db(fields=["memory_limit_mb", "gpus"])
         try:
-            self.value = plan_digest(node_desired(self.node))
+            self.value = node_desired(self.node).plan_digest
         except DesiredStateError:
             self.value = None
         return self.value
@@ -244,7 +244,7 @@ class Looks:
             if isinstance(desired, DesiredStateError):
                 self.digests[pk] = None
             else:
-                self.digests[pk] = plan_digest(desired)
+                self.digests[pk] = desired.plan_digest
 
 
 # The operation after the one at hand, if it may be claimed now; asked as that one ends.

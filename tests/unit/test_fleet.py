@@ -316,7 +316,6 @@ def test_work_whose_run_was_lost_is_run_by_the_next_reconcile_and_young_work_is_
 def test_a_refused_step_cancels_the_rest_of_its_plan_but_not_a_persons_operation(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from apps.fleet.desired import plan_digest
     from apps.fleet.runner import node_run
     from apps.fleet.triton import TritonClient, TritonRejected
 
@@ -325,7 +324,7 @@ def test_a_refused_step_cancels_the_rest_of_its_plan_but_not_a_persons_operation
 
     monkeypatch.setattr(TritonClient, "load", refuse)  # the boundary: Triton says no
     deployment_set(model_name="rag_pipeline", version=1, node=node, actor="system:test")
-    digest = plan_digest(node_desired(node))
+    digest = node_desired(node).plan_digest
     plan = [
         Operation.objects.create(
             node=node,
@@ -545,6 +544,31 @@ def test_a_reconcile_hands_its_desired_state_to_the_run_and_a_change_still_stops
     statuses = list(Operation.objects.order_by("seq").values_list("status", flat=True))
     assert statuses[0] == "succeeded" and set(statuses[1:]) == {"cancelled"}
     assert len(computed) == 2  # the plan's, and the run's once the deployments changed
+
+
+def test_a_chunks_plans_are_written_as_planned_each_with_its_own_id(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plans of a chunk are written in one statement on PostgreSQL (reconcile._write): each
+    operation must come back with its own id, every field as the run will read it."""
+    from apps.fleet.reconcile import nodes_reconcile
+
+    other = node_register(
+        name="n2", pool="p", http_url="http://127.0.0.1:2", actor="system:test", **URLS
+    )
+    deployment_set(model_name="rag_pipeline", version=1, pool=node.pool, actor="system:test")
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])  # serving nothing
+    planned = nodes_reconcile([node.pk, other.pk])
+    ops = [op for plan in planned.values() for op in plan.ops]
+    assert len(ops) == 10 and len({op.pk for op in ops}) == 10
+    fields = [f.attname for f in Operation._meta.concrete_fields]
+    stored = {row["id"]: row for row in Operation.objects.values(*fields)}
+    assert [{name: getattr(op, name) for name in fields} for op in ops] == [
+        stored[op.pk] for op in ops
+    ]
+    assert [(op.node_id, op.seq) for op in ops] == [
+        (n.pk, s) for n in (node, other) for s in range(5)
+    ]
 
 
 def test_the_overview_lists_failures_not_since_repaired_newest_first(
