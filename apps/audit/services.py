@@ -12,6 +12,7 @@ from django.utils import timezone
 from apps.audit.actions import ACTIONS
 from apps.audit.context import REQUEST_ID, VIA
 from apps.audit.models import AuditEvent, target_parts
+from controlplane.bulk import bulk_insert
 from controlplane.prepared import prepared_cursor
 
 Actor = str | User  # a person, or `system:<component>`
@@ -77,7 +78,7 @@ def audit_append(events: list[AuditEvent]) -> None:
     for event in events:
         for name, value in target_parts(event.target).items():
             setattr(event, name, value)
-    AuditEvent.objects.bulk_create(events)
+    bulk_insert(events)
 
 
 def _append(event: AuditEvent) -> AuditEvent:

@@ -7,7 +7,6 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from functools import cache
 from typing import NamedTuple
 
 from django.conf import settings
@@ -29,6 +28,7 @@ from apps.fleet.stages import stage_set
 from apps.fleet.traffic.balancer import traffic_sync
 from apps.fleet.triton import ready_in
 from apps.registry.models import Model
+from controlplane.bulk import bulk_insert
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
         # builds a CASE a node, which cost more than the plan.
         for names, pks in pruned.items():
             Node.objects.filter(pk__in=pks).update(owned=list(names))
-        _write([op for plan in planned.values() for op in plan.ops if not op.pk])
+        bulk_insert([op for plan in planned.values() for op in plan.ops if not op.pk])
         audit_append([event for event in drifts if event])
     for node, desired, observed in joining:
         _join(node, desired, observed)
@@ -277,45 +277,6 @@ def _plan(
         with _request(request):
             drift = _drift(node, [str(op) for op in ops], repair=not changed)
     return Planned(ops, wanted, request), drift
-
-
-def _write(ops: list[Operation]) -> None:
-    """Write the planned operations, their ids and creation times set as bulk_create sets them.
-    On PostgreSQL one statement, its one parameter every row as JSON: bulk_create hands each
-    column over as an array literal, quoting each config into it a character at a time, ten
-    times the CPU of this for the hundred loads a chunk plans."""
-    if connection.vendor != "postgresql" or not ops:
-        Operation.objects.bulk_create(ops)
-        return
-    now = timezone.now()
-    rows = []
-    for op in ops:
-        op.created_at = now
-        rows.append({f.column: getattr(op, f.attname) for f in _WRITTEN})
-    with connection.cursor() as cursor:
-        # A date goes as its str(), which PostgreSQL reads as it reads its own.
-        cursor.execute(_insert(), [json.dumps(rows, default=str)])
-        ids = cursor.fetchall()
-    for op, (pk,) in zip(ops, ids, strict=True):
-        op.pk = pk
-        op._state.adding, op._state.db = False, connection.alias
-
-
-_WRITTEN = [f for f in Operation._meta.concrete_fields if not f.primary_key]
-
-
-@cache
-def _insert() -> str:
-    """_write's statement: the rows in the order given (their ids come back in it), each
-    column read as its own type."""
-    quote = connection.ops.quote_name
-    names = ", ".join(quote(f.column) for f in _WRITTEN)
-    types = ", ".join(f"{quote(f.column)} {f.db_type(connection)}" for f in _WRITTEN)
-    return (
-        f"INSERT INTO {quote(Operation._meta.db_table)} ({names}) SELECT {names} "  # noqa: S608
-        "FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS listed(value, n), "
-        f"jsonb_to_record(listed.value) AS r({types}) ORDER BY listed.n RETURNING id"
-    )
 
 
 def _locked(node_ids: list[int]) -> dict[int, Node]:

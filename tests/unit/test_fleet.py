@@ -549,7 +549,7 @@ def test_a_reconcile_hands_its_desired_state_to_the_run_and_a_change_still_stops
 def test_a_chunks_plans_are_written_as_planned_each_with_its_own_id(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The plans of a chunk are written in one statement on PostgreSQL (reconcile._write): each
+    """The plans of a chunk are written in one statement on PostgreSQL (controlplane.bulk): each
     operation must come back with its own id, every field as the run will read it."""
     from apps.fleet.reconcile import nodes_reconcile
 
@@ -568,6 +568,14 @@ def test_a_chunks_plans_are_written_as_planned_each_with_its_own_id(
     ]
     assert [(op.node_id, op.seq) for op in ops] == [
         (n.pk, s) for n in (node, other) for s in range(5)
+    ]
+    # Their drift events go the same way (audit_append), each with its target's parts.
+    drifts = AuditEvent.objects.filter(action="node.drift").order_by("id")
+    assert [
+        (e.target, e.target_type, e.target_name, len(e.after["operations"])) for e in drifts
+    ] == [
+        ("node:n1", "node", "n1", 5),
+        ("node:n2", "node", "n2", 5),
     ]
 
 
