@@ -199,7 +199,7 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
         else:
             nodes.append((node, desired))
     planned: dict[int, Planned] = {}
-    joining: list[tuple[Node, Desired, dict[str, Observed]]] = []
+    joining: list[tuple[Node, Desired]] = []
     with transaction.atomic():
         locked = _locked([node.pk for node, _ in nodes])  # less those removed meanwhile
         now = timezone.now()
@@ -226,15 +226,15 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
                 planned[node.pk] = plan
                 drifts.append(drift)
             elif node.stage == Node.Stage.JOINING:
-                joining.append((node, desired, observed))
+                joining.append((node, desired))
         # A statement per set of models owned (a pool's nodes own the same): a bulk_update
         # builds a CASE a node, which cost more than the plan.
         for names, pks in pruned.items():
             Node.objects.filter(pk__in=pks).update(owned=list(names))
         bulk_insert([op for plan in planned.values() for op in plan.ops if not op.pk])
         audit_append([event for event in drifts if event])
-    for node, desired, observed in joining:
-        _join(node, desired, observed)
+    for node, desired in joining:
+        _join(node, desired)  # polled in full by nodes_read_index, as every joining node is
     return planned
 
 
@@ -345,13 +345,25 @@ def _request(request: str) -> Iterator[None]:
             REQUEST_ID.reset(token)
 
 
-def _join(node: Node, desired: Desired, observed: dict[str, Observed]) -> None:
-    """A joining node takes traffic once its index, read just now, shows exactly what its
-    desired state names READY (the run that loaded it warmed it, out of traffic), and it
-    answers ready; until then its balancer weight stays 0."""
-    if not all(converged(observed.get(n, _GONE).ready, m.versions) for n, m in desired.items()):
+def node_join(node_id: int) -> None:
+    """A joining node whose loads just ran, polled at once: it takes traffic now if it may
+    (_join), rather than at its next reconcile; nothing is planned (its run just ended)."""
+    if not Node.objects.filter(pk=node_id, stage=Node.Stage.JOINING).exists():
         return
-    if node_poll(node_id=node.pk).health != Node.Health.READY:
+    node = node_poll(node_id=node_id)
+    desired = nodes_desired([node])[node.pk]
+    if not isinstance(desired, DesiredStateError):
+        _join(node, desired)
+
+
+def _join(node: Node, desired: Desired) -> None:
+    """A joining node, polled just now, takes traffic once it answers ready and its index shows
+    exactly what its desired state names READY (the run that loaded it warmed it, out of
+    traffic); until then its balancer weight stays 0."""
+    if node.health != Node.Health.READY or node.last_error:
+        return
+    ready = ready_in(node.index)
+    if not all(converged(ready.get(name, ()), model.versions) for name, model in desired.items()):
         return
     now = timezone.now()
     with transaction.atomic():

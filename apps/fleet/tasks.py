@@ -21,7 +21,7 @@ from apps.audit.context import REQUEST_ID
 from apps.fleet.discovery import discover
 from apps.fleet.models import Heartbeat, Node, NodePool
 from apps.fleet.polling import node_poll
-from apps.fleet.reconcile import Planned, node_reconcile, nodes_reconcile, rollback_windows_close
+from apps.fleet.reconcile import Planned, node_join, nodes_reconcile, rollback_windows_close
 from apps.fleet.runner import NodeBusy, node_run
 from apps.fleet.traffic.balancer import PoolAtCapacity, pool_sync
 from apps.fleet.triton import TritonUnreachable
@@ -104,7 +104,8 @@ def heartbeat() -> None:
 @shared_task(name="fleet.discover", acks_late=True, expires=10, soft_time_limit=30)
 def discover_nodes() -> None:
     """The scrape pool's targets read as nodes, when DISCOVERY_SCRAPE_POOL names one; nodes
-    that joined (or came back) polled and reconciled at once, not at the next period."""
+    that joined (or came back) reconciled at once, not at the next period (its reconcile polls
+    a joining node in full: its health and GPUs are known before anything is planned)."""
     if not settings.DISCOVERY_SCRAPE_POOL:
         return
     try:
@@ -112,7 +113,6 @@ def discover_nodes() -> None:
     except PrometheusUnavailable as exc:  # nothing departs on a Prometheus that did not answer
         log.warning("discovery: %s", exc)
         return
-    send_per_node(poll_node, found.joining)
     reconcile_change(found.joining)
 
 
@@ -196,14 +196,7 @@ def _run(node_id: int, planned: Planned) -> None:
         return
     # Only a node joining when its plan was made (read under the lock) can join now.
     if planned.wanted.node is None or planned.wanted.node.stage == Node.Stage.JOINING:
-        _joined(node_id)
-
-
-def _joined(node_id: int) -> None:
-    """A joining node whose loads just ran is read back at once: converged, it takes traffic
-    now rather than at the next period."""
-    if Node.objects.filter(pk=node_id, stage=Node.Stage.JOINING).exists():
-        node_reconcile(node_id=node_id)
+        node_join(node_id)
 
 
 # Retries only when the node did not answer or another worker holds it; a config Triton refuses
@@ -227,7 +220,7 @@ def run_node(self: Task, node_id: int) -> None:
         node_run(node_id=node_id)
     except PoolAtCapacity as exc:
         raise self.retry(exc=exc, countdown=random.uniform(2, 4), max_retries=TURN_TRIES) from None
-    _joined(node_id)
+    node_join(node_id)
 
 
 TURN_TRIES = 600  # about half an hour

@@ -60,10 +60,8 @@ from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register
 from apps.fleet.tasks import (
     chunked,
-    poll_node,
     reconcile_change,
     reconcile_nodes,
-    send_per_node,
 )
 from apps.fleet.triton import TritonClient
 from apps.registry.imports import repository_import
@@ -166,7 +164,6 @@ def discovered(listed: Listed) -> None:
     discovery task hands them (tasks.discover_nodes)."""
     with override_settings(DISCOVERY_GRACE_S=0):
         found = nodes_sync(listing(listed), timezone.now())
-    send_per_node(poll_node, found.joining)
     reconcile_change(found.joining)
 
 

@@ -292,6 +292,30 @@ def test_a_joining_node_that_is_not_ready_waits(
     assert Node.objects.get().stage == Node.Stage.JOINING
 
 
+def test_a_joining_node_is_polled_in_full_before_its_plan_and_joins_right_after_its_run(
+    joining: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its health and metadata are read with its index before anything is planned (no poll task
+    of its own is needed); once its loads have run, one poll decides whether it serves: no
+    second plan, no index read more than that poll's."""
+    loaded: list[str] = []
+    reads: list[str] = []
+
+    def repository_index(self: TritonClient) -> list[IndexEntry]:
+        reads.append("index")
+        return [IndexEntry(m, 1, "READY", "") for m in loaded]
+
+    monkeypatch.setattr(TritonClient, "repository_index", repository_index)
+    monkeypatch.setattr(TritonClient, "load", lambda self, model, **_: loaded.append(model))
+    tasks.reconcile_nodes([joining.pk])
+    node = Node.objects.get()
+    assert (node.stage, node.health, node.triton_version) == (Node.Stage.SERVING, "ready", "2.51.0")
+    assert loaded == ["embedder"]
+    assert len(reads) == 3  # the plan's poll, the load's read-back, the poll it joins by
+    (joined,) = AuditEvent.objects.filter(action="node.join")
+    assert joined.after["serving"] == {"embedder": [1]}
+
+
 def test_draining_a_joining_node_never_waits_for_the_pools_minimum(joining: Node) -> None:
     """It serves nobody yet: its loads go ahead even on a pool at its minimum."""
     pool = joining.pool
@@ -360,6 +384,7 @@ def test_a_pass_that_departs_a_node_never_deadlocks_with_a_reconciles_index_writ
     if connection.vendor != "postgresql":
         pytest.skip("row locks: PostgreSQL's")
     nodes_sync([target("l", port=8002), target("g", port=8003)], timezone.now())
+    Node.objects.update(stage=Node.Stage.SERVING)  # their reconcile reads only their indexes
     listed, gone = Node.objects.get(name="l"), Node.objects.get(name="g")
     assert listed.pk < gone.pk  # the order the index write's scan met them in, too
     monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])
