@@ -46,6 +46,32 @@ from tests.support.audit import (
 CONFIG = {"name": "rag", "backend": "python", "max_batch_size": 8}
 
 
+@pytest.mark.django_db
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="LIKE twins are PostgreSQL's")
+def test_the_trail_and_the_operations_are_written_into_no_index_that_no_query_uses() -> None:
+    """Each event and each operation's plan, claim and end is written into every index of its
+    table, as the migrations left them: a LIKE twin only where a prefix is looked up (the
+    trail's filter, a rollout's events), no index that a wider one starts with (the node's
+    operations), and only the open ones indexed by status (the fleet's work under way)."""
+
+    def indexes(table: str) -> dict[str, list[str]]:
+        with connection.cursor() as cursor:
+            found = connection.introspection.get_constraints(cursor, table)
+        return {name: c["columns"] for name, c in found.items() if c["index"]}
+
+    operations = indexes("fleet_operation")
+    assert sorted(operations.values()) == [
+        ["finished_at", "id"],
+        ["node_id", "status", "seq"],
+        ["status"],
+    ], operations
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = 'fleet_operation_open'")
+        assert "WHERE" in cursor.fetchone()[0]  # partial: the open ones only
+    like = sorted(c for name, (c, *_) in indexes("audit_auditevent").items() if "_like" in name)
+    assert like == ["action", "target"]
+
+
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="the trigger is PostgreSQL's")
 def test_the_database_refuses_to_change_or_delete_an_event(trail: list[AuditEvent]) -> None:
     for statement in (
