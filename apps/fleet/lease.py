@@ -8,9 +8,10 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
+from apps.audit.services import Statement
 from apps.fleet.models import Node, Operation
 from controlplane.prepared import prepared_cursor
 
@@ -27,11 +28,14 @@ class Lease:
         self.owner = uuid.uuid4().hex
         self.seconds = settings.FLEET_LEASE_S
         self.held = False
+        self.claimed = False  # the first operation, claimed with the lease (`hold`)
+        self.released = False  # with the run's last statement (`release_when_idle`)
         self._stop = threading.Event()
 
-    def _take(self) -> bool:
+    def _take(self, then: Statement | None = None) -> tuple[bool, bool]:
         """The lease, if the node is free: no lease, or a lapsed one whose worker can no longer
-        be waiting on a load it sent (_TAKE)."""
+        be waiting on a load it sent (_TAKE); and `then` run if it was taken, in the same
+        statement on PostgreSQL. Returns whether each changed a row."""
         now = timezone.now()
         until = now + timedelta(seconds=self.seconds)
         may_run = now - timedelta(seconds=settings.FLEET_LOAD_TIMEOUT_S + settings.TRITON_TIMEOUT_S)
@@ -44,9 +48,33 @@ class Lease:
             Operation.Status.RUNNING,
             at(may_run),
         )
+        if then is None:
+            with prepared_cursor() as cursor:
+                cursor.execute(_TAKE, params)
+                return cursor.rowcount == 1, False
+        if connection.vendor != "postgresql":
+            with transaction.atomic(), prepared_cursor() as cursor:
+                cursor.execute(_TAKE, params)
+                if cursor.rowcount != 1:
+                    return False, False
+                cursor.execute(*then)
+                return True, cursor.rowcount == 1
+        # Written out of the callers' own statements; every value a parameter.
+        statement = (
+            f"WITH taken AS ({_TAKE} RETURNING 1), "  # noqa: S608
+            f"followed AS ({then[0]} AND EXISTS (SELECT 1 FROM taken) RETURNING 1) "
+            "SELECT (SELECT count(*) FROM taken), (SELECT count(*) FROM followed)"
+        )
         with prepared_cursor() as cursor:
-            cursor.execute(_TAKE, params)
-            return cursor.rowcount == 1
+            cursor.execute(statement, (*params, *then[1]))
+            taken, followed = cursor.fetchone()
+        return taken == 1, followed == 1
+
+    def release_when_idle(self) -> Statement:
+        """The lease given back if no operation is queued for the node: run with the end of a
+        run's last operation (the caller sets `released` if it changed a row), it saves the
+        run's look for more work and its release, two statements a node of a release."""
+        return _RELEASE_WHEN_IDLE, (self.node_id, self.owner, Operation.Status.QUEUED)
 
     def _renew(self) -> bool:
         until = timezone.now() + timedelta(seconds=self.seconds)
@@ -64,8 +92,10 @@ class Lease:
             connection.close()  # this thread's own connection
 
     @contextmanager
-    def hold(self) -> Iterator["Lease"]:
-        self.held = self._take()
+    def hold(self, claim: Statement | None = None) -> Iterator["Lease"]:
+        """The lease held while the block runs; `claim` (the first operation's) run with its
+        take, where nothing need come between them (`claimed` says if it changed a row)."""
+        self.held, self.claimed = self._take(claim)
         if not self.held:
             yield self
             return
@@ -76,8 +106,9 @@ class Lease:
         finally:
             self._stop.set()
             thread.join()
-            with prepared_cursor() as cursor:
-                cursor.execute(_RELEASE, (self.node_id, self.owner))
+            if not self.released:
+                with prepared_cursor() as cursor:
+                    cursor.execute(_RELEASE, (self.node_id, self.owner))
             self.held = False
 
 
@@ -96,3 +127,9 @@ WHERE id = %s AND (lease_until IS NULL OR lease_until < %s) AND NOT EXISTS (
 _RELEASE = (
     "UPDATE fleet_node SET lease_owner = '', lease_until = NULL WHERE id = %s AND lease_owner = %s"
 )
+_RELEASE_WHEN_IDLE = """
+UPDATE fleet_node SET lease_owner = '', lease_until = NULL WHERE id = %s AND lease_owner = %s
+AND NOT EXISTS (
+    SELECT 1 FROM fleet_operation WHERE fleet_operation.node_id = fleet_node.id AND status = %s
+)
+"""

@@ -17,7 +17,7 @@ from apps.fleet import failures, memory, quarantine
 from apps.fleet.desired import DesiredStateError, node_desired, nodes_desired
 from apps.fleet.lease import Lease
 from apps.fleet.models import Node, Operation
-from apps.fleet.traffic.balancer import drained
+from apps.fleet.traffic.balancer import balancer, drained
 from apps.fleet.traffic.warmup import warm_up
 from apps.fleet.triton import (
     TritonClient,
@@ -43,7 +43,14 @@ def node_run(*, node_id: int, wanted: "DesiredDigest | None" = None) -> None:
     """Run the node's queued operations in order, holding its lease; a plan's steps stop when
     the desired state they were planned for is no longer the node's (`wanted`, if the caller
     just planned them, knows what that was)."""
-    with Lease(node_id).hold() as lease:
+    drains, claim = None, None
+    if wanted is not None and wanted.planned:
+        assert wanted.node is not None  # seeded with what was planned
+        drains = _drains(wanted.node, wanted.planned)
+        # Nothing comes between the lease and the first operation: claimed with it.
+        if not drains and not _superseded(wanted.planned[0], wanted):
+            claim = _claim(wanted.planned[0])
+    with Lease(node_id).hold(claim) as lease:
         if not lease.held:
             if not Node.objects.filter(pk=node_id).exists():
                 return  # removed since the run was asked for: its operations went with it
@@ -65,20 +72,25 @@ def node_run(*, node_id: int, wanted: "DesiredDigest | None" = None) -> None:
         # all: reading them back would cost a statement and decoding every config again.
         if not (first := wanted.planned or _next_batch(node)):
             return
-        if _loads_nothing(node, first):
-            # A move back (a rollback inside the window, an abort, a fallback to a warm version)
-            # or a pipeline switching to steps already loaded (a blue-green switch): every node
-            # at once, in traffic, with nothing to warm up.
-            _run_queued(node, first, wanted, lease)
+        if not (_drains(node, first) if drains is None else drains):
+            # The run ends with its last operation: the lease goes with that one's end.
+            _run_queued(node, first, wanted, lease, last=True)
             return
-        # Out of traffic, on a pool with a traffic strategy: loads never meet live requests,
-        # and what they loaded is warmed before the node takes them again. A pool without one
-        # never takes its nodes out of traffic: its live requests meet the loads as they land,
-        # and there is no "before" to warm them in.
         with drained(node) as out_of_traffic:
             loaded = _run_queued(node, first, wanted, lease)
             if out_of_traffic:
                 warm_up(node, loaded)
+
+
+def _drains(node: Node, queued: list[Operation]) -> bool:
+    """Whether the run takes the node out of traffic: loads of weights, on a pool with a traffic
+    strategy; they never meet live requests, and what they loaded is warmed before the node
+    takes them again. A pool without one never takes its nodes out of traffic: its live
+    requests meet the loads as they land, and there is no "before" to warm them in. Nor does
+    a move back (a rollback inside the window, an abort, a fallback to a warm version) or a
+    pipeline switching to steps already loaded (a blue-green switch): every node at once, in
+    traffic, with nothing to warm up."""
+    return balancer(node.pool) is not None and not _loads_nothing(node, queued)
 
 
 def _next_batch(node: Node) -> list[Operation]:
@@ -116,14 +128,19 @@ def _run_queued(
     batch: list[Operation],
     wanted: "DesiredDigest",
     lease: Lease,
+    *,
+    last: bool = False,
 ) -> dict[str, dict | None]:
-    """Returns the models loaded, with the config each was loaded with."""
+    """Returns the models loaded, with the config each was loaded with. With the `last` work
+    under the lease, the lease is given back with the end of the last operation, unless more
+    was queued meanwhile."""
     loaded: dict[str, dict | None] = {}
     # A batch at a time: each claim is conditional (queued -> running), so an operation
     # cancelled since the batch was read is skipped; a cancel reads the queue afresh. The next
-    # operation is claimed with the end of the one before (one statement), once it may start.
+    # operation is claimed with the end of the one before (one statement), once it may start;
+    # the first, perhaps with the lease.
+    claimed = lease.claimed  # the operation at hand, with what came before it
     while batch:
-        claimed = False  # the operation at hand, with the end of the one before
         for position, op in enumerate(batch):
             if not claimed:
                 if _superseded(op, wanted):
@@ -132,7 +149,8 @@ def _run_queued(
                 if not lease.held:
                     return loaded  # the heartbeat lost the node: another worker may own it now
             after = batch[position + 1] if position + 1 < len(batch) else None
-            status, claimed = _execute(node, op, claimed, partial(_startable, after, wanted, lease))
+            following = partial(_following, after, wanted, lease, last)
+            status, claimed = _execute(node, op, claimed, following)
             if status == TAKEN:
                 return loaded  # our lease lapsed, and the next owner goes on from here
             if status == Operation.Status.SUCCEEDED and op.kind != Operation.Kind.UNLOAD:
@@ -143,6 +161,11 @@ def _run_queued(
                 if op.failure == failures.STUCK:
                     return loaded  # quarantined: no more work until a person or a restart
                 break
+        else:
+            if claimed:  # the lease, with the batch's last end: nothing more was queued
+                lease.released = True
+                return loaded
+        claimed = False
         batch = _next_batch(node)
     return loaded
 
@@ -153,9 +176,17 @@ def _superseded(op: Operation, wanted: "DesiredDigest") -> bool:
     return op.requested_by == RECONCILER and digest != op.plan_digest
 
 
-def _startable(op: Operation | None, wanted: "DesiredDigest", lease: Lease) -> Operation | None:
-    """`op` if it may be claimed now: the node is still ours, and its plan still the node's."""
-    return op if op and lease.held and not _superseded(op, wanted) else None
+def _following(
+    op: Operation | None, wanted: "DesiredDigest", lease: Lease, last: bool
+) -> Statement | None:
+    """What is run with an operation's end, if the run goes on: the claim of the one after it
+    (`op`) if it may start now (the node is still ours, and its plan still the node's); after
+    the batch's last, on the `last` work under the lease, its release if nothing is queued."""
+    if not lease.held:
+        return None
+    if op is None:
+        return lease.release_when_idle() if last else None
+    return None if _superseded(op, wanted) else _claim(op)
 
 
 def _goes_on(op: Operation, status: str) -> bool:
@@ -247,14 +278,15 @@ class Looks:
                 self.digests[pk] = desired.plan_digest
 
 
-# The operation after the one at hand, if it may be claimed now; asked as that one ends.
-Following = Callable[[], Operation | None]
+# What is run with the end of the operation at hand (_following); asked as it ends.
+Following = Callable[[], Statement | None]
 
 
 def _execute(node: Node, op: Operation, claimed: bool, following: Following) -> tuple[str, bool]:
     """Send one operation (`claimed` already, or claimed now) and read the node back; returns
     the status it ended with (TAKEN: another worker declared it lost before it ended), and
-    whether the operation after it was claimed with its end."""
+    whether what follows it (`following`: the next claim, or the lease's release) was done
+    with its end."""
     if not claimed:
         with prepared_cursor() as cursor:
             cursor.execute(*_claim(op))
@@ -370,9 +402,9 @@ def _finish(
     op: Operation, following: Following, error: str, status: str = "", failure: str = ""
 ) -> tuple[str, bool]:
     """Record how the operation ended; a failure is classified (`failure`, or from `error`) and,
-    if transient, given a time to be tried again. The operation after it (`following()`, asked
-    now) is claimed with it if the run goes on. Returns its status (or TAKEN), and whether the
-    one after it was claimed."""
+    if transient, given a time to be tried again. What follows it (`following()`, asked now) is
+    run with it if the run goes on. Returns its status (or TAKEN), and whether what followed
+    changed a row."""
     status = status or (Operation.Status.FAILED if error else Operation.Status.SUCCEEDED)
     now = timezone.now()
     op.failure = failure or (failures.classify(error) if error else "")
@@ -383,7 +415,7 @@ def _finish(
             error += f" (tried again at {retry_at:%H:%M:%S} UTC)"
     # Only from running: another worker may have declared this operation lost meanwhile, and
     # then neither its status nor the trail may say what this worker saw, nor may it claim
-    # more. The end, its event and the next claim are one statement on PostgreSQL.
+    # more. The end, its event and what follows are one statement on PostgreSQL.
     at = connection.ops.adapt_datetimefield_value
     ending = (_END, (status, error, at(now), op.failure, at(retry_at), op.pk, RUNNING))
     event = audit_event(
@@ -398,16 +430,15 @@ def _finish(
     # reconcile prunes the node's models, so `owned` as read with the operation still holds.
     loaded = op.kind != Operation.Kind.UNLOAD
     owning = status == Operation.Status.SUCCEEDED and loaded != (op.model_name in op.node.owned)
-    after = following() if _goes_on(op, status) else None
-    then = _claim(after) if after else None
+    then = following() if _goes_on(op, status) else None
     with transaction.atomic() if owning else nullcontext():
-        ended_here, claimed = audit_update(ending, event, then)
+        ended_here, followed = audit_update(ending, event, then)
         if not ended_here:
             log.warning("node %s: operation %s was taken over before it ended", op.node_id, op.pk)
             return TAKEN, False
         if owning:
             _own(op.node, op.model_name, loaded)
-    return status, bool(claimed)
+    return status, bool(followed)
 
 
 def _claim(op: Operation) -> Statement:

@@ -208,10 +208,11 @@ def test_a_planned_run_reads_neither_the_pool_nor_its_plan_nor_a_serving_nodes_s
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A worker's reconcile hands its run what it read under the node's lock and what it
-    planned: the run reads neither the node's pool nor the operations just written again (it
-    looks at the queue after them, for what was queued meanwhile, and reads it only when it
-    holds any), and a node that was serving is not
-    asked whether it joined. Issue 30: each statement here is paid by every node of a release."""
+    planned: the run reads neither the node's pool nor the operations just written again, and
+    a node that was serving is not asked whether it joined. The run is two statements: the
+    lease taken with the first claim, and the end (its event with it) that gives the lease
+    back if nothing was queued meanwhile. Issue 30: each statement here is paid by every node
+    of a release."""
     import_demo()
     node = a_node()
     Node.objects.filter(pk=node.pk).update(stage=Node.Stage.SERVING)
@@ -225,9 +226,10 @@ def test_a_planned_run_reads_neither_the_pool_nor_its_plan_nor_a_serving_nodes_s
     sql = [query["sql"] for query in queries]
     assert [q for q in sql if 'FROM "fleet_nodepool"' in q] == []
     assert [q for q in sql if '"fleet_node"."stage" = ' in q] == []
-    looks = [q for q in sql if "FROM fleet_operation WHERE node_id" in q and "'queued'" in q]
-    reads = [q for q in sql if q.startswith('SELECT "fleet_operation".') and "'queued'" in q]
-    assert (len(looks), reads) == (1, [])
+    taken = next(n for n, q in enumerate(sql) if q.startswith("WITH taken AS"))
+    assert "UPDATE fleet_operation SET status" in sql[taken]  # the claim
+    assert len(sql[taken:]) == 2 and "SET lease_owner = ''" in sql[-1], sql[taken:]
+    assert Node.objects.values_list("lease_owner", "lease_until").get() == ("", None)
     # A plan for a new desired state looks for no earlier drift to repeat, finds its request
     # with the node's lock, and its run has no lost operation to look for.
     assert [q for q in sql if 'FROM "audit_auditevent"' in q] == []
@@ -343,8 +345,9 @@ def test_a_plan_committed_while_a_reconcile_waits_for_the_nodes_lock_is_pending_
 def test_an_operation_queued_while_a_run_goes_on_is_run_by_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The run looks at the node's queue once its plan is done, and reads and runs what a
-    person queued meanwhile (an empty queue is only looked at: the test above)."""
+    """The end of the plan's last step gives the lease back only if nothing is queued: what a
+    person queued meanwhile is read and run by the same run (an empty queue is only looked
+    at, with that end: the test above)."""
     import_demo()
     node = a_node()
     Node.objects.filter(pk=node.pk).update(stage=Node.Stage.SERVING)
@@ -368,9 +371,9 @@ def test_an_operation_queued_while_a_run_goes_on_is_run_by_it(
 def test_each_step_of_a_plan_is_claimed_with_the_end_of_the_one_before(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A step's end, its event and the next step's claim are one statement on PostgreSQL: only
-    the first step is claimed alone (issue 30: a release pays each for every load of every
-    node)."""
+    """A step's end, its event and the next step's claim are one statement on PostgreSQL; the
+    first step is claimed with the node's lease (issue 30: a release pays each for every load
+    of every node)."""
     import_demo()
     node = a_node()
     Node.objects.filter(pk=node.pk).update(stage=Node.Stage.SERVING)
@@ -384,7 +387,8 @@ def test_each_step_of_a_plan_is_claimed_with_the_end_of_the_one_before(
     assert AuditEvent.objects.filter(action="operation.load", result="ok").count() == 5
     claims = [q["sql"] for q in queries if re.search(r"""SET "?status"? = 'running'""", q["sql"])]
     if connection.vendor == "postgresql":
-        assert len(claims) == 1 + 4 and sum(q.startswith("WITH changed") for q in claims) == 4
+        assert len(claims) == 1 + 4 and claims[0].startswith("WITH taken")
+        assert sum(q.startswith("WITH changed") for q in claims) == 4
 
 
 def test_a_step_no_longer_queued_when_the_one_before_ends_is_neither_claimed_nor_sent(

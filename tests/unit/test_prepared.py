@@ -6,7 +6,8 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from apps.fleet.lease import Lease
-from apps.fleet.models import Node, NodePool
+from apps.fleet.models import Node, NodePool, Operation
+from apps.fleet.runner import _claim
 from controlplane.prepared import prepared_cursor
 
 pytestmark = pytest.mark.django_db
@@ -47,7 +48,21 @@ def test_a_node_lease_is_taken_and_given_back_through_prepared_statements() -> N
     with Lease(node.pk).hold() as lease:
         assert lease.held
         assert Node.objects.get(pk=node.pk).lease_owner == lease.owner
-        assert not Lease(node.pk)._take()  # held: another worker waits
+        assert Lease(node.pk)._take() == (False, False)  # held: another worker waits
     assert Node.objects.values_list("lease_owner", "lease_until").get() == ("", None)
     if connection.vendor == "postgresql":
         assert len(_prepared()) == 2  # the take and the release
+
+
+def test_the_first_operation_is_claimed_with_the_lease_and_only_if_it_is_taken() -> None:
+    pool = NodePool.objects.create(name="p")
+    node = Node.objects.create(name="n1", pool=pool, http_url="http://n1:8000")
+    op = Operation.objects.create(
+        node=node, kind="load", model_name="m", versions=[1], requested_by="system:reconciler"
+    )
+    with Lease(node.pk).hold():
+        assert Lease(node.pk)._take(_claim(op)) == (False, False)  # another worker's node
+    assert Operation.objects.values_list("status", "attempts").get() == ("queued", 0)
+    with Lease(node.pk).hold(_claim(op)) as lease:
+        assert (lease.held, lease.claimed) == (True, True)
+        assert Operation.objects.values_list("status", "attempts").get() == ("running", 1)
