@@ -65,18 +65,20 @@ def node_poll(*, node_id: int) -> Node:
 
 def nodes_read_index(node_ids: list[int]) -> list[Node]:
     """Only the nodes' repository indexes, read now: what a reconcile plans from; in the order
-    asked, those removed since left out. Health and metadata are the poller's: one HTTP call
-    instead of a poll's four, for a node that serves. One that does not (joining, or
-    quarantined) is polled in full: whether it answers ready decides whether it joins, and
-    its GPUs how its loads are planned, before any periodic poll has seen it. The nodes read
-    are seen now, in one statement; the indexes that changed since the poll are written in
-    another (a release's chunk reads nodes that serve what their last poll saw: building one
-    CASE a node, bulk_update cost more CPU than running a node's loads)."""
+    asked, those removed or departed since left out. Health and metadata are the poller's: one
+    HTTP call instead of a poll's four, for a node that serves. One that does not (joining, or
+    quarantined) is polled in full: whether it answers ready decides whether it joins, and its
+    GPUs how its loads are planned, before any periodic poll has seen it. The nodes read are
+    seen now, in one statement; the indexes that changed since the poll are written in another
+    (a release's chunk reads nodes that serve what their last poll saw: building one CASE a
+    node, bulk_update cost more CPU than running a node's loads)."""
     found = Node.objects.in_bulk(node_ids)
     nodes: list[Node] = []
     read: list[Node] = []
     changed: list[Node] = []
     for node in (found[pk] for pk in node_ids if pk in found):
+        if node.stage == Node.Stage.DEPARTED:
+            continue  # since the reconcile was sent: no longer polled, nor planned for
         if node.stage in (Node.Stage.JOINING, Node.Stage.QUARANTINED):
             nodes.append(node_poll(node_id=node.pk))
             continue

@@ -244,6 +244,10 @@ def test_a_departed_node_is_neither_polled_nor_reconciled(
     tasks.reconcile_all()
     listed = Node.objects.get(name="gpu-8").pk
     assert sent == [listed, [listed]]  # a poll of its own, a reconcile in a chunk
+    # A reconcile sent before it departed (a release's chunk) neither reads it nor plans for it.
+    read: list[str] = []
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: read.append("index") or [])
+    assert node_reconcile(node_id=Node.objects.get(name="gpu-7").pk) == [] and read == []
 
 
 @pytest.fixture
