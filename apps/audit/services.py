@@ -51,6 +51,7 @@ def audit_event(
         user=actor if isinstance(actor, User) else None,
         action=action,
         target=target,
+        **target_parts(target),  # its columns, set now: defaults built to be replaced cost more
         before=before or {},
         after=after or {},
         result=result,
@@ -75,9 +76,6 @@ def audit_append(events: list[AuditEvent]) -> None:
         for event in events:
             _append(event)
         return
-    for event in events:
-        for name, value in target_parts(event.target).items():
-            setattr(event, name, value)
     bulk_insert(events)
 
 
@@ -115,8 +113,6 @@ def audit_update(
             cursor.execute(*then)
             return changed, cursor.rowcount
     event.created_at = timezone.now()
-    for name, value in target_parts(event.target).items():
-        setattr(event, name, value)
     # Every column but those the database fills (the id, and the user when there is none).
     columns = [f for f in _EVENT_FIELDS if getattr(event, f.attname) is not None]
     row = [f.get_db_prep_save(getattr(event, f.attname), connection) for f in columns]
