@@ -40,7 +40,12 @@ _OBSERVED = [
 
 def node_poll(*, node_id: int) -> Node:
     """Read the node's health, metadata and repository index; record what was seen."""
-    node = Node.objects.get(pk=node_id)
+    return polled(Node.objects.get(pk=node_id))
+
+
+def polled(node: Node) -> Node:
+    """`node_poll` of a node read already; returns it as recorded (read again, locked)."""
+    node_id = node.pk
     client = TritonClient(node.http_url, node=node.name)
     try:
         health = client.health()
@@ -80,7 +85,7 @@ def nodes_read_index(node_ids: list[int]) -> list[Node]:
         if node.stage == Node.Stage.DEPARTED:
             continue  # since the reconcile was sent: no longer polled, nor planned for
         if node.stage in (Node.Stage.JOINING, Node.Stage.QUARANTINED):
-            nodes.append(node_poll(node_id=node.pk))
+            nodes.append(polled(node))
             continue
         try:
             index = TritonClient(node.http_url, node=node.name).repository_index()

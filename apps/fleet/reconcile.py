@@ -21,7 +21,7 @@ from apps.fleet import memory, quarantine
 from apps.fleet.desired import Desired, DesiredStateError, nodes_desired
 from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Action, Observed, plan
-from apps.fleet.polling import node_poll, nodes_read_index
+from apps.fleet.polling import nodes_read_index, polled
 from apps.fleet.runner import RECONCILER, DesiredDigest, Looks
 from apps.fleet.selectors import converged
 from apps.fleet.stages import stage_set
@@ -348,9 +348,9 @@ def _request(request: str) -> Iterator[None]:
 def node_join(node_id: int) -> None:
     """A joining node whose loads just ran, polled at once: it takes traffic now if it may
     (_join), rather than at its next reconcile; nothing is planned (its run just ended)."""
-    if not Node.objects.filter(pk=node_id, stage=Node.Stage.JOINING).exists():
+    if (joining := Node.objects.filter(pk=node_id, stage=Node.Stage.JOINING).first()) is None:
         return
-    node = node_poll(node_id=node_id)
+    node = polled(joining)
     desired = nodes_desired([node])[node.pk]
     if not isinstance(desired, DesiredStateError):
         _join(node, desired)

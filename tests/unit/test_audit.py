@@ -167,6 +167,7 @@ def _public_functions(module: ModuleType) -> dict[str, Callable[..., object]]:
 NOT_ACTIONS = {
     "roles_sync": "setup that `setup_roles` runs at deploy time, like a migration",
     "node_poll": "the poller's observation; it records the node going down or up itself",
+    "polled": "node_poll of a node read already",
     "nodes_read_index": "an observation for the reconciler; a failure counts as a failed poll",
     "token_authenticate": "bookkeeping: when a token was last used",
     "token_digest": "a hash",
