@@ -12,7 +12,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from apps.audit.services import Statement
-from apps.fleet.models import Node, Operation
+from apps.fleet.models import Node
 from controlplane.prepared import prepared_cursor
 
 log = logging.getLogger(__name__)
@@ -40,14 +40,7 @@ class Lease:
         until = now + timedelta(seconds=self.seconds)
         may_run = now - timedelta(seconds=settings.FLEET_LOAD_TIMEOUT_S + settings.TRITON_TIMEOUT_S)
         at = connection.ops.adapt_datetimefield_value
-        params = (
-            self.owner,
-            at(until),
-            self.node_id,
-            at(now),
-            Operation.Status.RUNNING,
-            at(may_run),
-        )
+        params = (self.owner, at(until), self.node_id, at(now), at(may_run))
         if then is None:
             with prepared_cursor() as cursor:
                 cursor.execute(_TAKE, params)
@@ -74,7 +67,7 @@ class Lease:
         """The lease given back if no operation is queued for the node: run with the end of a
         run's last operation (the caller sets `released` if it changed a row), it saves the
         run's look for more work and its release, two statements a node of a release."""
-        return _RELEASE_WHEN_IDLE, (self.node_id, self.owner, Operation.Status.QUEUED)
+        return _RELEASE_WHEN_IDLE, (self.node_id, self.owner)
 
     def _renew(self) -> bool:
         until = timezone.now() + timedelta(seconds=self.seconds)
@@ -116,12 +109,13 @@ class Lease:
 # still be waiting on a load it sent. Until that load can no longer be answered (an operation
 # marked running, started less than a load's timeout ago, plus a connect's for the reads before
 # it), the node is busy: the next owner would send a second load beside it. Written out once:
-# built by the ORM, its subquery was compiled afresh for every node of a release.
+# built by the ORM, its subquery was compiled afresh for every node of a release. The statuses
+# are written in, not parameters: so the open operations' index serves the prepared statement.
 _TAKE = """
 UPDATE fleet_node SET lease_owner = %s, lease_until = %s
 WHERE id = %s AND (lease_until IS NULL OR lease_until < %s) AND NOT EXISTS (
     SELECT 1 FROM fleet_operation
-    WHERE fleet_operation.node_id = fleet_node.id AND status = %s AND started_at > %s
+    WHERE fleet_operation.node_id = fleet_node.id AND status = 'running' AND started_at > %s
 )
 """
 _RELEASE = (
@@ -130,6 +124,7 @@ _RELEASE = (
 _RELEASE_WHEN_IDLE = """
 UPDATE fleet_node SET lease_owner = '', lease_until = NULL WHERE id = %s AND lease_owner = %s
 AND NOT EXISTS (
-    SELECT 1 FROM fleet_operation WHERE fleet_operation.node_id = fleet_node.id AND status = %s
+    SELECT 1 FROM fleet_operation
+    WHERE fleet_operation.node_id = fleet_node.id AND status = 'queued'
 )
 """

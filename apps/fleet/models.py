@@ -355,10 +355,15 @@ class Operation(models.Model):
     class Meta:
         ordering = ["-created_at", "-id"]
         indexes = [
-            models.Index(fields=["node", "status", "seq"]),
-            # The work under way across the fleet (OPEN: a few rows of many); none that ended.
+            # A node's operations in order: its history, and its last plan, read from the end.
+            # Without it a reconcile's look for the last plan walked the whole table backwards
+            # wherever the planner had no statistics yet (a new database, autovacuum off).
+            models.Index(fields=["node", "id"], name="fleet_operation_node"),
+            # The work under way, a node's and the fleet's (OPEN: a few rows of many); none that
+            # ended. A statement prepared once names the statuses it looks for in its text: a
+            # parameter in their place would not let a generic plan use this index.
             models.Index(
-                fields=["status"],
+                fields=["node", "status", "seq"],
                 condition=models.Q(status__in=["queued", "running"]),
                 name="fleet_operation_open",
             ),

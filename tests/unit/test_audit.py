@@ -51,8 +51,8 @@ CONFIG = {"name": "rag", "backend": "python", "max_batch_size": 8}
 def test_the_trail_and_the_operations_are_written_into_no_index_that_no_query_uses() -> None:
     """Each event and each operation's plan, claim and end is written into every index of its
     table, as the migrations left them: a LIKE twin only where a prefix is looked up (the
-    trail's filter, a rollout's events), no index that a wider one starts with (the node's
-    operations), and only the open ones indexed by status (the fleet's work under way)."""
+    trail's filter, a rollout's events), a node's operations in order, and only the open ones
+    indexed by status (a node's and the fleet's work under way)."""
 
     def indexes(table: str) -> dict[str, list[str]]:
         with connection.cursor() as cursor:
@@ -62,8 +62,8 @@ def test_the_trail_and_the_operations_are_written_into_no_index_that_no_query_us
     operations = indexes("fleet_operation")
     assert sorted(operations.values()) == [
         ["finished_at", "id"],
+        ["node_id", "id"],
         ["node_id", "status", "seq"],
-        ["status"],
     ], operations
     with connection.cursor() as cursor:
         cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = 'fleet_operation_open'")

@@ -3,8 +3,9 @@ a small one, and the desired state of a whole pool costs as much as one node's."
 
 from datetime import timedelta
 
+import pytest
 from django.contrib.auth.models import User
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Count
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
@@ -14,13 +15,15 @@ from apps.accounts.models import PoolRole
 from apps.accounts.services import token_create
 from apps.approvals.models import Approval
 from apps.devtools.seed import Size, seed_fleet
-from apps.fleet import desired
+from apps.fleet import desired, reconcile, runner
 from apps.fleet.desired import fleet_desired
-from apps.fleet.models import Node, NodePool
+from apps.fleet.lease import Lease
+from apps.fleet.models import Node, NodePool, Operation
 from apps.incidents.models import Incident
 from apps.quality.models import CaseResult, EvaluationCase, EvaluationRun, EvaluationSet
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Rollout
+from controlplane.prepared import prepared_cursor
 from tests.support.registry import import_demo
 
 SMALL = Size(nodes=4, pools=2, models=10, versions=3, operations=20, rollouts=2, events=30)
@@ -144,6 +147,61 @@ def test_a_pools_desired_state_costs_the_same_for_any_number_of_nodes(db: None) 
     many, many_nodes = queries(NodePool.objects.get(name="b-pool-00"))
     assert many_nodes > 5 * few_nodes
     assert many == few
+
+
+def _operations_read() -> int:
+    """Rows of fleet_operation this transaction has read so far, by index or by scan."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT COALESCE(idx_tup_fetch, 0) + seq_tup_read FROM pg_stat_xact_user_tables"
+            " WHERE relname = 'fleet_operation'"
+        )
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's statistics views")
+def test_a_nodes_plan_and_run_read_none_of_the_fleets_nor_its_own_past_operations(
+    db: None,
+) -> None:
+    """The statements a reconcile and a run send for every node of a release read the node's
+    open operations and its last plan, never the rest of the table, whatever the planner knows
+    of it (a new database has no statistics: the look for the last plan walked the whole table
+    backwards) and however often a prepared statement has run (a generic plan, from the sixth
+    run on, cannot use an index whose condition names a status given as a parameter)."""
+    pool = NodePool.objects.create(name="p")
+    fleet = Node.objects.bulk_create(
+        Node(name=f"n-{n}", pool=pool, http_url=f"http://node-{n}:8000") for n in range(1, 4001)
+    )
+    fresh, busy = fleet[:2]
+
+    # A release's worth, configs and all: with no statistics yet, the planner counts rows by the
+    # table's pages.
+    Operation.objects.bulk_create(
+        Operation(
+            node=node,
+            kind="load",
+            model_name=f"m{m}",
+            versions=[1],
+            config={"name": f"m{m}", "parameters": {"prompt": {"string_value": "x" * 1000}}},
+            plan_digest="p",
+            status=Operation.Status.SUCCEEDED,
+        )
+        for node in fleet[1:]
+        for m in range(5)
+    )
+    before = _operations_read()
+    with transaction.atomic():
+        reconcile._locked([fresh.pk])  # no operation of its own yet
+    after = _operations_read()
+    assert after - before == 0
+    for _ in range(8):
+        with Lease(busy.pk).hold() as lease:
+            assert lease.held
+            assert runner._next_batch(busy) == []
+            with prepared_cursor() as cursor:
+                cursor.execute(*lease.release_when_idle())
+            lease.released = True
+    assert _operations_read() - after == 0
 
 
 def evaluations(model: Model, sets: int, cases: int) -> None:
