@@ -54,6 +54,7 @@ def quarantine(node: Node, why: str) -> None:
             reason=why,
             result="failed",
         )
+        node.stage, node.stage_reason = locked.stage, locked.stage_reason  # a run's node too
         if locked.pool.traffic:
             transaction.on_commit(lambda: traffic_sync(locked.pool_id), robust=True)
 

@@ -2,6 +2,7 @@
 and plan the operations that are missing (make before break: apps/fleet/planner.py). The
 runner (apps/fleet/runner.py) carries them out."""
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -21,12 +22,12 @@ from apps.fleet import memory, quarantine
 from apps.fleet.desired import Desired, DesiredStateError, nodes_desired
 from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Action, Observed, plan
-from apps.fleet.polling import nodes_read_index, polled
+from apps.fleet.polling import nodes_read_index
 from apps.fleet.runner import RECONCILER, DesiredDigest, Looks
 from apps.fleet.selectors import converged
 from apps.fleet.stages import stage_set
 from apps.fleet.traffic.balancer import traffic_sync
-from apps.fleet.triton import ready_in
+from apps.fleet.triton import TritonClient, TritonError, ready_in
 from apps.registry.models import Model
 from controlplane.bulk import bulk_insert
 
@@ -165,12 +166,14 @@ def _plannable(node: Node) -> bool:
 
 class Planned(NamedTuple):
     """What a node's reconcile hands its run: the operations to run now, what they were planned
-    from (the run starts from it rather than looking again), and the request they are recorded
-    under ("" for none of their own)."""
+    from (the run starts from it rather than looking again), the request they are recorded
+    under ("" for none of their own), and the desired state they serve (None for a lost run's:
+    it was planned by another reconcile)."""
 
     ops: list[Operation]
     wanted: DesiredDigest
     request: str
+    desired: Desired | None = None
 
 
 def node_reconcile(*, node_id: int) -> list[Operation]:
@@ -276,7 +279,7 @@ def _plan(
     if ops:
         with _request(request):
             drift = _drift(node, [str(op) for op in ops], repair=not changed)
-    return Planned(ops, wanted, request), drift
+    return Planned(ops, wanted, request, desired), drift
 
 
 def _locked(node_ids: list[int]) -> dict[int, Node]:
@@ -346,20 +349,36 @@ def _request(request: str) -> Iterator[None]:
 
 
 def node_join(node_id: int) -> None:
-    """A joining node whose loads just ran, polled at once: it takes traffic now if it may
-    (_join), rather than at its next reconcile; nothing is planned (its run just ended)."""
-    if (joining := Node.objects.filter(pk=node_id, stage=Node.Stage.JOINING).first()) is None:
-        return
-    node = polled(joining)
-    desired = nodes_desired([node])[node.pk]
-    if not isinstance(desired, DesiredStateError):
-        _join(node, desired)
+    """`joined` for a node whose run was not handed its plan (a run_node task), if it joins."""
+    if (node := Node.objects.filter(pk=node_id, stage=Node.Stage.JOINING).first()) is not None:
+        joined(node)
 
 
-def _join(node: Node, desired: Desired) -> None:
+def joined(node: Node, desired: Desired | None = None) -> None:
+    """A joining node whose loads just ran takes traffic now if it may (_join), rather than at
+    its next reconcile; nothing is planned (its run just ended). Only what decides it is read
+    again: whether it answers ready, and its index (its metadata and GPUs were polled before
+    its plan). `desired`: the state it was planned for, if the caller knows it."""
+    client = TritonClient(node.http_url, node=node.name)
+    try:
+        node.health = client.health()
+        node.index = [dataclasses.asdict(entry) for entry in client.repository_index()]
+        node.last_seen = timezone.now()
+    except TritonError:
+        return  # out of traffic still: the next reconcile polls it in full, and records why
+    if desired is None:
+        found = nodes_desired([node])[node.pk]
+        if isinstance(found, DesiredStateError):
+            return
+        desired = found
+    _join(node, desired, read=("health", "index", "last_seen"))
+
+
+def _join(node: Node, desired: Desired, read: tuple[str, ...] = ()) -> None:
     """A joining node, polled just now, takes traffic once it answers ready and its index shows
     exactly what its desired state names READY (the run that loaded it warmed it, out of
-    traffic); until then its balancer weight stays 0."""
+    traffic); until then its balancer weight stays 0. The fields `read` just now, not recorded
+    by a poll, are written with its stage."""
     if node.health != Node.Health.READY or node.last_error:
         return
     ready = ready_in(node.index)
@@ -383,6 +402,7 @@ def _join(node: Node, desired: Desired) -> None:
             "back READY, warmed, ready",
             at=now,
             after={"serving": serving, "joining_s": round(took, 1)},
+            fields={field: getattr(node, field) for field in read},
         )
         if locked.pool.traffic:
             transaction.on_commit(lambda: traffic_sync(locked.pool_id), robust=True)

@@ -22,11 +22,15 @@ def stage_set(
     at: datetime | None = None,
     before: dict[str, Any] | None = None,
     after: dict[str, Any] | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> None:
     """`node` is at `stage` from `at` (now), `reason` shown on its pages (a quarantine's); the
-    event says what it was and is. Call inside the transaction that decided it."""
+    event says what it was and is. Other `fields` of the node (what decided it) are written
+    with it. Call inside the transaction that decided it."""
     was, at = node.stage, at or timezone.now()
-    Node.objects.filter(pk=node.pk).update(stage=stage, stage_changed_at=at, stage_reason=reason)
+    Node.objects.filter(pk=node.pk).update(
+        stage=stage, stage_changed_at=at, stage_reason=reason, **(fields or {})
+    )
     node.stage, node.stage_changed_at, node.stage_reason = stage, at, reason
     audit_record(
         actor=actor,

@@ -21,7 +21,13 @@ from apps.audit.context import REQUEST_ID
 from apps.fleet.discovery import discover
 from apps.fleet.models import Heartbeat, Node, NodePool
 from apps.fleet.polling import node_poll
-from apps.fleet.reconcile import Planned, node_join, nodes_reconcile, rollback_windows_close
+from apps.fleet.reconcile import (
+    Planned,
+    joined,
+    node_join,
+    nodes_reconcile,
+    rollback_windows_close,
+)
 from apps.fleet.runner import NodeBusy, node_run
 from apps.fleet.traffic.balancer import PoolAtCapacity, pool_sync
 from apps.fleet.triton import TritonUnreachable
@@ -194,9 +200,9 @@ def _run(node_id: int, planned: Planned) -> None:
     except (NodeBusy, PoolAtCapacity, TritonUnreachable):
         enqueue_run(node_id)  # that task retries with backoff
         return
-    # Only a node joining when its plan was made (read under the lock) can join now.
-    if planned.wanted.node is None or planned.wanted.node.stage == Node.Stage.JOINING:
-        node_join(node_id)
+    # Only a node joining when its plan was made (read under the lock), and since, joins now.
+    if (node := planned.wanted.node) is not None and node.stage == Node.Stage.JOINING:
+        joined(node, planned.desired)
 
 
 # Retries only when the node did not answer or another worker holds it; a config Triton refuses

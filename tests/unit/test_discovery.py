@@ -300,8 +300,9 @@ def test_a_joining_node_is_polled_in_full_before_its_plan_and_joins_right_after_
     joining: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its health and metadata are read with its index before anything is planned (no poll task
-    of its own is needed); once its loads have run, one poll decides whether it serves: no
-    second plan, no index read more than that poll's."""
+    of its own is needed); once its loads have run, a read of its health and index decides
+    whether it serves (what it read is recorded with its stage): no second plan, no second
+    poll, no index read more than that one."""
     loaded: list[str] = []
     reads: list[str] = []
 
@@ -309,13 +310,20 @@ def test_a_joining_node_is_polled_in_full_before_its_plan_and_joins_right_after_
         reads.append("index")
         return [IndexEntry(m, 1, "READY", "") for m in loaded]
 
+    def server_metadata(self: TritonClient) -> ServerMetadata:
+        reads.append("metadata")
+        return ServerMetadata("2.51.0", [])
+
     monkeypatch.setattr(TritonClient, "repository_index", repository_index)
+    monkeypatch.setattr(TritonClient, "server_metadata", server_metadata)
     monkeypatch.setattr(TritonClient, "load", lambda self, model, **_: loaded.append(model))
     tasks.reconcile_nodes([joining.pk])
     node = Node.objects.get()
     assert (node.stage, node.health, node.triton_version) == (Node.Stage.SERVING, "ready", "2.51.0")
+    assert node.index == [{"model": "embedder", "version": 1, "state": "READY", "reason": ""}]
     assert loaded == ["embedder"]
-    assert len(reads) == 3  # the plan's poll, the load's read-back, the poll it joins by
+    # The plan's poll, the load's read-back, the read it joins by.
+    assert reads == ["metadata", "index", "index", "index"]
     (joined,) = AuditEvent.objects.filter(action="node.join")
     assert joined.after["serving"] == {"embedder": [1]}
 
