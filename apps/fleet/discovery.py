@@ -101,9 +101,10 @@ def nodes_sync(found: list[dict], now: datetime) -> Discovered:
     """The fleet made to agree with `found` (the targets API's active targets): a handful of
     statements whatever the fleet's size, plus a few for each node that came, came back or
     went. Nodes listed as before cost no model instance and no name resolution, and are locked
-    only to note that they were listed, after the rest commits: at 5,000 nodes a pass that held
-    them all while it worked held every worker's reconcile back meanwhile. What it locks, it
-    locks at once (Node.objects.lock): a chunk's reconcile locks its nodes too."""
+    only to note that they were listed, in a transaction of their own before the rest: at 5,000
+    nodes a pass that held them all while it worked held every worker's reconcile back
+    meanwhile. What it locks, it locks at once (Node.objects.lock): a chunk's reconcile locks
+    its nodes too."""
     outcome = Discovered()
     targets: dict[str, tuple[Target, str]] = {}  # by name: the target, and its scrape URL
     for listed in found:
@@ -118,6 +119,7 @@ def nodes_sync(found: list[dict], now: datetime) -> Discovered:
     known = {row[0]: row[1:] for row in Node.objects.filter(name__in=targets).values_list(*fields)}
     new: list[Target] = []
     again: dict[int, Target] = {}  # departed, or at other addresses
+    noted: list[int] = []  # listed as before
     for name, (target, address) in list(targets.items()):
         if name in known:
             pk, discovered_at, stage, *addresses = known[name]
@@ -126,13 +128,18 @@ def nodes_sync(found: list[dict], now: datetime) -> Discovered:
                 continue
             held = dict(zip(ADDRESSES, addresses, strict=True))
             if stage != Node.Stage.DEPARTED and held == _addresses(target):
-                continue  # listed as before
+                noted.append(pk)
+                continue
         if not _checked(target, address, outcome):
             del targets[name]  # no node of it is listed
         elif name in known:
             again[known[name][0]] = target
         else:
             new.append(target)
+    # Noted first, each in id order (Node.objects.lock), so that what is looked at for nodes gone
+    # is only what this pass did not list: with a short grace, every node otherwise.
+    with transaction.atomic():
+        Node.objects.filter(pk__in=noted).locked_update(listed_at=now)
     unseen = Node.objects.filter(
         discovered_at__isnull=False,
         listed_at__lt=now - timedelta(seconds=settings.DISCOVERY_GRACE_S),
@@ -152,9 +159,6 @@ def nodes_sync(found: list[dict], now: datetime) -> Discovered:
         for node in unseen.filter(pk__in=gone):  # still unseen, now that it is locked
             _depart(node, now)
             outcome.departed.append(node.name)
-    with transaction.atomic():
-        noted = Node.objects.filter(name__in=targets, discovered_at__isnull=False)
-        noted.locked_update(listed_at=now)
     outcome.listed = len(targets)
     _note_refused(outcome.refused)
     return outcome

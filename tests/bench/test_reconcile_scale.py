@@ -219,7 +219,9 @@ def machine_cpu_s() -> float:
 
 def cpu_by_process() -> Counter[str]:
     """CPU seconds used so far by the machine's processes, by what they are: where the product's
-    CPU goes (processes that ended meanwhile are not counted)."""
+    CPU goes. A process counts its ended children's too (PostgreSQL's backends, whose
+    connections the workers replace every minute, are the postmaster's); those that ended with
+    their parent meanwhile are not counted."""
     used: Counter[str] = Counter()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -228,7 +230,8 @@ def cpu_by_process() -> Counter[str]:
         except OSError:  # ended meanwhile
             continue
         kind = next((k for k in ("celery", "simulator", "postgres", "redis") if k in command), "")
-        used[kind or "others"] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        ticks = sum(int(f) for f in fields[11:15])  # utime, stime, and its children's
+        used[kind or "others"] += ticks / os.sysconf("SC_CLK_TCK")
     return used
 
 

@@ -226,11 +226,13 @@ def test_nodes_listed_as_before_are_neither_held_nor_resolved_again(
         again = nodes_sync(moved, timezone.now())
     assert again.joining == [Node.objects.get(name="gpu-2").pk]
     assert resolved == ["10.0.0.9"] * 3  # the moved node's only
-    # Locked while the pass works: the moved node alone (none is gone: no departure to lock);
-    # the nodes listed, only to note them, last, in a transaction of their own.
+    # The nodes listed as before, only to note them, first, in a transaction of their own; then,
+    # while the pass works, the moved node alone (none is gone: no departure to lock).
     locking = [q["sql"] for q in queries if "FOR UPDATE" in q["sql"]]
     assert len(locking) == 2, locking
-    assert '"fleet_node"."id" IN ' in locking[0] and '"fleet_node"."name" IN ' in locking[1]
+    pks = dict(Node.objects.values_list("name", "pk"))
+    assert f'"fleet_node"."id" IN ({pks["gpu-0"]}, {pks["gpu-1"]})' in locking[0]
+    assert f'"fleet_node"."id" IN ({pks["gpu-2"]})' in locking[1]
 
 
 def test_a_departed_node_is_neither_polled_nor_reconciled(
