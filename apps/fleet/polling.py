@@ -68,6 +68,11 @@ def polled(node: Node) -> Node:
     )
 
 
+def stored(index: list[IndexEntry]) -> list[dict]:
+    """A repository index as a node keeps it (`Node.index`)."""
+    return [dataclasses.asdict(entry) for entry in index]
+
+
 def nodes_read_index(node_ids: list[int]) -> list[Node]:
     """Only the nodes' repository indexes, read now: what a reconcile plans from; in the order
     asked, those removed or departed since left out. Health and metadata are the poller's: one
@@ -92,7 +97,7 @@ def nodes_read_index(node_ids: list[int]) -> list[Node]:
         except TritonError as exc:
             nodes.append(_node_poll_failed(node_id=node.pk, error=str(exc)))
             continue
-        if (listed := [dataclasses.asdict(entry) for entry in index]) != node.index:
+        if (listed := stored(index)) != node.index:
             node.index = listed
             changed.append(node)
         nodes.append(node)
@@ -125,7 +130,7 @@ def _node_poll_succeeded(
     node.last_error = ""
     node.triton_version = metadata.version
     node.extensions = metadata.extensions
-    node.index = [dataclasses.asdict(entry) for entry in index]
+    node.index = stored(index)
     node.gpus = gpus
     node.gpus_read_at = seen if gpus else None
     _note_health(node, before=previous, changed=previous == Node.Health.UNREACHABLE, now=seen)

@@ -2,7 +2,6 @@
 and plan the operations that are missing (make before break: apps/fleet/planner.py). The
 runner (apps/fleet/runner.py) carries them out."""
 
-import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from apps.fleet import memory, quarantine
 from apps.fleet.desired import Desired, DesiredStateError, nodes_desired
 from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Action, Observed, plan
-from apps.fleet.polling import nodes_read_index
+from apps.fleet.polling import nodes_read_index, stored
 from apps.fleet.runner import RECONCILER, DesiredDigest, Looks
 from apps.fleet.selectors import converged
 from apps.fleet.stages import stage_set
@@ -362,7 +361,7 @@ def joined(node: Node, desired: Desired | None = None) -> None:
     client = TritonClient(node.http_url, node=node.name)
     try:
         node.health = client.health()
-        node.index = [dataclasses.asdict(entry) for entry in client.repository_index()]
+        node.index = stored(client.repository_index())
         node.last_seen = timezone.now()
     except TritonError:
         return  # out of traffic still: the next reconcile polls it in full, and records why

@@ -168,6 +168,7 @@ NOT_ACTIONS = {
     "roles_sync": "setup that `setup_roles` runs at deploy time, like a migration",
     "node_poll": "the poller's observation; it records the node going down or up itself",
     "polled": "node_poll of a node read already",
+    "stored": "a repository index as a node keeps it, no change",
     "nodes_read_index": "an observation for the reconciler; a failure counts as a failed poll",
     "token_authenticate": "bookkeeping: when a token was last used",
     "token_digest": "a hash",
