@@ -420,7 +420,10 @@ def _finish(
     # then neither its status nor the trail may say what this worker saw, nor may it claim
     # more. The end, its event and what follows are one statement on PostgreSQL.
     at = connection.ops.adapt_datetimefield_value
-    ending = (_END, (status, error, at(now), op.failure, at(retry_at), op.pk, RUNNING))
+    ending = (
+        _END,
+        (status, error, at(now), op.failure, at(retry_at), op.pk, Operation.Status.RUNNING),
+    )
     event = audit_event(
         actor=op.requested_by,
         action=f"operation.{op.kind}",
@@ -447,10 +450,9 @@ def _finish(
 def _claim(op: Operation) -> Statement:
     """`op` taken from the queue, if it is still there (a cancel may have come first)."""
     now = connection.ops.adapt_datetimefield_value(timezone.now())
-    return _CLAIM, (RUNNING, now, op.pk, Operation.Status.QUEUED)
+    return _CLAIM, (Operation.Status.RUNNING, now, op.pk, Operation.Status.QUEUED)
 
 
-RUNNING = Operation.Status.RUNNING
 # An operation's end and the claim of the next, each conditional on the status it leaves, are
 # a release's most frequent statements: written out once (audit_update's `Statement`).
 _END = """
