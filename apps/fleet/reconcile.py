@@ -21,12 +21,12 @@ from apps.fleet import memory, quarantine
 from apps.fleet.desired import Desired, DesiredStateError, nodes_desired
 from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Action, Observed, plan
-from apps.fleet.polling import nodes_read_index, stored
+from apps.fleet.polling import JOINING_READ, joining_read, nodes_read_index
 from apps.fleet.runner import RECONCILER, DesiredDigest, Looks
 from apps.fleet.selectors import converged
 from apps.fleet.stages import stage_set
 from apps.fleet.traffic.balancer import traffic_sync
-from apps.fleet.triton import TritonClient, TritonError, ready_in
+from apps.fleet.triton import ready_in
 from apps.registry.models import Model
 from controlplane.bulk import bulk_insert
 
@@ -358,19 +358,14 @@ def joined(node: Node, desired: Desired | None = None) -> None:
     its next reconcile; nothing is planned (its run just ended). Only what decides it is read
     again: whether it answers ready, and its index (its metadata and GPUs were polled before
     its plan). `desired`: the state it was planned for, if the caller knows it."""
-    client = TritonClient(node.http_url, node=node.name)
-    try:
-        node.health = client.health()
-        node.index = stored(client.repository_index())
-        node.last_seen = timezone.now()
-    except TritonError:
+    if not joining_read(node):
         return  # out of traffic still: the next reconcile polls it in full, and records why
     if desired is None:
         found = nodes_desired([node])[node.pk]
         if isinstance(found, DesiredStateError):
             return
         desired = found
-    _join(node, desired, read=("health", "index", "last_seen"))
+    _join(node, desired, read=JOINING_READ)
 
 
 def _join(node: Node, desired: Desired, read: tuple[str, ...] = ()) -> None:

@@ -169,6 +169,7 @@ NOT_ACTIONS = {
     "node_poll": "the poller's observation; it records the node going down or up itself",
     "polled": "node_poll of a node read already",
     "stored": "a repository index as a node keeps it, no change",
+    "joining_read": "read onto the node; its join writes it with the stage change, audited",
     "nodes_read_index": "an observation for the reconciler; a failure counts as a failed poll",
     "token_authenticate": "bookkeeping: when a token was last used",
     "token_digest": "a hash",
