@@ -17,6 +17,7 @@ from apps.rollouts.services import rollout_start
 from tests.support import ROOT
 from tests.support.fleet import (
     HEALTHY,
+    counted,
     equal,
     ready_on,
     recording,
@@ -70,7 +71,8 @@ def test_an_index_from_the_wrong_documents_is_let_go_and_never_answers_a_user(
         # its evaluations (30 cases) on each node, and not one user request, by Triton's own
         # counters.
         asked = weighted.warmup_requests + 30
-        assert served(state.nodes, state, "retriever")[4] == asked * len(state.nodes)
+        answered = counted(state.nodes, state, "retriever", 4, asked * len(state.nodes))
+        assert answered[4] == asked * len(state.nodes)
         tick_until("rolled back", rollout, lambda: current().state == State.ROLLED_BACK, 180)
     assert recorder.failed == 0
     rollout.refresh_from_db()

@@ -13,10 +13,10 @@ from apps.fleet.selectors import NodeFilters, node_search
 from tests.support.fleet import (
     STEPS_V1,
     answered_through,
+    counted,
     join_watched,
     recording,
     runtime,
-    served,
     wait_for,
 )
 from tests.support.services_fixtures import DISCOVERY_GRACE_S
@@ -46,7 +46,9 @@ def test_a_node_started_under_traffic_joins_warmed_and_departs_once_gone(
     assert join.created_at >= max(op.finished_at for op in loads)
     assert join.after["serving"]["rag_pipeline"] == [1]
     # Warmed before its share: Triton answered the warm-up beyond what HAProxy sent it.
-    warmed = served([joined.proc], state, "rag_pipeline")[1] - answered_through(haproxy, name)
+    relayed = answered_through(haproxy, name)
+    counts = counted([joined.proc], state, "rag_pipeline", 1, relayed + discovering.warmup_requests)
+    warmed = counts[1] - relayed
     assert warmed == discovering.warmup_requests
     assert AuditEvent.objects.filter(action="node.discover", target=f"node:{name}").count() == 1
 

@@ -26,6 +26,7 @@ from tests.support.fleet import (
     STEPS_V1,
     STEPS_V2,
     converged,
+    counted,
     equal,
     ready_on,
     served,
@@ -93,6 +94,7 @@ def test_grpc_clients_are_balanced_too(
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         client.infer("rag_pipeline", inputs)
+    counted(nodes, trio[1], "rag_pipeline", 1, sum(before) + 30)
     after = [served([proc], trio[1], "rag_pipeline")[1] for proc in nodes]
     answered = [a - b for a, b in zip(after, before, strict=True)]
     assert sum(answered) == 30 and min(answered) >= 5, answered
@@ -145,7 +147,7 @@ def test_a_10_percent_step_gets_10_percent_of_requests_and_a_rollback_none(
         state.nodes, state, "embedder"
     )  # the step's own version says which release answered
     results = through(haproxy, 2000)
-    after = served(state.nodes, state, "embedder")
+    after = counted(state.nodes, state, "embedder", None, sum(before.values()) + 2000)
     assert results == Counter({"haproxy ok": 2000})
     to_canary = after[2] - before[2]
     assert sum(after.values()) - sum(before.values()) == 2000

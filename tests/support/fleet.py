@@ -280,6 +280,24 @@ def served(nodes: list[Proc], state: FleetState, model: str) -> Counter[int]:
     return counts
 
 
+def counted(
+    nodes: list[Proc], state: FleetState, model: str, version: int | None, total: int
+) -> Counter[int]:
+    """`served`, read until Triton's statistics count `total` requests of `version` of `model`
+    (of every version: None) on `nodes`. A backend reports a request's statistics after its
+    response went out, so a read right after the last answer may miss it (29 of 30, seen in
+    CI). What is read then is returned: a count past `total` is for the caller to see."""
+    counts: Counter[int] = Counter()
+
+    def reached() -> bool:
+        nonlocal counts
+        counts = served(nodes, state, model)
+        return (sum(counts.values()) if version is None else counts[version]) >= total
+
+    wait_for(f"Triton counted {total} requests of {model}", reached, timeout=10, interval=0.05)
+    return counts
+
+
 @dataclass
 class Recorder:
     """Steady unversioned rag_pipeline requests to `url` (a balancer), `rps` a second: when each
