@@ -84,6 +84,7 @@ class _Done(NamedTuple):
     position: int  # in the model's history on the node, from 1, by finished_at then id
     latest: bool  # the last of its kind: see _history
     held: bool  # a failure not to be tried again yet
+    late: bool  # ended at or after the `since` of _histories
 
 
 # The window query of _histories, written once: built with the ORM, it was compiled afresh for
@@ -91,11 +92,13 @@ class _Done(NamedTuple):
 # model:
 # each operation's place in the model's history (`position`), its rank among the model's
 # operations of the same status and kind (the set of versions for an unknown, the config for a
-# failure; `nth`), and among those held back or not (`nth_held`). Descending is the ascending
-# order reversed on every database, NULLs included.
+# failure; `nth`), and among those held back or not (`nth_held`); and whether it ended at or after
+# a moment (`late`): the node's newest operation is always among the rows, so none of them late
+# means none ended since. Descending is the ascending order reversed on every database, NULLs
+# included.
 _HISTORY = """
-SELECT node_id, model_name, status, versions, config_digest, "position", nth, held FROM (
-    SELECT node_id, model_name, status, versions, config_digest, held,
+SELECT node_id, model_name, status, versions, config_digest, "position", nth, held, late FROM (
+    SELECT node_id, model_name, status, versions, config_digest, held, late,
         ROW_NUMBER() OVER (
             PARTITION BY node_id, model_name ORDER BY finished_at ASC, id ASC
         ) AS "position",
@@ -111,7 +114,8 @@ SELECT node_id, model_name, status, versions, config_digest, "position", nth, he
         ) AS nth_held
     FROM (
         SELECT *, CASE WHEN status = %s AND (retry_at IS NULL OR retry_at > %s)
-            THEN 1 ELSE 0 END AS held
+            THEN 1 ELSE 0 END AS held,
+            CASE WHEN finished_at >= %s THEN 1 ELSE 0 END AS late
         FROM fleet_operation WHERE node_id IN ({nodes}) AND status IN (%s, %s, %s)
     ) done
 ) ranked
@@ -119,12 +123,15 @@ WHERE nth = 1 OR (nth_held = 1 AND held = 1)
 """
 
 
-def _histories(node_ids: list[int], now: datetime) -> dict[int, list[_Done]]:
+def _histories(
+    node_ids: list[int], now: datetime, since: datetime | None = None
+) -> dict[int, list[_Done]]:
     """What `observed_state` needs of each node's finished operations, in one query whose rows
     do not grow with their history: per node and model, its last success, its last unknown for
     each set of versions asked, its last failure of each config, and its last failure still
-    held back at `now`."""
+    held back at `now`; each row says whether it ended at or after `since` (`now` if None)."""
     status, at = Operation.Status, connection.ops.adapt_datetimefield_value(now)
+    late = connection.ops.adapt_datetimefield_value(since or now)
     kinds = (status.UNKNOWN, status.FAILED)
     done = (status.SUCCEEDED, status.FAILED, status.UNKNOWN)
     histories: dict[int, list[_Done]] = {}
@@ -132,9 +139,9 @@ def _histories(node_ids: list[int], now: datetime) -> dict[int, list[_Done]]:
         return histories
     statement = _HISTORY.format(nodes=", ".join(["%s"] * len(node_ids)))
     with connection.cursor() as cursor:
-        cursor.execute(statement, (*kinds, status.FAILED, at, *node_ids, *done))
+        cursor.execute(statement, (*kinds, status.FAILED, at, late, *node_ids, *done))
         rows = cursor.fetchall()
-    for node_id, model, ended, versions, digest, position, nth, held in rows:
+    for node_id, model, ended, versions, digest, position, nth, held, after in rows:
         histories.setdefault(node_id, []).append(
             _Done(
                 model,
@@ -144,6 +151,7 @@ def _histories(node_ids: list[int], now: datetime) -> dict[int, list[_Done]]:
                 position,
                 nth == 1,
                 bool(held),
+                bool(after),
             )
         )
     return histories
@@ -190,7 +198,10 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
     """Read the nodes and plan what is missing on each, in one transaction. Returns, by node,
     what the caller runs now (node_run, handed `wanted`): the operations just planned, or open
     ones whose run was lost. Harmless to repeat: a node with queued or running operations is
-    left to them, and a converged node gets no operation at all."""
+    left to them, and a converged node gets no operation at all. A node whose operation ended
+    while its index was read (its run, between our read and our lock) is left to the next pass:
+    planned from what it served before, a load that just read back READY would be sent again."""
+    reading = timezone.now()
     read = [node for node in nodes_read_index(node_ids) if _plannable(node)]
     if not read:
         return {}
@@ -206,7 +217,7 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
         locked = _locked([node.pk for node, _ in nodes])  # less those removed meanwhile
         now = timezone.now()
         idle = [pk for pk, row in locked.items() if not row.pending]  # type: ignore[attr-defined]
-        histories = _histories(idle, now)
+        histories = _histories(idle, now, since=reading)
         pruned: dict[tuple[str, ...], list[int]] = {}  # nodes by their owned models, changed
         drifts: list[AuditEvent | None] = []
         looks = Looks()  # the runs of these plans look again together
@@ -219,7 +230,10 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
                     wanted.node = row
                     planned[node.pk] = Planned(lost, wanted, "")
                 continue
-            observed = observed_state(node, histories.get(node.pk, []))
+            rows = histories.get(node.pk, [])
+            if any(done.late for done in rows):
+                continue  # its index may predate what ended: read again next pass
+            observed = observed_state(node, rows)
             owned = list(row.owned)
             plan, drift = _plan(node, row, desired, observed, looks)
             if row.owned != owned:

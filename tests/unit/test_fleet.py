@@ -546,6 +546,41 @@ def test_a_reconcile_hands_its_desired_state_to_the_run_and_a_change_still_stops
     assert len(computed) == 2  # the plan's, and the run's once the deployments changed
 
 
+def test_an_index_read_while_a_run_ended_is_read_again_before_anything_is_planned(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race CI met: a reconcile read the node's index while another worker's run loaded the
+    pipeline; the run ended before the reconcile locked the node, and the load was sent twice."""
+    from apps.fleet.reconcile import nodes_reconcile
+
+    deployment_set(model_name="embedder", version=1, node=node, actor="ops")
+    digest = node_desired(node)["embedder"].digest
+    served: list[IndexEntry] = []
+
+    def read(self: TritonClient) -> list[IndexEntry]:
+        listed = list(served)  # what Triton listed when the read went out
+        if not served:  # meanwhile another worker's load ends, read back READY
+            Operation.objects.create(
+                node=node,
+                kind="load",
+                model_name="embedder",
+                versions=[1],
+                config_digest=digest,
+                status="succeeded",
+                finished_at=timezone.now(),
+                requested_by="system:reconciler",
+            )
+            served.append(IndexEntry("embedder", 1, "READY", ""))
+        return listed
+
+    monkeypatch.setattr(TritonClient, "repository_index", read)
+    assert nodes_reconcile([node.pk]) == {}  # its index predates that end
+    assert nodes_reconcile([node.pk]) == {}  # read again: it serves what it should
+    monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])
+    planned = nodes_reconcile([node.pk])  # Triton lost it since: repaired
+    assert [str(op) for op in planned[node.pk].ops] == ["load embedder [1] on n1"]
+
+
 def test_a_chunks_plans_are_written_as_planned_each_with_its_own_id(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
