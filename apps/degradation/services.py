@@ -199,7 +199,10 @@ def tier_confirm(*, pool_name: str, model_name: str, actor: Actor) -> Tiers:
     tiers.cleared, tiers.judged_from = None, None
     tiers.save()
     with moving_back():
-        tier_serve(tiers, position, actor)
+        try:
+            tier_serve(tiers, position, actor)
+        except FleetError as exc:
+            raise TierError(str(exc)) from exc
     audit_record(
         actor=actor,
         target=f"pool:{pool_name}:{model_name}",

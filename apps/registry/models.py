@@ -1,5 +1,9 @@
+from pathlib import Path
+
 from django.conf import settings
 from django.db import models
+
+from apps.registry.archives import inside_roots
 
 
 class Model(models.Model):
@@ -88,3 +92,12 @@ class ModelVersion(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model.name} v{self.version}"
+
+    def files_gone(self) -> str:
+        """Why the nodes cannot load this version any more ("" when they can, or when its files
+        are somewhere this server cannot look: s3://, gs://, another host's path)."""
+        files = Path(self.artifact) if self.artifact else None
+        roots = [Path(root) for root in settings.REGISTRY_ARTIFACT_ROOTS]
+        if files is None or not files.is_absolute() or not inside_roots(files, roots):
+            return ""
+        return "" if files.is_dir() else f"{self}'s files are gone from {files}"

@@ -253,8 +253,17 @@ def rollout_abort(*, rollout_id: int, actor: Actor, reason: str = "") -> Rollout
     rollout = _locked(rollout_id, "abort", Rollout.ACTIVE, actor)
     if rollout.state != State.ABORTING:
         why = f"aborted by {actor_name(actor)}" + (f": {reason}" if reason.strip() else "")
-        transitions.begin_abort(rollout, why, actor=actor)
+        _abort(rollout, why, actor)
     return rollout
+
+
+def _abort(rollout: Rollout, why: str, actor: Actor) -> None:
+    """A person's stop of `rollout`, refused in words (a 409, never a 500) only when what it
+    goes back to cannot be served any more."""
+    try:
+        transitions.begin_abort(rollout, why, actor=actor)
+    except FleetError as exc:
+        raise RolloutError(f"rollout #{rollout.pk} cannot go back: {exc}") from exc
 
 
 @audited("rollout.roll_back", _rollout_target, (RolloutError, PlanError))
@@ -268,9 +277,7 @@ def rollout_roll_back(*, rollout_id: int, actor: Actor, reason: str) -> Rollout:
     authorize(actor, "rollouts.rollback_release", found.pool)
     rollout = _locked(rollout_id, "roll back", Rollout.ACTIVE, None)  # authorized above
     if rollout.state != State.ABORTING:
-        transitions.begin_abort(
-            rollout, f"rolled back by {actor_name(actor)}: {reason}", actor=actor
-        )
+        _abort(rollout, f"rolled back by {actor_name(actor)}: {reason}", actor)
     return rollout
 
 
@@ -362,7 +369,7 @@ def _switch(
         if running is not None and running.state != State.ABORTING:
             why = f"pool switched to v{version} ({action}) by {actor_name(actor)}"
             rollout = _locked(running.pk, "abort", Rollout.ACTIVE, None)  # authorized above
-            transitions.begin_abort(rollout, why, actor=actor)
+            _abort(rollout, why, actor)
         transitions.drop_node_deployments(model, pool, actor)
     audit_record(
         actor=actor,

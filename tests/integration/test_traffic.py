@@ -18,6 +18,8 @@ from apps.devtools.traffic import send_traffic
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.triton import TritonClient, sample_inputs
+from apps.registry.models import ModelVersion
+from apps.registry.services import version_set_status
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import release_rollback, rollout_abort, rollout_start
 from tests.support.fleet import (
@@ -103,7 +105,8 @@ def test_grpc_clients_are_balanced_too(
 def test_a_rollback_inside_the_window_narrows_every_node_in_traffic_at_once(
     weighted: NodePool, haproxy: Proc, trio: tuple[Devfleet, FleetState]
 ) -> None:
-    """Narrowing what a node serves loads nothing: no node leaves traffic or warms up again."""
+    """Narrowing what a node serves loads nothing: no node leaves traffic or warms up again;
+    v1 deprecated once v2 serves (routine) is still what on-call rolls back to."""
     deployment_set(
         model_name="rag_pipeline",
         version=2,
@@ -118,9 +121,13 @@ def test_a_rollback_inside_the_window_narrows_every_node_in_traffic_at_once(
         "v2 beside v1 everywhere, every node back in traffic",
         lambda: both() and weights(haproxy) == equal(trio[1]),
     )
+    v1 = ModelVersion.objects.get(model__name="rag_pipeline", version=1)
+    version_set_status(version_id=v1.pk, status="deprecated", actor="release-manager")
     since = timezone.now()
     release_rollback(model_name="rag_pipeline", pool_name=weighted.name, actor="oncall")
     wait_for("v1 alone everywhere, its loads recorded", settled(weighted, STEPS_V1))
+    rollback = AuditEvent.objects.get(action="release.rollback", created_at__gte=since)
+    assert (rollback.result, rollback.after["version"]) == ("ok", 1)
     narrowed = ops.filter(created_at__gte=since)
     assert narrowed.exists() and not narrowed.exclude(status=Operation.Status.SUCCEEDED).exists()
     assert not AuditEvent.objects.filter(action="node.drain", created_at__gte=since).exists()

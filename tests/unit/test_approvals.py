@@ -6,6 +6,8 @@ import re
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
@@ -32,6 +34,7 @@ from apps.fleet.services.pools import pool_role_set
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_rollback
 from apps.registry.models import Model, ModelVersion
+from apps.registry.services import version_set_status
 from apps.rollouts.models import Notification, Rollout
 from apps.rollouts.plans import Analysis
 from apps.rollouts.services import (
@@ -200,6 +203,41 @@ def test_moves_back_never_wait_for_a_second_person(pool: NodePool) -> None:
     switched = AuditEvent.objects.filter(action="release.rollback", result="ok").get()
     assert (switched.actor, switched.message) == ("carl", "rollback by carl")
     assert switched.after["version"] == 1
+
+
+def test_a_move_back_to_a_deprecated_release_goes_through_and_is_refused_only_in_words(
+    pool: NodePool, tmp_path: Path, settings: Any
+) -> None:
+    """Deprecating the release before a good one is routine: on-call still rolls back, falls
+    back and aborts a promotion onto it; only files the nodes cannot load refuse it (a 409)."""
+    ann, carl = person("ann"), person("carl", Role.OPERATOR)
+    v1 = ModelVersion.objects.get(model__name="embedder", version=1)
+    Model.objects.filter(name="embedder").update(fallback_version=1)
+    deployment_set(model_name="embedder", version=2, pool=pool, actor=CONTROLLER)
+    version_set_status(version_id=v1.pk, status="deprecated", actor="system:test")
+    assert release_rollback(model_name="embedder", pool_name="gpu", actor=carl) == 1
+    deployment_set(model_name="embedder", version=2, pool=pool, actor=CONTROLLER)
+    assert release_fallback(model_name="embedder", pool_name="gpu", actor=carl) == 1
+    rollout = canary_on(pool)
+    deployment_set(model_name="embedder", version=2, pool=pool, actor=CONTROLLER)
+    Rollout.objects.filter(pk=rollout.pk).update(state=Rollout.State.PROMOTING)
+    api = Client(headers=bearer(ann))
+    aborted = api.post(
+        f"/api/rollouts/{rollout.pk}/abort", {"reason": "p99"}, content_type="application/json"
+    )
+    assert aborted.status_code == 200, aborted.content
+    assert deployed(pool) == 1 and Rollout.objects.get().state == "aborting"
+    # Files gone from the repository: said, with where, and nothing changes.
+    settings.REGISTRY_ARTIFACT_ROOTS = [str(tmp_path)]
+    ModelVersion.objects.filter(pk=v1.pk).update(artifact=str(tmp_path / "embedder" / "1"))
+    deployment_set(model_name="embedder", version=2, pool=pool, actor=CONTROLLER)
+    refused = Client(headers=bearer(carl)).post("/api/pools/gpu/models/embedder/rollback")
+    assert refused.status_code == 409
+    assert refused.json()["error"]["message"] == (
+        f"cannot move back: embedder v1's files are gone from {tmp_path}/embedder/1"
+    )
+    assert deployed(pool) == 2
+    assert not Approval.objects.exists()
 
 
 def test_a_move_back_asked_for_before_moves_back_stopped_waiting_is_not_run(

@@ -68,7 +68,12 @@ def deployment_set(
     )
     if found is None:
         raise FleetError(f"{model_name} v{version} is not in the registry")
-    if found.status != ModelVersion.Status.PUBLISHED:
+    if MOVING_BACK.get():
+        # Back to what served before, whatever its status since (deprecating the release
+        # before a good one is routine): only files the nodes can no longer load refuse it.
+        if gone := found.files_gone():
+            raise FleetError(f"cannot move back: {gone}")
+    elif found.status != ModelVersion.Status.PUBLISHED:
         raise FleetError(
             f"{model_name} v{version} is {found.status}; only published versions deploy"
         )
