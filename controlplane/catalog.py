@@ -172,15 +172,21 @@ def canary_queries(*, model: str, pool: str, window_s: int) -> dict[str, str]:
     }
 
 
-def budget_queries(*, model: str, steps: list[str], pool: str, window_s: int) -> dict[str, str]:
+def budget_queries(
+    *, model: str, steps: list[str], pool: str, nodes: list[str], window_s: int
+) -> dict[str, str]:
     """What a degradation trigger judges, one window at a time: the pool's requests of the model
     in the window, those that failed and those Triton rejected (a queue full), its worst node's
     P99 (ms) averaged over the window, and the time its requests and its `steps`' waited in
     queues and computed (us). Every version of the model at once: Triton labels all of an
-    ensemble's versions alike."""
-    selector, window = _selector(model=model, pool=pool), f"{window_s}s"
+    ensemble's versions alike. Only `nodes`, those that serve the pool's users: a cold, drained
+    or quarantined node, or a stray target labelled with the pool, is not what users feel."""
+    window = f"{window_s}s"
+    serving = "|".join(re.escape(name) for name in sorted(nodes))
+    where = f'{_selector(pool=pool)},node=~"{escape_label(serving)}"'
+    selector = f"{where},{_selector(model=model)}"
     names = "|".join(re.escape(name) for name in sorted({model, *steps}))
-    chain = f'{_selector(pool=pool)},model=~"{escape_label(names)}"'
+    chain = f'{where},model=~"{escape_label(names)}"'
     return {
         "ok": f"sum(increase(nv_inference_request_success{{{selector}}}[{window}]))",
         "failed": f"sum(increase(nv_inference_request_failure{{{selector}}}[{window}]))",

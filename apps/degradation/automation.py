@@ -19,7 +19,7 @@ from apps.degradation.models import Tiers
 from apps.degradation.probes import probe
 from apps.degradation.services import _target, tier_serve
 from apps.degradation.triggers import Limits, Window, judge
-from apps.fleet.models import Deployment
+from apps.fleet.models import Deployment, Node
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_open, incident_update
 from apps.registry.codec import step_names
@@ -66,9 +66,10 @@ def tick(tiers: Tiers) -> str:
         max_queue_ratio=settings.DEGRADATION_MAX_QUEUE_RATIO,
     )
     steps = _steps(tiers, serving)
+    nodes = list(Node.objects.filter(pool=tiers.pool).in_traffic().values_list("name", flat=True))
     try:
         short, long = (
-            _window(tiers, steps, window)
+            _window(tiers, steps, nodes, window)
             for window in (settings.DEGRADATION_SHORT_S, settings.DEGRADATION_LONG_S)
         )
     except PrometheusUnavailable as exc:
@@ -96,9 +97,11 @@ def _steps(tiers: Tiers, version: int) -> list[str]:
     return sorted(step_names(ModelVersion.objects.get(model=tiers.model, version=version).config))
 
 
-def _window(tiers: Tiers, steps: list[str], window_s: int) -> Window:
+def _window(tiers: Tiers, steps: list[str], nodes: list[str], window_s: int) -> Window:
+    if not nodes:
+        return Window(window_s, None, None, None)  # no node serves: nothing to judge
     queries = budget_queries(
-        model=tiers.model.name, steps=steps, pool=tiers.pool.name, window_s=window_s
+        model=tiers.model.name, steps=steps, pool=tiers.pool.name, nodes=nodes, window_s=window_s
     )
     found = {name: instant_query(query) for name, query in queries.items()}
     value = {name: rows[0][1] if rows else None for name, rows in found.items()}

@@ -31,6 +31,11 @@ class NodePool(models.Model):
         default=False,
         help_text="deployments, promotions and rollbacks need a second person",
     )
+    discoverable = models.BooleanField(
+        default=False,
+        help_text="nodes that discovery finds labelled with this pool join it by themselves "
+        "(turned on for a protected pool only with a second person's approval)",
+    )
 
     class Traffic(models.TextChoices):
         NONE = "", "none"
@@ -93,6 +98,10 @@ class NodeQuerySet(models.QuerySet["Node"]):
         """The nodes that take their share of traffic: a rollout's, a probe's, a share's count
         (not those joining, quarantined or departed)."""
         return self.filter(stage=Node.Stage.SERVING)
+
+    def in_traffic(self) -> "NodeQuerySet":
+        """The nodes that take users' requests now: those `Node.wanted_weight` gives a weight."""
+        return self.serving().filter(draining=False, unlisted_since__isnull=True, weight__gt=0)
 
     def lock(self) -> list[int]:
         """These nodes' rows locked, in id order, within the caller's transaction; returns their
@@ -182,6 +191,11 @@ class Node(models.Model):
     listed_at = models.DateTimeField(
         null=True, blank=True, help_text="when discovery last listed the node's target"
     )
+    unlisted_since = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="the first discovery pass since then that did not list the node's target",
+    )
 
     objects = NodeQuerySet.as_manager()
 
@@ -195,7 +209,10 @@ class Node(models.Model):
     @property
     def wanted_weight(self) -> int:
         """The weight the balancer must give the node now."""
-        return self.weight if self.stage == self.Stage.SERVING and not self.draining else 0
+        serves = self.stage == self.Stage.SERVING and not self.draining
+        # A node whose target is gone is stopping, most likely: no new request is sent to it
+        # while its grace runs, and it gets its weight back if it is listed again.
+        return self.weight if serves and self.unlisted_since is None else 0
 
     @property
     def traffic_drift(self) -> str:

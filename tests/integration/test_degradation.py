@@ -41,7 +41,10 @@ def slowed(trio: tuple[Devfleet, FleetState]) -> Iterator[Devfleet]:
 
 
 def p99_ms(pool: NodePool, window_s: int) -> float:
-    query = budget_queries(model="rag_pipeline", steps=[], pool=pool.name, window_s=window_s)["p99"]
+    nodes = list(pool.nodes.in_traffic().values_list("name", flat=True))
+    query = budget_queries(
+        model="rag_pipeline", steps=[], pool=pool.name, nodes=nodes, window_s=window_s
+    )["p99"]
     found = instant_query(query)
     return found[0][1] if found else float("inf")
 
