@@ -252,7 +252,9 @@ DEGRADATION_PROBE_NODES = env_int("DEGRADATION_PROBE_NODES", 3)
 # Discovery (apps/fleet/discovery.py): nodes are the targets of this Prometheus scrape pool (empty:
 # only nodes registered by hand), read every DISCOVERY_INTERVAL_S; a node's pool and name are
 # target labels, its HTTP and gRPC ports these (or the target's `http_port`/`grpc_port` labels);
-# a node whose target is gone this long has departed.
+# a node whose target is gone this long, over passes that did not list it, has departed (at most
+# DISCOVERY_DEPARTURES_PER_PASS a pass: a listing that lost many targets at once departs them over
+# several passes, and the trail says so meanwhile).
 DISCOVERY_SCRAPE_POOL = env_str("DISCOVERY_SCRAPE_POOL", "")
 DISCOVERY_INTERVAL_S = env_float("DISCOVERY_INTERVAL_S", 5.0)
 DISCOVERY_POOL_LABEL = env_str("DISCOVERY_POOL_LABEL", "pool")
@@ -260,6 +262,7 @@ DISCOVERY_NAME_LABEL = env_str("DISCOVERY_NAME_LABEL", "node")
 DISCOVERY_HTTP_PORT = env_int("DISCOVERY_HTTP_PORT", 8000)
 DISCOVERY_GRPC_PORT = env_int("DISCOVERY_GRPC_PORT", 8001)
 DISCOVERY_GRACE_S = env_float("DISCOVERY_GRACE_S", 120.0)
+DISCOVERY_DEPARTURES_PER_PASS = env_int("DISCOVERY_DEPARTURES_PER_PASS", 100)
 # /readyz wants a heartbeat that went from beat through a worker to the database this recently.
 HEARTBEAT_INTERVAL_S = 10.0
 READY_HEARTBEAT_MAX_AGE_S = env_float("READY_HEARTBEAT_MAX_AGE_S", 60.0)

@@ -21,6 +21,7 @@ from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.selectors import Reading, converged, drift_of, node_models, observed_many
 from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.services.nodes import operation_request
+from apps.fleet.services.pools import pool_set_discoverable
 from apps.fleet.traffic.gateway import (
     DNS_LABEL,
     DNS_SUBDOMAIN,
@@ -330,6 +331,30 @@ def request_operation(request: HttpRequest, name: str, body: OperationIn) -> Sta
     except (FleetError, DesiredStateError) as exc:
         raise ApiError(409, "refused", str(exc)) from None
     return Status(202, _operation_out(op))
+
+
+class DiscoverableIn(Schema):
+    discoverable: bool
+
+
+class DiscoverableOut(Schema):
+    pool: str
+    discoverable: bool
+
+
+@router.post(
+    "/pools/{pool}/discoverable",
+    response={200: DiscoverableOut, **WAITS, **ERRORS},
+    auth=can("rollouts.add_rollout", "pool.set_discoverable"),
+)
+def set_discoverable(request: HttpRequest, pool: str, body: DiscoverableIn) -> dict[str, Any]:
+    """Open the pool to discovery (its labelled targets join by themselves), or close it; on a
+    protected pool, opening it waits for a second person (202)."""
+    found = get_object_or_404(NodePool, name=pool)
+    pool_set_discoverable(
+        pool_name=found.name, discoverable=body.discoverable, actor=current_user(request)
+    )
+    return {"pool": found.name, "discoverable": body.discoverable}
 
 
 @router.get(

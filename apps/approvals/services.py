@@ -20,6 +20,7 @@ from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.services.nodes import node_adopt, operation_override
+from apps.fleet.services.pools import pool_set_discoverable
 from apps.observability.bottleneck import Advice
 from apps.rollouts.notify import notify_approval
 from apps.rollouts.plans import PlanError
@@ -82,6 +83,9 @@ ACTIONS: dict[str, Callable[[dict[str, Any], User], object]] = {
     ),
     "operation.override": lambda p, actor: operation_override(
         operation_id=p["operation_id"], reason=p["reason"], actor=actor
+    ),
+    "pool.set_discoverable": lambda p, actor: pool_set_discoverable(
+        pool_name=p["pool"], discoverable=p["discoverable"], actor=actor
     ),
     "node.adopt": lambda p, actor: node_adopt(
         node_id=Node.objects.get(name=p["node"]).pk, model_name=p["model"], actor=actor

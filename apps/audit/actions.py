@@ -104,6 +104,7 @@ _BY_KIND: dict[Kind, list[str]] = {
         "node.set_memory",
         "node.release",
         "pool.set_protected",
+        "pool.set_discoverable",
         "pool.set_queue",
         "pool.set_rollback_window",
         "pool.set_traffic",

@@ -14,6 +14,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from apps.fleet.traffic.haproxy import HEALTH_CHECKS
+
 START_TIMEOUT_S = 60.0
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 HAPROXY_BACKENDS = ("triton_http", "triton_grpc")
@@ -104,6 +106,11 @@ class FleetState:
         return f"http://127.0.0.1:{self.prometheus.ports['web']}"
 
 
+# A request whose node is stopping (a pod scaled away: refused connections, or Triton's 503 once
+# its models unload) is sent again to another node: Triton ran none of it.
+RETRIES = ("option redispatch 1", "retries 3", "retry-on conn-failure empty-response 503")
+
+
 def haproxy_config(state: FleetState, *, http: int, grpc: int, runtime: int) -> str:
     """What `deploy/haproxy/triton-pool.cfg` shows, for the fleet's nodes on this machine."""
     # A gRPC server's health is checked over HTTP/1.1 on its node's HTTP port.
@@ -123,6 +130,7 @@ def haproxy_config(state: FleetState, *, http: int, grpc: int, runtime: int) -> 
         "    timeout connect 2s",
         "    timeout client 60s",
         "    timeout server 60s",
+        *(f"    {line}" for line in RETRIES),
         "frontend triton_http",
         f"    bind 127.0.0.1:{http}",
         "    default_backend triton_http",
@@ -135,7 +143,7 @@ def haproxy_config(state: FleetState, *, http: int, grpc: int, runtime: int) -> 
             f"backend {backend}",
             "    balance roundrobin",
             "    option httpchk GET /v2/health/ready",
-            "    default-server weight 100 inter 1s fall 2 rise 1",
+            f"    default-server weight 100 {HEALTH_CHECKS}",
             *(f"    server {server}" for server in servers[backend]),
         ]
     return "\n".join(lines) + "\n"

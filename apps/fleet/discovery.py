@@ -12,6 +12,8 @@ joins again. Nodes registered by hand are never touched."""
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from django.conf import settings
@@ -24,6 +26,7 @@ from apps.fleet.addresses import validate_url
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool
 from apps.fleet.stages import stage_set
+from apps.fleet.traffic.balancer import traffic_sync
 from apps.fleet.traffic.haproxy import name_refusal
 from controlplane import prometheus
 
@@ -42,6 +45,29 @@ class Target:
 
 
 ADDRESSES = ("http_url", "grpc_url", "metrics_url")  # a node's, as its target gives them
+
+
+class Known(NamedTuple):
+    """A discovered node as a pass reads it: no model instance for nodes listed as before."""
+
+    pk: int
+    discovered_at: datetime | None  # None: registered by hand
+    stage: str
+    unlisted_since: datetime | None
+    pool: str
+    addresses: tuple[str, ...]  # as ADDRESSES
+
+    @property
+    def present(self) -> bool:
+        return self.stage != Node.Stage.DEPARTED
+
+    @property
+    def place(self) -> tuple[str, tuple[str, ...]]:
+        return self.pool, self.addresses
+
+
+def _place(target: Target) -> tuple[str, tuple[str, ...]]:
+    return target.pool, tuple(_addresses(target).values())
 
 
 @dataclass
@@ -99,14 +125,21 @@ def discover(now: datetime | None = None) -> Discovered:
 
 def nodes_sync(found: list[dict], now: datetime) -> Discovered:
     """The fleet made to agree with `found` (the targets API's active targets): a handful of
-    statements whatever the fleet's size, plus a few for each node that came, came back or
-    went. Nodes listed as before cost no model instance and no name resolution, and are locked
-    only to note that they were listed, in a transaction of their own before the rest: at 5,000
-    nodes a pass that held them all while it worked held every worker's reconcile back
+    statements whatever the fleet's size, plus a few for each node that came, came back, moved
+    or went. Nodes listed as before cost no model instance and no name resolution, and are
+    locked only to note that they were listed, in a transaction of their own before the rest:
+    at 5,000 nodes a pass that held them all while it worked held every worker's reconcile back
     meanwhile. What it locks, it locks at once (Node.objects.lock): a chunk's reconcile locks
-    its nodes too."""
+    its nodes too.
+
+    A listing decides nothing it cannot be sure of: a target joins only a pool open to
+    discovery (NodePool.discoverable), one name listed by two targets is neither's, a node is
+    never re-addressed while its old target is still listed, and a node departs only after
+    passes that did not list it for the grace, at most DISCOVERY_DEPARTURES_PER_PASS a pass
+    (a listing that lost half its targets for a pass departs none). A node not listed gets no
+    traffic from that pass on (weight 0), and its weight back if it is listed again."""
     outcome = Discovered()
-    targets: dict[str, tuple[Target, str]] = {}  # by name: the target, and its scrape URL
+    by_name: dict[str, list[tuple[Target, str]]] = {}  # the target, and its scrape URL
     for listed in found:
         address = listed.get("scrapeUrl", "?")
         try:
@@ -114,54 +147,118 @@ def nodes_sync(found: list[dict], now: datetime) -> Discovered:
         except FleetError as exc:
             outcome.refused[address] = str(exc)
             continue
-        targets.setdefault(target.name, (target, address))
-    fields = ("name", "pk", "discovered_at", "stage", *ADDRESSES)
-    known = {row[0]: row[1:] for row in Node.objects.filter(name__in=targets).values_list(*fields)}
+        by_name.setdefault(target.name, []).append((target, address))
+    urls = {target.metrics_url for same in by_name.values() for target, _ in same}
+    fields = ("name", "pk", "discovered_at", "stage", "unlisted_since", "pool__name", *ADDRESSES)
+    known = {
+        name: Known(pk, discovered_at, stage, unlisted_since, pool, tuple(addresses))
+        for name, pk, discovered_at, stage, unlisted_since, pool, *addresses in Node.objects.filter(
+            name__in=by_name
+        ).values_list(*fields)
+    }
+    pools = dict(
+        NodePool.objects.filter(
+            name__in={same[0][0].pool for same in by_name.values()}
+        ).values_list("name", "discoverable")
+    )
     new: list[Target] = []
-    again: dict[int, Target] = {}  # departed, or at other addresses
-    noted: list[int] = []  # listed as before
-    for name, (target, address) in list(targets.items()):
-        if name in known:
-            pk, discovered_at, stage, *addresses = known[name]
-            if discovered_at is None:
-                outcome.refused[target.metrics_url] = f"node {name} was registered by hand"
-                continue
-            held = dict(zip(ADDRESSES, addresses, strict=True))
-            if stage != Node.Stage.DEPARTED and held == _addresses(target):
-                noted.append(pk)
-                continue
-        if not _checked(target, address, outcome):
-            del targets[name]  # no node of it is listed
-        elif name in known:
-            again[known[name][0]] = target
-        else:
-            new.append(target)
+    again: dict[int, Target] = {}  # departed, moved, or at other addresses
+    noted: list[int] = []  # listed as before (or kept as it was)
+    back: list[int] = []  # ... and not listed by the pass before
+    for name, same in by_name.items():
+        target, address = same[0]
+        node = known.get(name)
+        if node is not None and node.discovered_at is None:
+            outcome.refused[address] = f"node {name} was registered by hand"
+            continue
+        why = _ambiguous(target, same, node, urls, pools)
+        unmoved = node is not None and node.present and node.place == _place(target)
+        if node is not None and node.present and (why or unmoved):
+            noted.append(node.pk)  # kept as it was
+            if node.unlisted_since is not None:
+                back.append(node.pk)
+        if why:
+            for _, where in same:
+                outcome.refused[where] = why
+        elif not unmoved and _checked(target, address, outcome):
+            if node is None:
+                new.append(target)
+            else:
+                again[node.pk] = target
+    outcome.listed = len(by_name)
+    # Once noted below: the nodes this pass did not list (a node listed anew is in `again`).
+    unlisted = (
+        Node.objects.filter(discovered_at__isnull=False, listed_at__lt=now)
+        .exclude(stage=Node.Stage.DEPARTED)
+        .exclude(pk__in=again)
+    )
     # Noted first, each in id order (Node.objects.lock), so that what is looked at for nodes gone
     # is only what this pass did not list: with a short grace, every node otherwise.
-    with transaction.atomic():
-        Node.objects.filter(pk__in=noted).locked_update(listed_at=now)
-    unseen = Node.objects.filter(
-        discovered_at__isnull=False,
-        listed_at__lt=now - timedelta(seconds=settings.DISCOVERY_GRACE_S),
-    ).exclude(stage=Node.Stage.DEPARTED)
     gone: list[int] = []
-    if found:
-        # None departs on an empty listing: nothing listed at all is a scrape pool misnamed or
-        # a Prometheus still discovering after a restart far more often than a fleet scaled to
-        # zero, and departing every node would take the fleet out of traffic.
-        gone = [pk for pk, name in unseen.values_list("pk", "name") if name not in targets]
+    with transaction.atomic():
+        Node.objects.filter(pk__in=noted).locked_update(listed_at=now, unlisted_since=None)
+        _weights_changed(back)
+        if found:
+            # Nothing is unlisted on an empty listing: nothing listed at all is a scrape pool
+            # misnamed or a Prometheus still discovering after a restart far more often than a
+            # fleet scaled to zero, and taking every node out would take the fleet out.
+            newly = list(unlisted.filter(unlisted_since__isnull=True).values_list("pk", flat=True))
+            Node.objects.filter(pk__in=newly).locked_update(unlisted_since=now)
+            _weights_changed(newly)
+            grace = now - timedelta(seconds=settings.DISCOVERY_GRACE_S)
+            due = unlisted.filter(unlisted_since__lte=grace, unlisted_since__lt=now)
+            gone = list(
+                due.order_by("unlisted_since", "pk").values_list("pk", flat=True)[
+                    : settings.DISCOVERY_DEPARTURES_PER_PASS
+                ]
+            )
     with transaction.atomic():
         Node.objects.filter(pk__in=[*again, *gone]).lock()
         outcome.joining += [_join_new(target, now).pk for target in new]
         for pk, target in again.items():
             if joined := _join_again(pk, target, now):
                 outcome.joining.append(joined.pk)
-        for node in unseen.filter(pk__in=gone):  # still unseen, now that it is locked
-            _depart(node, now)
-            outcome.departed.append(node.name)
-    outcome.listed = len(targets)
+        still = unlisted.filter(pk__in=gone, unlisted_since__isnull=False)  # now it is locked
+        for leaving in still.order_by("unlisted_since", "pk"):
+            _depart(leaving, now)
+            outcome.departed.append(leaving.name)
     _note_refused(outcome.refused)
     return outcome
+
+
+def _ambiguous(
+    target: Target,
+    same: list[tuple[Target, str]],
+    node: Known | None,
+    urls: set[str],
+    pools: dict[str, bool],
+) -> str:
+    """Why the listing cannot be followed for `target` (a listed name), or "": a mistaken or
+    hostile target must not take a node's name, its addresses or a closed pool."""
+    if len(same) > 1:
+        return f"node name {target.name} is listed by {len(same)} targets: none is taken for it"
+    was = node.addresses[-1] if node is not None and node.present else target.metrics_url
+    if was != target.metrics_url and was in urls:
+        return (
+            f"node {target.name}'s target {was} is still listed: not re-addressed to "
+            f"{target.metrics_url}"
+        )
+    joins = node is None or not node.present or node.pool != target.pool
+    if joins and not pools.get(target.pool, True):  # a pool it names anew is discovery's own
+        return (
+            f"pool {target.pool} does not take discovered nodes: a person marks it discoverable "
+            "(on a protected pool, with a second person's approval)"
+        )
+    return ""
+
+
+def _weights_changed(ids: list[int]) -> None:
+    """The balancers of these nodes' pools told, once this commits: a node not listed any more
+    (a pod stopping) gets no new request, one listed again its weight back."""
+    if not ids:
+        return
+    for pool_id in set(Node.objects.filter(pk__in=ids).values_list("pool_id", flat=True)):
+        transaction.on_commit(partial(traffic_sync, pool_id), robust=True)
 
 
 def _checked(target: Target, address: str, outcome: Discovered) -> bool:
@@ -179,7 +276,9 @@ def _addresses(target: Target) -> dict[str, str]:
 
 
 def _join_new(target: Target, now: datetime) -> Node:
-    pool, created = NodePool.objects.get_or_create(name=target.pool)
+    pool, created = NodePool.objects.get_or_create(
+        name=target.pool, defaults={"discoverable": True}
+    )
     node = Node.objects.create(
         name=target.name,
         pool=pool,
@@ -201,16 +300,25 @@ def _join_new(target: Target, now: datetime) -> Node:
 
 
 def _join_again(pk: int, target: Target, now: datetime) -> Node | None:
-    """A node listed again after it departed, or at other addresses (a replaced pod under the
-    same name, empty and cold); None when another pass saw to it first."""
-    node = Node.objects.get(pk=pk)  # locked by nodes_sync
+    """A node listed again after it departed, at other addresses (a replaced pod under the same
+    name, empty and cold), or in another pool (it departs from the one and joins the other);
+    None when another pass saw to it first."""
+    node = Node.objects.select_related("pool").get(pk=pk)  # locked by nodes_sync
     before = {key: getattr(node, key) for key in ADDRESSES}
-    if node.stage != Node.Stage.DEPARTED and before == _addresses(target):
+    moved = node.pool.name != target.pool
+    if node.stage != Node.Stage.DEPARTED and before == _addresses(target) and not moved:
         return None
+    if moved and node.stage != Node.Stage.DEPARTED:
+        _depart(node, now, why=f"listed in pool {target.pool} now")
+    if moved:
+        before["pool"] = node.pool.name
+        node.pool, _ = NodePool.objects.get_or_create(
+            name=target.pool, defaults={"discoverable": True}
+        )
     for key, value in _addresses(target).items():
         setattr(node, key, value)
-    node.listed_at = now
-    node.save(update_fields=[*_addresses(target), "listed_at"])
+    node.listed_at, node.unlisted_since = now, None
+    node.save(update_fields=[*_addresses(target), "pool", "listed_at", "unlisted_since"])
     back = node.stage == Node.Stage.DEPARTED
     stage_set(
         node,
@@ -218,15 +326,16 @@ def _join_again(pk: int, target: Target, now: datetime) -> Node | None:
         actor=ACTOR,
         action="node.return",
         message=("listed again" if back else "listed at other addresses")
+        + (f" in pool {target.pool}" if moved else "")
         + ": joins out of traffic until it serves its pool's release",
         at=now,
         before=before,
-        after=_addresses(target),
+        after=_addresses(target) | ({"pool": target.pool} if moved else {}),
     )
     return node
 
 
-def _depart(node: Node, now: datetime) -> None:
+def _depart(node: Node, now: datetime, why: str = "") -> None:
     assert node.listed_at is not None  # discovered nodes are listed when found
     absent = (now - node.listed_at).total_seconds()
     stage_set(
@@ -234,8 +343,12 @@ def _depart(node: Node, now: datetime) -> None:
         Node.Stage.DEPARTED,
         actor=ACTOR,
         action="node.depart",
-        message=f"not listed by Prometheus for {absent:.0f} s "
-        f"(grace {settings.DISCOVERY_GRACE_S:g} s): no longer polled",
+        message=(
+            why
+            or f"not listed by Prometheus for {absent:.0f} s "
+            f"(grace {settings.DISCOVERY_GRACE_S:g} s)"
+        )
+        + ": no longer polled",
         at=now,
     )
 

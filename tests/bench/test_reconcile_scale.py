@@ -272,7 +272,9 @@ def test_release_to_5000_nodes_against_the_floor(
     celery_app.conf.broker_url = redis_url
     assert all(r.ok for r in repository_import(path=REPOSITORY, actor=ACTOR))
     pools = [
-        NodePool.objects.create(name=f"bench-{p:02}", queue=QUEUES[p % len(QUEUES)])
+        NodePool.objects.create(
+            name=f"bench-{p:02}", queue=QUEUES[p % len(QUEUES)], discoverable=True
+        )
         for p in range(POOLS)
     ]
     # The last one: a probe, run in this process afterwards.
@@ -389,7 +391,7 @@ def test_one_worker_cpu_per_node_against_the_floor(report: Report) -> None:
     reported beside it: where the rest goes is Python, the ORM's building of those statements
     most of all."""
     assert all(r.ok for r in repository_import(path=REPOSITORY, actor=ACTOR))
-    pool = NodePool.objects.create(name="gauge")
+    pool = NodePool.objects.create(name="gauge", discoverable=True)
     with simulated(GAUGE_NODES + 1) as urls:
         listed = {f"sim-{n:04}": (url, pool.name) for n, url in enumerate(urls)}
         nodes_sync(listing(listed), timezone.now())

@@ -138,6 +138,7 @@ def test_the_nodes_page_shows_nodes_joining_serving_quarantined_and_departed(
         }
         for i, name in enumerate(["gpu-new", "gpu-gone", "gpu-hung"], start=1)
     ]
+    NodePool.objects.filter(name="pool-00").update(discoverable=True)
     nodes_sync(listed, timezone.now())
     Node.objects.filter(name="gpu-gone").update(stage=Node.Stage.DEPARTED, health="unreachable")
     hung = "model-000 v2 still LOADING 120 s after its load was sent, and not ready"

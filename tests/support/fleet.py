@@ -372,15 +372,20 @@ class Joined:
     weights_while_joining: list[int | None]  # HAProxy's weight for it, each time it was looked at
 
 
-def join_watched(devfleet: Devfleet, haproxy: Proc, pool: str) -> Joined:
+def join_watched(
+    devfleet: Devfleet, haproxy: Proc, pool: str, held: Callable[[Proc], None] | None = None
+) -> Joined:
     """One more node started and listed for Prometheus; returns once the control plane has
-    found it, loaded it, let it join and HAProxy gives it its full weight."""
+    found it, loaded it, let it join and HAProxy gives it its full weight (`held`, when given,
+    called first, once Prometheus lists it: it lets the node join)."""
     proc = devfleet.add_node(pool)
 
     def listed() -> bool:
         return any(t["labels"].get("node") == proc.name for t in active_targets("triton"))
 
     wait_for(f"Prometheus lists {proc.name}", listed, timeout=60, interval=0.1)
+    if held is not None:
+        held(proc)
     since = time.monotonic()
     weights: list[int | None] = []
 

@@ -16,7 +16,7 @@ from apps.devtools.processes import POOL_BACKENDS, FleetState, Proc
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register
-from apps.fleet.services.pools import pool_set_traffic
+from apps.fleet.services.pools import pool_set_discoverable, pool_set_traffic
 from apps.fleet.triton import TritonClient, TritonError
 from apps.registry.imports import repository_import
 from apps.rollouts.services import template_save
@@ -228,6 +228,7 @@ def discovering(weighted: NodePool, celery: Celery) -> Iterator[NodePool]:
     the trio's Prometheus (its `triton` scrape pool) every second, DISCOVERY_GRACE_S of grace."""
     discovery = {"DISCOVERY_SCRAPE_POOL": "triton", "DISCOVERY_INTERVAL_S": "1"}
     discovery["DISCOVERY_GRACE_S"] = str(DISCOVERY_GRACE_S)
+    pool_set_discoverable(pool_name=weighted.name, discoverable=True, actor="system:test")
     celery.use_env(**discovery)
     try:
         yield weighted

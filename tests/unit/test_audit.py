@@ -241,6 +241,7 @@ FLEET_REGISTRY_SERVICES = {
     registry.model_set_slo,
     imports.candidates_import,
     pools.pool_set_protected,
+    pools.pool_set_discoverable,
     pools.pool_set_traffic,
     nodes.node_set_memory,
     nodes.node_release,
@@ -474,6 +475,12 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             "pool.set_protected",
             lambda: pools.pool_set_protected(pool_name="nope", protected=True, actor="ops"),
             lambda: pools.pool_set_protected(pool_name="gpu", protected=True, actor="ops"),
+        ),
+        Case(
+            pools.pool_set_discoverable,
+            "pool.set_discoverable",
+            lambda: pools.pool_set_discoverable(pool_name="nope", discoverable=True, actor="ops"),
+            lambda: pools.pool_set_discoverable(pool_name="gpu", discoverable=True, actor="ops"),
         ),
         Case(
             pools.pool_set_traffic,

@@ -265,6 +265,7 @@ API_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/api/approvals/{approval_id}/reject"): {"reason": "not now"},
     ("put", "/api/pools/{pool}/models/{model}/tiers"): {"versions": [1, 2]},
     ("post", "/api/pools/{pool}/models/{model}/tiers/pin"): {"tier": 0, "reason": "drill"},
+    ("post", "/api/pools/{pool}/discoverable"): {"discoverable": True},
 }
 
 

@@ -417,9 +417,9 @@ def test_haproxy_gets_a_joined_node_as_a_server_a_replaced_pod_moved_a_departed_
     runtime.held["triton_http"]["left"] = Server(0, "10.0.0.4:8000")
     proxy.sync({"old": 100, "new": 0, "moved": 0, "named": 0}, places, {"left", "never-here"})
     assert runtime.deleted == ["triton_http/left"]
-    assert runtime.added["triton_http/new"] == "10.0.0.3:8000 weight 0 check"
+    assert runtime.added["triton_http/new"] == "10.0.0.3:8000 weight 0 check inter 1s fall 2 rise 1"
     assert runtime.added["triton_grpc/new"] == (
-        "10.0.0.3:8001 weight 0 proto h2 check check-proto h1 port 8000"
+        "10.0.0.3:8001 weight 0 proto h2 check check-proto h1 port 8000 inter 1s fall 2 rise 1"
     )
     assert ("triton_http/moved", "10.0.0.9:8000", 0) in runtime.moved
     assert ("triton_grpc/moved", "10.0.0.9:8001", 8000) in runtime.moved

@@ -97,23 +97,138 @@ def test_a_target_gone_past_the_grace_period_departs_and_comes_back_as_the_same_
     first = Node.objects.get(name="gpu-7")
     Node.objects.update(stage=Node.Stage.SERVING)
 
-    assert nodes_sync([target("gpu-8", port=8012)], start + timedelta(seconds=59)).departed == []
-    gone = nodes_sync([target("gpu-8", port=8012)], start + timedelta(seconds=61))
+    # Not listed: out of traffic at once (a pod stopping), departed after the grace.
+    assert nodes_sync([target("gpu-8", port=8012)], start + timedelta(seconds=5)).departed == []
+    unlisted = Node.objects.get(name="gpu-7")
+    assert (unlisted.stage, unlisted.wanted_weight) == (Node.Stage.SERVING, 0)
+    assert nodes_sync([target("gpu-8", port=8012)], start + timedelta(seconds=64)).departed == []
+    gone = nodes_sync([target("gpu-8", port=8012)], start + timedelta(seconds=66))
     assert gone.departed == ["gpu-7"]
     departed = Node.objects.get(name="gpu-7")
     assert departed.stage == Node.Stage.DEPARTED and departed.wanted_weight == 0
     (said,) = AuditEvent.objects.filter(action="node.depart")
-    assert said.message == "not listed by Prometheus for 61 s (grace 60 s): no longer polled"
-    # An empty listing departs nothing (a misnamed scrape pool would take the fleet out).
+    assert said.message == "not listed by Prometheus for 66 s (grace 60 s): no longer polled"
+    # An empty listing unlists nothing (a misnamed scrape pool would take the fleet out).
     assert nodes_sync([], start + timedelta(seconds=200)).departed == []
+    assert Node.objects.get(name="gpu-8").wanted_weight == 100
     other = target("gpu-other", port=8099)
-    assert nodes_sync([other], start + timedelta(seconds=200)).departed == ["gpu-8"]  # once each
+    assert nodes_sync([other], start + timedelta(seconds=200)).departed == []
+    assert nodes_sync([other], start + timedelta(seconds=261)).departed == ["gpu-8"]  # once each
 
     back = nodes_sync([target("gpu-7")], start + timedelta(seconds=300))
     assert back.joining == [first.pk]
     assert Node.objects.get(name="gpu-7").stage == Node.Stage.JOINING
     assert events("node.return") == ["node:gpu-7"]
     assert Node.objects.count() == 3
+
+
+def test_a_node_listed_again_within_the_grace_gets_its_weight_back() -> None:
+    start = timezone.now()
+    both = [target("gpu-7"), target("gpu-8", port=8012)]
+    nodes_sync(both, start)
+    Node.objects.update(stage=Node.Stage.SERVING)
+    nodes_sync(both[1:], start + timedelta(seconds=5))
+    assert Node.objects.get(name="gpu-7").wanted_weight == 0
+    nodes_sync(both, start + timedelta(seconds=10))
+    again = Node.objects.get(name="gpu-7")
+    assert (again.wanted_weight, again.unlisted_since, again.stage) == (100, None, "serving")
+
+
+def test_a_listing_that_lost_half_its_targets_for_a_pass_departs_none(settings: object) -> None:
+    """Even with no grace at all: a node departs only from a later pass that did not list it
+    either, and at most DISCOVERY_DEPARTURES_PER_PASS a pass, the longest unlisted first."""
+    settings.DISCOVERY_GRACE_S = 0  # type: ignore[attr-defined]
+    settings.DISCOVERY_DEPARTURES_PER_PASS = 2  # type: ignore[attr-defined]
+    start = timezone.now()
+    listed = [target(f"gpu-{n}", port=8000 + 10 * n) for n in range(6)]
+    nodes_sync(listed, start)
+    assert nodes_sync(listed[:3], start + timedelta(seconds=5)).departed == []
+    assert nodes_sync(listed, start + timedelta(seconds=10)).departed == []
+    assert not Node.objects.filter(unlisted_since__isnull=False).exists()
+    nodes_sync(listed[:3], start + timedelta(seconds=15))
+    departures = [
+        nodes_sync(listed[:2], start + timedelta(seconds=second)).departed
+        for second in (20, 25, 30)
+    ]
+    assert departures == [["gpu-3", "gpu-4"], ["gpu-5", "gpu-2"], []]
+
+
+def test_one_name_listed_by_two_targets_is_neither_s() -> None:
+    start = timezone.now()
+    nodes_sync([target("gpu-7")], start)
+    twice = [target("gpu-7"), target("gpu-7", host="10.6.6.6")]
+    found = nodes_sync(twice, start + timedelta(seconds=5))
+    why = "node name gpu-7 is listed by 2 targets: none is taken for it"
+    assert found.refused == {
+        "http://10.0.0.5:8002/metrics": why,
+        "http://10.6.6.6:8002/metrics": why,
+    }
+    node = Node.objects.get()
+    assert (node.http_url, node.unlisted_since) == ("http://10.0.0.5:8000", None)
+    assert nodes_sync(twice[1:], start + timedelta(seconds=6)).refused == {}  # then it moves
+
+
+def test_a_node_whose_target_is_still_listed_is_never_re_addressed() -> None:
+    start = timezone.now()
+    nodes_sync([target("gpu-7")], start)
+    relabelled = target("gpu-x")  # the same target, named otherwise now
+    found = nodes_sync([relabelled, target("gpu-7", host="10.6.6.6")], start + timedelta(seconds=5))
+    assert found.refused["http://10.6.6.6:8002/metrics"] == (
+        "node gpu-7's target http://10.0.0.5:8002/metrics is still listed: not re-addressed to "
+        "http://10.6.6.6:8002/metrics"
+    )
+    assert Node.objects.get(name="gpu-7").http_url == "http://10.0.0.5:8000"
+
+
+def test_a_node_listed_in_another_pool_departs_from_one_and_joins_the_other() -> None:
+    start = timezone.now()
+    nodes_sync([target("gpu-7")], start)
+    Node.objects.update(stage=Node.Stage.SERVING)
+    found = nodes_sync([target("gpu-7", pool="cpu")], start + timedelta(seconds=5))
+    node = Node.objects.select_related("pool").get()
+    assert found.joining == [node.pk]
+    assert (node.pool.name, node.stage) == ("cpu", Node.Stage.JOINING)
+    trail = AuditEvent.objects.filter(target="node:gpu-7").order_by("id")
+    assert [(e.action, e.message) for e in trail][1:] == [
+        ("node.depart", "listed in pool cpu now: no longer polled"),
+        (
+            "node.return",
+            "listed again in pool cpu: joins out of traffic until it serves its pool's release",
+        ),
+    ]
+
+
+def test_a_target_joins_only_a_pool_open_to_discovery_and_a_protected_one_with_approval(
+    client: Client,
+) -> None:
+    from apps.accounts.roles import Role
+    from apps.accounts.services import user_ensure
+    from apps.approvals.models import Approval
+    from apps.approvals.services import approval_approve
+    from tests.support.users import PASSWORD, make_user
+
+    prod = NodePool.objects.create(name="prod", protected=True)
+    found = nodes_sync([target("gpu-7", pool="prod")], timezone.now())
+    assert found.refused["http://10.0.0.5:8002/metrics"] == (
+        "pool prod does not take discovered nodes: a person marks it discoverable (on a "
+        "protected pool, with a second person's approval)"
+    )
+    assert not Node.objects.exists()
+    make_user(Role.VIEWER)  # the role groups
+    ann, bob = (
+        user_ensure(username=name, password=PASSWORD, role=Role.RELEASE_MANAGER)
+        for name in ("ann", "bob")
+    )
+    asked = Client(headers=bearer(ann)).post(
+        "/api/pools/prod/discoverable", {"discoverable": True}, content_type="application/json"
+    )
+    assert asked.status_code == 202
+    assert nodes_sync([target("gpu-7", pool="prod")], timezone.now()).joining == []
+    approval_approve(approval_id=Approval.objects.get().pk, actor=bob)
+    prod.refresh_from_db()
+    assert prod.discoverable
+    joined = nodes_sync([target("gpu-7", pool="prod")], timezone.now()).joining
+    assert joined == [Node.objects.get(name="gpu-7").pk]
 
 
 def test_a_target_listed_again_changes_nothing_and_writes_nothing_but_when() -> None:
@@ -167,7 +282,8 @@ def test_a_discovered_node_is_never_registered_again_by_hand() -> None:
     nodes_sync([target("gpu-7")], now)
     with pytest.raises(FleetError, match=r"node gpu-7 is discovered from .* under another name"):
         by_hand("gpu-7")
-    nodes_sync([target("gpu-8")], now + timedelta(days=1))
+    for later in (1, 2):  # unlisted, then departed
+        nodes_sync([target("gpu-8", port=8012)], now + timedelta(days=later))
     with pytest.raises(FleetError, match=r"node gpu-7 is discovered, departed, from Prometheus"):
         by_hand("gpu-7")
     node = Node.objects.get(name="gpu-7")
@@ -405,6 +521,7 @@ def test_a_pass_that_departs_a_node_never_deadlocks_with_a_reconciles_index_writ
     assert listed.pk < gone.pk  # the order the index write's scan met them in, too
     monkeypatch.setattr(TritonClient, "repository_index", lambda self: [])
     settings.DISCOVERY_GRACE_S = 0  # type: ignore[attr-defined]
+    nodes_sync([target("l", port=8002)], timezone.now())  # g unlisted: the next pass departs it
     held, release, errors = threading.Event(), threading.Event(), []
 
     def hold_gone() -> None:

@@ -1,4 +1,5 @@
-"""Changes of a pool: its queue, protection, rollback window, traffic strategy and roles."""
+"""Changes of a pool: its queue, protection, discovery, rollback window, traffic strategy and
+roles."""
 
 import re
 
@@ -6,6 +7,7 @@ from django.contrib.auth.models import User
 from django.db import transaction
 
 from apps.accounts.models import PoolRole
+from apps.accounts.permissions import authorize, second_person
 from apps.accounts.services import RoleError, user_role
 from apps.audit.services import Actor, audit_record, audited, fields_set
 from apps.fleet.errors import FleetError
@@ -28,6 +30,19 @@ def pool_set_queue(*, pool_name: str, queue: str, actor: Actor) -> NodePool:
 def pool_set_protected(*, pool_name: str, protected: bool, actor: Actor) -> NodePool:
     """A protected pool's deployments, promotions and rollbacks need two people."""
     return _pool_set(pool_name, {"protected": protected}, actor)
+
+
+@audited("pool.set_discoverable", lambda pool_name, **_: f"pool:{pool_name}", (FleetError,))
+def pool_set_discoverable(*, pool_name: str, discoverable: bool, actor: Actor) -> NodePool:
+    """Whether nodes that discovery finds labelled with this pool join it by themselves. Opening
+    a protected pool needs a second person: a target that joins gets its traffic once warm."""
+    pool = NodePool.objects.filter(name=pool_name).first()
+    if pool is not None:
+        authorize(actor, "rollouts.add_rollout", pool)  # what joins it serves its release
+    if pool is not None and discoverable and not pool.discoverable:
+        params = {"pool": pool_name, "discoverable": True}
+        second_person(actor, pool, "pool.set_discoverable", params)
+    return _pool_set(pool_name, {"discoverable": discoverable}, actor)
 
 
 @audited("pool.set_rollback_window", lambda pool_name, **_: f"pool:{pool_name}", (FleetError,))

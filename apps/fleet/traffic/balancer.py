@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from apps.audit.services import audit_record
 from apps.fleet.models import Node, NodePool
-from apps.fleet.traffic.haproxy import HAProxyError, Runtime
+from apps.fleet.traffic.haproxy import HEALTH_CHECKS, HAProxyError, Runtime
 
 log = logging.getLogger(__name__)
 DEFAULT_WEIGHT = 100
@@ -120,6 +120,7 @@ class HAProxy:
         absent = {
             name: f"{address} weight {wanted[name]} "
             + (f"proto h2 {CHECK_HTTP} {_port(places[name].http)}" if grpc else "check")
+            + f" {HEALTH_CHECKS}"
             for name, address in where.items()
             if name not in servers
         }

@@ -15,6 +15,9 @@ TIMEOUT_S = 3.0
 NAME = re.compile(r"[A-Za-z0-9._-]{1,60}")
 # A server added at run time: its address and options, words of these characters only.
 SERVER_LINE = re.compile(r"[A-Za-z0-9.:\[\]_ -]{1,200}")
+# How a node's server is health-checked, added at run time as in the shipped configuration
+# (deploy/haproxy/triton-pool.cfg): a runtime `add server` takes no `default-server` line.
+HEALTH_CHECKS = "inter 1s fall 2 rise 1"
 
 
 @dataclass(frozen=True)

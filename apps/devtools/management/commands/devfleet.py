@@ -11,7 +11,7 @@ from apps.fleet.errors import FleetError
 from apps.fleet.models import Node, NodePool
 from apps.fleet.selectors import node_list
 from apps.fleet.services.nodes import node_register
-from apps.fleet.services.pools import pool_set_traffic
+from apps.fleet.services.pools import pool_set_discoverable, pool_set_traffic
 from apps.fleet.triton import TritonClient, TritonError
 
 SIMULATED_MAX = 5000  # one asyncio process starts 5,000 nodes in under a second
@@ -133,6 +133,8 @@ class Command(BaseCommand):
             prometheus_port=options["prometheus_port"] or None,  # type: ignore[arg-type]
         )
         NodePool.objects.get_or_create(name=pool)
+        if options["discover"]:
+            pool_set_discoverable(pool_name=pool, discoverable=True, actor="system:devfleet")
         for proc in state.nodes:
             if not options["discover"]:
                 node_register(
