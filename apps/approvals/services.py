@@ -69,6 +69,8 @@ ACTIONS: dict[str, Callable[[dict[str, Any], User], object]] = {
         lockstep=[(m["model"], m["canary"]) for m in p["lockstep"]],
         accept_shares=p["accept_shares"],
         strategy=p.get("strategy", "canary"),  # requests from before it had one
+        template_version=p.get("template_version"),  # ... and before what it runs was pinned
+        quality_sets=p.get("quality_sets"),
         actor=actor,
     ),
     "rollout.retry": lambda p, actor: rollout_retry(rollout_id=p["rollout_id"], actor=actor),

@@ -11,8 +11,8 @@ from django.utils import timezone
 
 from apps.fleet.models import Node
 from apps.quality.errors import QualityError
-from apps.quality.models import EvaluationRun, SyntheticLoad
-from apps.quality.selectors import latest_set, run_rows
+from apps.quality.models import EvaluationRun, EvaluationSet, SyntheticLoad
+from apps.quality.selectors import run_rows
 from apps.quality.services import evaluation_start, synthetic_load_start
 from apps.registry.models import Model
 from apps.rollouts.analysis import ChangedStep, Result
@@ -37,6 +37,13 @@ class Release(Protocol):
     def beside(self) -> int | None: ...
 
 
+def pinned_set(rollout: Rollout, model: str) -> EvaluationSet | None:
+    """The evaluation set the rollout's gates run for `model`: the version pinned when it
+    started (what an approval showed), never one imported since."""
+    pk = rollout.quality_sets.get(model)
+    return EvaluationSet.objects.filter(pk=pk).first() if pk else None
+
+
 def evaluate(
     rollout: Rollout,
     spec: Analysis,
@@ -48,7 +55,7 @@ def evaluate(
 ) -> EvaluationRun:
     """Queue the rollout's evaluation set against the canary, on a canary node, and against the
     baseline where a node serves it. Raises QualityError."""
-    found = latest_set(model_id=rollout.model_id, name=spec.quality_set)
+    found = pinned_set(rollout, rollout.model.name)
     if found is None:
         raise QualityError(
             f"{rollout.model.name} has no evaluation set {spec.quality_set!r}; import one"
@@ -78,10 +85,9 @@ def evaluate_everywhere(
     """Before a blue-green switch: each changed step's evaluation set against its new version
     and the one it replaces, both loaded on every node, node by node (each node loaded its own
     copy: one that loaded it wrong is found). Raises QualityError."""
-    models = Model.objects.in_bulk([step.model for step in changed], field_name="name")
     runs = []
     for step in changed:
-        found = latest_set(model_id=models[step.model].pk, name=spec.quality_set)
+        found = pinned_set(rollout, step.model)
         if found is None:
             raise QualityError(f"{step.model} has no evaluation set {spec.quality_set!r}")
         runs += [
@@ -230,7 +236,7 @@ def drive_evidence(
     names = load.nodes if load is not None else _short_sides(rollout, spec, canary, nodes)
     if not names:
         return
-    found = latest_set(model_id=rollout.model_id, name=spec.quality_set)
+    found = pinned_set(rollout, rollout.model.name)
     if found is None:
         return  # its absence pauses the gate, and rounds say why they are inconclusive
     seconds = spec.window_s + 2 * spec.interval_s

@@ -83,6 +83,11 @@ class Rollout(models.Model):
         related_name="rollouts",
         help_text="the analysis template (and version) it started from",
     )
+    quality_sets = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text='the evaluation sets its gates run, pinned when it started: {"model": set id}',
+    )
     state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
     step = models.PositiveIntegerField(default=0, help_text="index of the current step in plan")
     step_started_at = models.DateTimeField(null=True, blank=True, help_text="share applied")

@@ -7,6 +7,7 @@ from typing import Any
 from apps.fleet.desired import Want, fleet_desired
 from apps.fleet.memory import shortfalls
 from apps.fleet.models import Deployment, NodePool
+from apps.quality.models import EvaluationSet
 from apps.quality.selectors import latest_set
 from apps.registry.codec import from_dict
 from apps.registry.ensembles import UnresolvedStep, pinned_steps
@@ -34,13 +35,16 @@ class Proposal:
     lockstep: list[dict[str, Any]] = field(default_factory=list)  # as Rollout.lockstep
     memory: list[str] = field(default_factory=list)  # nodes where it would not fit, and why
     strategy: str = Rollout.Strategy.CANARY
+    quality_sets: dict[str, int] = field(default_factory=dict)  # as Rollout.quality_sets
 
 
-def _template(name: str, model: Model, pool: NodePool) -> AnalysisTemplate:
-    """The latest version of template `name`, if it may judge `model` on `pool`."""
-    found = AnalysisTemplate.objects.filter(name=name).select_related("model", "pool").first()
+def _template(name: str, version: int | None, model: Model, pool: NodePool) -> AnalysisTemplate:
+    """Template `name` at `version` (its latest: None), if it may judge `model` on `pool`."""
+    versions = AnalysisTemplate.objects.filter(name=name).select_related("model", "pool")
+    found = (versions.filter(version=version) if version is not None else versions).first()
     if found is None:
-        raise RolloutError(f"no analysis template {name!r}")
+        at = f" v{version}" if version is not None else ""
+        raise RolloutError(f"no analysis template {name!r}{at}")
     for scope, given in ((found.model, model), (found.pool, pool)):
         if scope is not None and scope != given:
             raise RolloutError(f"analysis template {found} is for {scope}, not {given}")
@@ -58,13 +62,16 @@ def rollout_propose(
     template: str = "",
     lockstep: list[tuple[str, int]] | None = None,
     strategy: str = Rollout.Strategy.CANARY,
+    template_version: int | None = None,
+    quality_sets: dict[str, int] | None = None,
 ) -> Proposal:
     """Check a rollout before it starts and say what each step will do to which nodes (the
     dry run). A share in percent is whole nodes here, each taking its part of the requests: a
     step that would get more than twice its share is refused unless `accept_shares`.
     `lockstep`: other models (name, canary version) released with it as one. A blue-green
-    release has one step, every node at once, and no plan of its own. Raises RolloutError or
-    PlanError."""
+    release has one step, every node at once, and no plan of its own. Its gates' evaluation
+    sets are the newest versions now, or exactly `quality_sets` (and the template exactly
+    `template_version`): what an approval showed. Raises RolloutError or PlanError."""
     if strategy not in Rollout.Strategy.values:
         raise RolloutError(f"no strategy {strategy!r}; one of {', '.join(Rollout.Strategy)}")
     blue_green = strategy == Rollout.Strategy.BLUE_GREEN
@@ -101,13 +108,13 @@ def rollout_propose(
             f"{far.real_share}, more than twice the share asked; accept the real shares to go "
             "on, or give the step in nodes"
         )
-    chosen = _template(template, model, pool) if template else None
+    chosen = _template(template, template_version, model, pool) if template else None
     # What is given here overrides the template, which overrides the defaults.
     judged = Analysis.from_dict((chosen.analysis if chosen else {}) | (analysis or {}))
     if pool.protected:
         _as_strict_as_the_pool(judged, pool)
     if blue_green:
-        _blue_green_checks(releases, judged)
+        gated = _blue_green_checks(releases, judged)
         # Each node with the new release's steps standing by beside what it serves.
         label = f"{model_name} v{canary_version}, on standby"
         change = {model_name: Want(baseline, None, label, standby=canary_version)}
@@ -117,6 +124,7 @@ def rollout_propose(
                 f"{model_name} has no evaluation set {judged.quality_set!r} for the quality "
                 "gate; import one first"
             )
+        gated = [model] if judged.quality_set else []
         # Each node as a canary node would be, the baseline beside the canary: the widest step.
         change = {
             m.model.name: Want(m.canary, m.beside, f"{m.model.name} v{m.canary}, a canary")
@@ -138,13 +146,30 @@ def rollout_propose(
         ],
         memory=short,
         strategy=strategy,
+        quality_sets=_quality_sets(judged.quality_set, gated, quality_sets),
     )
 
 
-def _blue_green_checks(releases: list[transitions.Member], analysis: Analysis) -> None:
+def _quality_sets(name: str, gated: list[Model], given: dict[str, int] | None) -> dict[str, int]:
+    """The evaluation set each `gated` model's gate runs, pinned: the newest version of `name`
+    now, or exactly the ones `given` (what an approval showed, however many came since)."""
+    if given is None:
+        newest = (latest_set(model_id=model.pk, name=name) for model in gated)
+        return {model.name: found.pk for model, found in zip(gated, newest, strict=True) if found}
+    pinned = EvaluationSet.objects.filter(
+        model__in=gated, name=name, pk__in=given.values()
+    ).values_list("model__name", "pk")
+    if dict(pinned) != given:
+        raise RolloutError(
+            f"evaluation sets {given} are not {name!r} of {', '.join(m.name for m in gated)}"
+        )
+    return given
+
+
+def _blue_green_checks(releases: list[transitions.Member], analysis: Analysis) -> list[Model]:
     """A blue-green release switches a pipeline's pins: its changed steps load beside the ones
     serving and are evaluated, each by its own evaluation set of the analysis's name, on every
-    node, before the switch."""
+    node, before the switch. Returns those steps' models."""
     lead = releases[0]
     name = lead.model.name
     if len(releases) > 1:
@@ -165,6 +190,7 @@ def _blue_green_checks(releases: list[transitions.Member], analysis: Analysis) -
             "a blue-green release is evaluated before it switches: name an evaluation set "
             "(quality_set)"
         )
+    gated = []
     for step in changed:
         found = Model.objects.filter(name=step.model).first()
         if found is None or latest_set(model_id=found.pk, name=analysis.quality_set) is None:
@@ -172,6 +198,8 @@ def _blue_green_checks(releases: list[transitions.Member], analysis: Analysis) -
                 f"step {step.model} (v{step.baseline} -> v{step.canary}) has no evaluation set "
                 f"{analysis.quality_set!r} to validate it before the switch; import one first"
             )
+        gated.append(found)
+    return gated
 
 
 def _as_strict_as_the_pool(analysis: Analysis, pool: NodePool) -> None:

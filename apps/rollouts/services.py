@@ -115,7 +115,12 @@ def rollout_start(
     template: str = "",
     lockstep: list[tuple[str, int]] | None = None,
     strategy: str = Rollout.Strategy.CANARY,
+    template_version: int | None = None,
+    quality_sets: dict[str, int] | None = None,
 ) -> Rollout:
+    """A rollout of `canary_version` over what the pool serves, as `rollout_propose` checks it;
+    its gates run the evaluation sets it pins now (or exactly `quality_sets`, with the
+    template's `template_version`: what an approval showed)."""
     proposal = rollout_propose(
         model_name=model_name,
         pool_name=pool_name,
@@ -126,6 +131,8 @@ def rollout_start(
         template=template,
         lockstep=lockstep,
         strategy=strategy,
+        template_version=template_version,
+        quality_sets=quality_sets,
     )
     authorize(actor, "rollouts.add_rollout", proposal.pool)
     # The approver sees exactly what will run: the plan and the analysis as resolved now.
@@ -154,6 +161,7 @@ def rollout_start(
                 plan=proposal.plan,
                 analysis=proposal.analysis.as_dict(),
                 template=proposal.template,
+                quality_sets=proposal.quality_sets,
                 started_by=actor_name(actor),
             )
     except IntegrityError:
@@ -169,6 +177,7 @@ def rollout_start(
             "pool": pool_name,
             "template": str(proposal.template or ""),
             "lockstep": proposal.lockstep,
+            "quality_sets": proposal.quality_sets,
         },
     )
     notify(rollout, "started")
@@ -184,6 +193,8 @@ def _start_params(proposal: Proposal, template: str) -> dict[str, Any]:
         "plan": proposal.plan,
         "analysis": proposal.analysis.as_dict(),
         "template": template,
+        "template_version": proposal.template.version if proposal.template else None,
+        "quality_sets": proposal.quality_sets,
         "lockstep": proposal.lockstep,
         "accept_shares": any(row.overshoots for row in proposal.preview),
         "strategy": proposal.strategy,
@@ -307,6 +318,7 @@ def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
             actor=actor,
             lockstep=[(m["model"], m["canary"]) for m in rollout.lockstep],
             strategy=rollout.strategy,
+            quality_sets=rollout.quality_sets or None,
         )
         again.template = rollout.template
         again.save(update_fields=["template"])

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -33,8 +34,10 @@ from apps.fleet.services.nodes import node_adopt, operation_override
 from apps.fleet.services.pools import pool_role_set
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_rollback
+from apps.quality.services import evaluation_set_import
 from apps.registry.models import Model, ModelVersion
 from apps.registry.services import version_set_status
+from apps.rollouts import gates
 from apps.rollouts.models import Notification, Rollout
 from apps.rollouts.plans import Analysis
 from apps.rollouts.services import (
@@ -47,6 +50,7 @@ from apps.rollouts.services import (
     rollout_start,
     template_save,
 )
+from tests.support.quality import DEMO_SET, demo_faq
 from tests.support.registry import import_demo
 from tests.support.users import PASSWORD, bearer, make_user
 
@@ -341,6 +345,49 @@ def test_a_rollout_start_waits_with_what_it_will_run(pool: NodePool) -> None:
     started = Rollout.objects.get()
     assert (started.started_by, started.plan) == ("ann", approval.params["plan"])
     assert started.analysis == approval.params["analysis"]
+
+
+def test_an_approved_rollout_runs_the_evaluation_set_and_template_it_showed(
+    pool: NodePool,
+) -> None:
+    """A trivial set (or a template) imported while the start waits changes nothing of it:
+    the approval stores their ids, and the gate runs exactly the pinned set."""
+    ann, bob = person("ann"), person("bob")
+    node = Node.objects.create(name="gpu-1", pool=pool, http_url="http://127.0.0.1:1")
+    faq = demo_faq()
+    deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor=CONTROLLER)
+    template_save(name="careful", analysis={"quality_set": "faq"}, pool_name="gpu", actor="ops")
+    with pytest.raises(ApprovalRequired) as refused:
+        rollout_start(
+            model_name="rag_pipeline",
+            pool_name="gpu",
+            canary_version=2,
+            plan="100%",
+            analysis=None,
+            template="careful",
+            actor=ann,
+        )
+    approval = approval_request(refused=refused.value, actor=ann)
+    assert (approval.params["quality_sets"], approval.params["template_version"]) == (
+        {"rag_pipeline": faq.pk},
+        1,
+    )
+    assert f"quality_sets rag_pipeline={faq.pk}" in approval.summary
+    trivial = DEMO_SET.read_text().splitlines()[0]
+    evaluation_set_import(model_name="rag_pipeline", name="faq", text=trivial, actor="mallory")
+    template_save(
+        name="careful",
+        analysis={"quality_set": "faq", "quality_min_score": 0.5},
+        pool_name="gpu",
+        actor="mallory",
+    )
+    approval_approve(approval_id=approval.pk, actor=bob)
+    rollout = Rollout.objects.select_related("template").get()
+    assert (rollout.quality_sets, rollout.template.version) == ({"rag_pipeline": faq.pk}, 1)
+    lead = SimpleNamespace(canary=2, baseline=1, beside=None)
+    spec = Analysis.from_dict(rollout.analysis)
+    run = gates.evaluate(rollout, spec, lead=lead, canary=[node], nodes=[node], when="gate")
+    assert run.evaluation_set_id == faq.pk
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from django.db.migrations.executor import MigrationExecutor
 from apps.fleet.models import NodePool
 from apps.registry.models import Model
 from apps.rollouts import analysis
-from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.models import Measurement
 from apps.rollouts.plans import Analysis, CustomMetric, PlanError
 from controlplane.catalog import custom_query
 from controlplane.prometheus import PrometheusUnavailable
@@ -285,14 +285,22 @@ def test_prometheus_refusing_a_quality_query_is_an_error(monkeypatch: pytest.Mon
 def test_measurements_recorded_as_quality_are_renamed_custom_and_back() -> None:
     before = [("rollouts", "0014_notification_of_a_pool")]
     after = [("rollouts", "0015_custom_metric_names")]
-    MigrationExecutor(connection).migrate(before)
+    executor = MigrationExecutor(connection)
+    executor.migrate(before)
+    old = executor.loader.project_state(before).apps  # the rollouts' tables as they were then
     pool = NodePool.objects.create(name="gpu")
     model = Model.objects.create(name="rag_pipeline")
-    rollout = Rollout.objects.create(
-        model=model, pool=pool, baseline_version=1, canary_version=2, plan=[{"percent": 100}]
+    rollout = old.get_model("rollouts", "Rollout").objects.create(
+        model_id=model.pk,
+        pool_id=pool.pk,
+        baseline_version=1,
+        canary_version=2,
+        plan=[{"percent": 100}],
     )
     for name in ("quality: helpful answers", "p99", "quality before traffic"):
-        Measurement.objects.create(rollout=rollout, step=0, metric=name, verdict="success")
+        old.get_model("rollouts", "Measurement").objects.create(
+            rollout=rollout, step=0, metric=name, verdict="success"
+        )
 
     def names() -> set[str]:
         return set(Measurement.objects.values_list("metric", flat=True))
