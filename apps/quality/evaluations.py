@@ -37,6 +37,16 @@ def evaluation_execute(*, run_id: int) -> None:
     _store(run, answers)
 
 
+def evaluation_timed_out(*, run_id: int, limit_s: int) -> None:
+    """A run stopped at its worker's time limit: failed, saying so, for whoever waits on it
+    (a rollout's gate pauses on it at once rather than at its deadline)."""
+    EvaluationRun.objects.filter(pk=run_id, status=EvaluationRun.Status.RUNNING).update(
+        status=EvaluationRun.Status.FAILED,
+        error=f"stopped at its time limit of {limit_s} s: too many cases, or too slow a node",
+        finished_at=timezone.now(),
+    )
+
+
 def _answers(run: EvaluationRun) -> dict[int, tuple[list[EvaluationCase], list[Answer]]]:
     model = run.evaluation_set.model
     cases = list(run.evaluation_set.cases.all())

@@ -1,16 +1,28 @@
 """Thin Celery wrappers: ids in, the work in apps/quality/evaluations.py."""
 
 from celery import shared_task
+from celery.exceptions import SoftTimeLimitExceeded
 
-from apps.quality.evaluations import evaluation_execute, load_drive
-
+from apps.quality.evaluations import evaluation_execute, evaluation_timed_out, load_drive
 
 # Claimed by a conditional update, so a redelivery after a lost worker is a no-op: the run then
-# stays "running" and whoever waits on it (a rollout's gate) gives up at its deadline. Each case
-# has its own timeout; the limits bound a whole set of them.
-@shared_task(name="quality.run_evaluation", acks_late=True, soft_time_limit=540, time_limit=570)
+# stays "running" and whoever waits on it (a rollout's gate) gives up at its deadline, at most
+# the hard limit and a minute (apps.rollouts.gates.gate_deadline). Each case has its own timeout;
+# the limits bound a whole set of them, and the soft one fails the run, saying so.
+RUN_SOFT_LIMIT_S, RUN_TIME_LIMIT_S = 540, 570
+
+
+@shared_task(
+    name="quality.run_evaluation",
+    acks_late=True,
+    soft_time_limit=RUN_SOFT_LIMIT_S,
+    time_limit=RUN_TIME_LIMIT_S,
+)
 def run_evaluation(run_id: int) -> None:
-    evaluation_execute(run_id=run_id)
+    try:
+        evaluation_execute(run_id=run_id)
+    except SoftTimeLimitExceeded:
+        evaluation_timed_out(run_id=run_id, limit_s=RUN_SOFT_LIMIT_S)
 
 
 # Claimed like a run. A load lasts its `seconds` (an hour at most): a lost one is not sent

@@ -14,6 +14,7 @@ from apps.quality.errors import QualityError
 from apps.quality.models import EvaluationRun, EvaluationSet, SyntheticLoad
 from apps.quality.selectors import run_rows
 from apps.quality.services import evaluation_start, synthetic_load_start
+from apps.quality.tasks import RUN_TIME_LIMIT_S
 from apps.registry.models import Model
 from apps.rollouts.analysis import ChangedStep, Result
 from apps.rollouts.models import Rollout
@@ -194,10 +195,12 @@ def evaluated(
 
 def gate_deadline(run: EvaluationRun, spec: Analysis) -> datetime:
     """When a run that has not finished is given up: every case at its timeout, a round of
-    `concurrency` at a time, for both versions, plus a minute to reach a worker."""
+    `concurrency` at a time, for both versions, plus a minute to reach a worker; never past
+    the worker's hard limit (a run killed there stays running) and that minute."""
     cases = run.evaluation_set.cases.count()
     rounds = -(-cases // run.concurrency) * (2 if run.baseline_version else 1)
-    return run.created_at + timedelta(seconds=60 + rounds * run.timeout_s)
+    seconds = min(rounds * run.timeout_s, RUN_TIME_LIMIT_S)
+    return run.created_at + timedelta(seconds=60 + seconds)
 
 
 def evaluation_verdict(run: EvaluationRun, spec: Analysis) -> tuple[Verdict, str]:

@@ -166,3 +166,32 @@ def test_the_gate_passes_only_a_score_at_the_minimum_and_near_the_baseline() -> 
     assert lost[0] == "inconclusive" and lost[1].endswith(
         "could not run: no reachable node has it READY"
     )
+
+
+def test_a_run_stopped_at_its_time_limit_fails_saying_so_and_is_never_waited_on_for_hours(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from apps.quality import tasks
+    from apps.rollouts.gates import gate_deadline
+    from apps.rollouts.plans import Analysis
+
+    import_demo()
+    text = "\n".join(case(name=f"c{n}") for n in range(400))
+    found = evaluation_set_import(model_name="rag_pipeline", name="faq", text=text, actor="ops")
+    run = EvaluationRun.objects.create(
+        evaluation_set=found, version=7, baseline_version=1, concurrency=1, timeout_s=10
+    )
+
+    def slow(*, run_id: int) -> None:
+        EvaluationRun.objects.filter(pk=run_id).update(status=EvaluationRun.Status.RUNNING)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(tasks, "evaluation_execute", slow)
+    tasks.run_evaluation(run.pk)
+    run.refresh_from_db()
+    assert (run.status, run.finished_at is not None) == (EvaluationRun.Status.FAILED, True)
+    assert run.error == ("stopped at its time limit of 540 s: too many cases, or too slow a node")
+    # 400 cases of 10 s, one at a time, on both sides: 8,000 s; a run is killed at 570 s.
+    assert (gate_deadline(run, Analysis()) - run.created_at).total_seconds() == 630
