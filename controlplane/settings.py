@@ -335,6 +335,9 @@ FLEET_MEMORY_MAX_AGE_S = env_float("FLEET_MEMORY_MAX_AGE_S", 30.0)
 TRITON_TIMEOUT_S = 5.0
 # How long a load may take on a node; a running load is not taken over before it has passed.
 FLEET_LOAD_TIMEOUT_S = env_float("FLEET_LOAD_TIMEOUT_S", 120.0)
+# At most this share of a pool's nodes quarantined for hung loads (one at least): past it, a hang
+# is the change's, not the node's, and the node keeps serving what it served.
+FLEET_QUARANTINE_MAX_SHARE = env_float("FLEET_QUARANTINE_MAX_SHARE", 0.34)
 PROMETHEUS_TIMEOUT_S = 5
 
 # One JSON object per line, with the request id the audit trail records (controlplane.logs).

@@ -3,6 +3,8 @@
 (`services.nodes.node_release`) or it shows the load no longer LOADING (a restart), and then it
 joins again: loaded, read back and warmed before it serves."""
 
+import math
+
 from django.conf import settings
 from django.db import transaction
 
@@ -36,15 +38,27 @@ def stuck(client: TritonClient, op: Operation) -> str:
     listed = ", ".join(f"v{v}" for v in hung)
     return (
         f"{op.model_name} {listed} still LOADING {settings.FLEET_LOAD_TIMEOUT_S:g} s after its "
-        "load was sent, and not ready: a hung load; the node is quarantined until a person or a "
-        "restart clears it"
+        "load was sent, and not ready: a hung load"
     )
 
 
-def quarantine(node: Node, why: str) -> None:
-    """Out of traffic and left alone, with `why` on its page, in the trail and in /metrics."""
+def quarantine(node: Node, why: str) -> str:
+    """Out of traffic and left alone, with `why` on its page, in the trail and in /metrics;
+    returns what its hung load is failed with. Past FLEET_QUARANTINE_MAX_SHARE of its pool, a
+    load that hangs everywhere would take the pool out of traffic node by node: the node stays
+    as it is instead, serving what it served, and the change goes no further there."""
     with transaction.atomic():
         locked = Node.objects.select_for_update().select_related("pool").get(pk=node.pk)
+        pool = Node.objects.filter(pool_id=locked.pool_id).exclude(stage=Node.Stage.DEPARTED)
+        held = pool.filter(stage=Node.Stage.QUARANTINED).exclude(pk=node.pk).count()
+        most = max(1, math.floor(settings.FLEET_QUARANTINE_MAX_SHARE * pool.count()))
+        if held + 1 > most:
+            return (
+                f"{why}, on {held + 1} nodes of pool {locked.pool.name} now: more than {most} "
+                "quarantined would take the pool out of traffic, so this node keeps serving "
+                "what it served and the change stops here"
+            )
+        why += "; the node is quarantined until a person or a restart clears it"
         stage_set(
             locked,
             Node.Stage.QUARANTINED,
@@ -57,6 +71,7 @@ def quarantine(node: Node, why: str) -> None:
         node.stage, node.stage_reason = locked.stage, locked.stage_reason  # a run's node too
         if locked.pool.traffic:
             transaction.on_commit(lambda: traffic_sync(locked.pool_id), robust=True)
+    return why
 
 
 def release(node: Node, *, actor: Actor, why: str) -> None:

@@ -316,8 +316,8 @@ def _execute(node: Node, op: Operation, claimed: bool, following: Following) -> 
             and not dropped
             and (hung := quarantine.stuck(client, op))
         ):
-            quarantine.quarantine(node, hung)
-            return _finish(op, following, hung, failure=failures.STUCK)
+            said = quarantine.quarantine(node, hung)
+            return _finish(op, following, said, failure=failures.STUCK)
         # Sent, but no answer: Triton may still be at it. Never re-sent blindly; the
         # reconciler reads the node's index and decides.
         why = "sent, and the connection closed before an answer" if dropped else "no answer in time"

@@ -125,3 +125,40 @@ def test_a_hung_load_stops_the_run_before_a_persons_next_operation(
     assert (first.status, first.failure) == (Operation.Status.FAILED, "stuck")
     assert second.status == Operation.Status.QUEUED and second.started_at is None
     assert Node.objects.get().stage == Node.Stage.QUARANTINED
+
+
+def test_a_load_hung_on_every_node_quarantines_no_more_than_a_share_of_the_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A third of the trio at most (one node): the second node's hang is the change's, and that
+    node keeps serving what it served; its run stops there all the same."""
+    pool = NodePool.objects.create(name="trio")
+    nodes = [
+        Node.objects.create(name=f"trio-{n}", pool=pool, http_url=f"http://10.0.0.{n}:8000")
+        for n in (1, 2, 3)
+    ]
+    for node in nodes[:2]:
+        Operation.objects.create(
+            node=node, kind="load", model_name="embedder", versions=[2], requested_by="ops"
+        )
+
+    def load(self: TritonClient, model: str, **_: object) -> None:
+        raise TritonTimeout(self.node, "timed out")
+
+    monkeypatch.setattr(TritonClient, "load", load)
+    monkeypatch.setattr(
+        TritonClient, "repository_index", lambda self: [IndexEntry("embedder", 2, "LOADING", "")]
+    )
+    monkeypatch.setattr(TritonClient, "version_ready", lambda self, model, version: False)
+    for node in nodes[:2]:
+        node_run(node_id=node.pk)
+    stages = dict(Node.objects.values_list("name", "stage"))
+    assert stages == {"trio-1": "quarantined", "trio-2": "serving", "trio-3": "serving"}
+    second = Operation.objects.get(node__name="trio-2")
+    assert (second.status, second.failure) == (Operation.Status.FAILED, "stuck")
+    assert second.error == (
+        "embedder v2 still LOADING 120 s after its load was sent, and not ready: a hung load, "
+        "on 2 nodes of pool trio now: more than 1 quarantined would take the pool out of "
+        "traffic, so this node keeps serving what it served and the change stops here"
+    )
+    assert AuditEvent.objects.filter(action="node.quarantine").count() == 1
