@@ -219,6 +219,10 @@ class Analysis:
     slo_short_s: int = 15
     # Measure and record every verdict, never act on one: to tune the analysis on a live release.
     dry_run: bool = False
+    # After a blue-green switch: for this long the release before stays loaded and users'
+    # requests are watched (errors within error_delta, the P99 within the model's budget, with
+    # min_requests at least) before the release succeeds; it rolls back by itself otherwise.
+    switch_hold_s: int = 60
     # The quality gate (apps/quality): the model's evaluation set of this name runs through
     # Triton against canary and baseline once the canary is READY, before it gets any traffic;
     # the canary must score `quality_min_score` and stay within `quality_tolerance` of the
@@ -330,6 +334,7 @@ LOOSER_WHEN_HIGHER = {
     "slo_burn_limit": True,
     "quality_min_score": False,
     "quality_tolerance": True,
+    "switch_hold_s": False,
 }
 
 

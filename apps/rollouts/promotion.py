@@ -1,7 +1,7 @@
 """The ends of a release: promotion to the whole pool, and the rollback of its canary nodes,
 each done once every node is read back serving what it must."""
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.utils import timezone
 
@@ -11,14 +11,14 @@ from apps.fleet.errors import FleetError
 from apps.fleet.memory import shortfalls
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.traffic.balancer import weights_reset
-from apps.rollouts.gates import (
-    ACTOR,
-)
+from apps.rollouts.gates import ACTOR
 from apps.rollouts.models import Rollout
+from apps.rollouts.plans import Analysis
 from apps.rollouts.transitions import (
     Member,
     State,
     all_serve,
+    begin_abort,
     changed_steps,
     drop_node_deployments,
     members,
@@ -26,6 +26,9 @@ from apps.rollouts.transitions import (
     serves,
     transition,
 )
+from apps.rollouts.verdicts import Verdict
+from controlplane.catalog import budget_queries
+from controlplane.prometheus import PrometheusUnavailable, instant_query
 
 
 def promote(rollout: Rollout) -> None:
@@ -38,8 +41,12 @@ def promote(rollout: Rollout) -> None:
     moving = [
         m for m in released if (d := pooled.get(m.model.name)) is None or d.version != m.canary
     ]
+    spec = Analysis.from_dict(rollout.analysis)
+    watched = rollout.strategy == Rollout.Strategy.BLUE_GREEN and spec.switch_hold_s
     if moving:
-        window = rollout.pool.rollback_window_s
+        # A switch keeps the release before loaded while it is watched: going back then only
+        # narrows, at once, on every node.
+        window = max(rollout.pool.rollback_window_s, spec.switch_hold_s if watched else 0)
         if window and (short := _no_room_beside(rollout, moving)):
             window = 0
             audit_record(
@@ -67,10 +74,65 @@ def promote(rollout: Rollout) -> None:
             drop_node_deployments(member.model, rollout.pool, ACTOR)
         return None
     serving = {name: serves(d) for name, d in pooled.items()}
-    if all_serve(rollout, serving) is not None:
-        weights_reset(rollout.pool, ACTOR)
-        return transition(rollout, State.SUCCEEDED)
-    return None
+    switched = all_serve(rollout, serving)
+    if switched is None:
+        return None
+    if watched:
+        verdict, detail = after_switch(rollout, spec, switched, timezone.now())
+        if verdict == Verdict.FAILURE:
+            return begin_abort(rollout, f"rolled back by itself after the switch: {detail}")
+        if verdict != Verdict.SUCCESS:
+            return _said(rollout, detail)
+    weights_reset(rollout.pool, ACTOR)
+    return transition(rollout, State.SUCCEEDED)
+
+
+def after_switch(
+    rollout: Rollout, spec: Analysis, since: datetime, now: datetime
+) -> tuple[Verdict, str]:
+    """What users got from every node since a blue-green switch (`since`): a failure as soon as
+    its errors pass `error_delta` or its P99 the model's budget, with `min_requests` at least;
+    a success once `switch_hold_s` passed so; inconclusive meanwhile, or while too few requests
+    came (it waits for them: a release is never passed on too little)."""
+    elapsed = int((now - since).total_seconds())
+    nodes = list(rollout.pool.nodes.in_traffic().values_list("name", flat=True))
+    if elapsed < 1 or not nodes:
+        return Verdict.INCONCLUSIVE, "switched: watching users' requests"
+    queries = budget_queries(
+        model=rollout.model.name, steps=[], pool=rollout.pool.name, nodes=nodes, window_s=elapsed
+    )
+    try:
+        found = {name: instant_query(queries[name]) for name in ("ok", "failed", "p99")}
+    except PrometheusUnavailable as exc:
+        return Verdict.INCONCLUSIVE, f"since the switch: {exc}"
+    ok, failed, p99 = (rows[0][1] if rows else None for rows in found.values())
+    requests = (ok or 0.0) + (failed or 0.0)
+    if requests < spec.min_requests:
+        return Verdict.INCONCLUSIVE, (
+            f"{requests:.0f} requests in {elapsed} s since the switch, {spec.min_requests} "
+            "needed to judge it: waiting for more"
+        )
+    errors, budget = (failed or 0.0) / requests, rollout.model.latency_budget_ms
+    if errors > spec.error_delta:
+        return Verdict.FAILURE, (
+            f"{errors:.1%} of {requests:.0f} requests failed in {elapsed} s, at most "
+            f"{spec.error_delta:.1%}"
+        )
+    if budget is not None and p99 is not None and p99 > budget:
+        return Verdict.FAILURE, f"P99 {p99:.0f} ms in {elapsed} s, budget {budget} ms"
+    if elapsed < spec.switch_hold_s:
+        return Verdict.INCONCLUSIVE, (
+            f"switched {elapsed} s ago, watched for {spec.switch_hold_s} s: {requests:.0f} "
+            f"requests, {errors:.1%} failed"
+        )
+    return Verdict.SUCCESS, f"{requests:.0f} requests in {elapsed} s, {errors:.1%} failed"
+
+
+def _said(rollout: Rollout, detail: str) -> None:
+    """What a tick found while it watches, on the rollout's page, written only when it changed."""
+    if rollout.reason != detail:
+        rollout.reason = detail
+        rollout.save(update_fields=["reason", "updated_at"])
 
 
 def _no_room_beside(rollout: Rollout, moving: list[Member]) -> list[str]:

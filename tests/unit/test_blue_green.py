@@ -19,7 +19,7 @@ from apps.fleet.services.deployments import deployment_set
 from apps.quality.models import EvaluationRun
 from apps.quality.services import evaluation_set_import
 from apps.registry.models import ModelVersion
-from apps.rollouts import controller
+from apps.rollouts import controller, promotion
 from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.proposals import RolloutError, rollout_propose
@@ -41,6 +41,7 @@ class Nodes:
     def __init__(self, pool: NodePool) -> None:
         self.pool = pool
         self.served: dict[tuple[int, str], set[int]] = {}
+        self.since: datetime | None = None  # since when they serve it: now, unless set
 
     def converge(self) -> None:
         desired = fleet_desired(pool_ids=[self.pool.pk])
@@ -53,10 +54,24 @@ class Nodes:
     def observed(
         self, nodes: list[Node], models: list[str]
     ) -> dict[tuple[int, str], tuple[set[int], datetime]]:
-        now = timezone.now()
+        now = self.since or timezone.now()
         return {
             (n.pk, m): (set(self.served.get((n.pk, m), set())), now) for n in nodes for m in models
         }
+
+
+@pytest.fixture
+def users(monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
+    """What Prometheus says users got since a switch: requests answered and failed, the P99
+    (ms); its client stubbed (the real one is in tests/integration/test_blue_green.py)."""
+    said = {"ok": 0.0, "failed": 0.0, "p99": 100.0}
+
+    def instant_query(query: str) -> list[tuple[dict[str, str], float]]:
+        name = "failed" if "failure" in query else "p99" if "summary" in query else "ok"
+        return [({}, said[name])]
+
+    monkeypatch.setattr(promotion, "instant_query", instant_query)
+    return said
 
 
 @pytest.fixture
@@ -189,7 +204,7 @@ def test_a_release_that_changes_no_step_has_nothing_to_stand_by(nodes: Nodes) ->
 
 
 def test_a_passing_release_stands_by_is_evaluated_on_every_node_then_switches(
-    nodes: Nodes,
+    nodes: Nodes, users: dict[str, float]
 ) -> None:
     rollout = tick(start())
     assert rollout.state == State.PROGRESSING and rollout.plan == [{"percent": 100, "hold_s": 0}]
@@ -215,7 +230,37 @@ def test_a_passing_release_stands_by_is_evaluated_on_every_node_then_switches(
         0.97,
     )
     nodes.converge()
+    nodes.since = timezone.now() - timedelta(seconds=30)
+    rollout = tick(rollout)  # every node serves v8: users' requests are watched
+    assert rollout.state == State.PROMOTING
+    assert rollout.reason == (
+        "0 requests in 30 s since the switch, 20 needed to judge it: waiting for more"
+    )
+    users["ok"] = 100.0
+    assert tick(rollout).reason == "switched 30 s ago, watched for 60 s: 100 requests, 0.0% failed"
+    nodes.since = timezone.now() - timedelta(seconds=61)
     assert tick(rollout).state == State.SUCCEEDED
+
+
+def test_a_switched_release_that_fails_users_rolls_back_by_itself(
+    nodes: Nodes, users: dict[str, float]
+) -> None:
+    rollout = tick(start())
+    nodes.converge()
+    rollout = tick(rollout)
+    finish(rollout, {"t-1": 1.0, "t-2": 1.0, "t-3": 1.0})
+    rollout = tick(rollout)
+    nodes.converge()
+    nodes.since = timezone.now() - timedelta(seconds=20)
+    users["ok"], users["failed"] = 90.0, 10.0
+    rollout = tick(rollout)
+    assert rollout.state == State.ABORTING
+    assert rollout.reason == (
+        "rolled back by itself after the switch: 10.0% of 100 requests failed in 20 s, at most 1.0%"
+    )
+    assert pooled() == (1, None, None)  # back on the release before, still loaded: it narrows
+    nodes.converge()
+    assert tick(rollout).state == State.ROLLED_BACK
 
 
 def test_a_release_failing_on_one_node_lets_the_standby_go(nodes: Nodes) -> None:
