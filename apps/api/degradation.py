@@ -8,7 +8,7 @@ from ninja import Router, Schema
 
 from apps.accounts.permissions import current_user
 from apps.api.auth import Token, can
-from apps.api.errors import ERRORS, ApiError
+from apps.api.errors import ERRORS, WAITS, ApiError
 from apps.degradation.models import Tiers
 from apps.degradation.services import TierError, tier_confirm, tier_pin, tier_unpin, tiers_set
 from apps.fleet.models import Deployment
@@ -75,10 +75,13 @@ def _refused(exc: TierError) -> ApiError:
 
 
 @router.put(
-    PATH, response={200: TiersOut, **ERRORS}, auth=can("rollouts.add_rollout", "pool.set_tiers")
+    PATH,
+    response={200: TiersOut, **WAITS, **ERRORS},
+    auth=can("rollouts.add_rollout", "pool.set_tiers"),
 )
 def set_tiers(request: HttpRequest, pool: str, model: str, body: TiersIn) -> dict[str, Any]:
-    """Published versions with the same inputs and outputs, the primary first."""
+    """Published versions with the same inputs and outputs, the primary (what the pool serves)
+    first; on a protected pool, they wait for a second person (202)."""
     try:
         tiers = tiers_set(
             pool_name=pool, model_name=model, versions=body.versions, actor=current_user(request)

@@ -1,8 +1,9 @@
 """Two people for a protected pool: a person's deployment, rollout start or retry, promotion,
-override of a refused load or adoption there is refused by its service with ApprovalRequired
-(a move back never is: apps.accounts.permissions.moving_back); it becomes a request that
-someone else with a release manager's role on the pool approves before it expires, which
-carries it out as the requester's, with the approver named in the trail."""
+degradation tiers, opening to discovery, override of a refused load or adoption there is
+refused by its service with ApprovalRequired (a move back never is:
+apps.accounts.permissions.moving_back); it becomes a request that someone else with a release
+manager's role on the pool approves before it expires, which carries it out as the
+requester's, with the approver named in the trail."""
 
 from collections.abc import Callable
 from datetime import timedelta
@@ -16,6 +17,7 @@ from django.utils import timezone
 from apps.accounts.permissions import APPROVING, ApprovalRequired, authorize
 from apps.approvals.models import Approval
 from apps.audit.services import audit_record, audited
+from apps.degradation.services import TierError, tiers_set
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services.deployments import deployment_remove, deployment_set
@@ -85,6 +87,9 @@ ACTIONS: dict[str, Callable[[dict[str, Any], User], object]] = {
     ),
     "operation.override": lambda p, actor: operation_override(
         operation_id=p["operation_id"], reason=p["reason"], actor=actor
+    ),
+    "pool.set_tiers": lambda p, actor: tiers_set(
+        pool_name=p["pool"], model_name=p["model"], versions=p["versions"], actor=actor
     ),
     "pool.set_discoverable": lambda p, actor: pool_set_discoverable(
         pool_name=p["pool"], discoverable=p["discoverable"], actor=actor
@@ -188,7 +193,7 @@ def approval_approve(*, approval_id: int, actor: User) -> Approval:
             raise ApprovalError(f"{approval.action} needs no approval now: do it yourself")
         ACTIONS[approval.action](approval.params, approval.requested_by)
         approval.status = Approval.Status.APPROVED
-    except (FleetError, RolloutError, PlanError, ApprovalError) as exc:
+    except (FleetError, RolloutError, PlanError, TierError, ApprovalError) as exc:
         approval.status, approval.result = Approval.Status.FAILED, str(exc)
     finally:
         APPROVING.reset(token)

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from apps.accounts.permissions import authorize, moving_back
+from apps.accounts.permissions import authorize, moving_back, second_person
 from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.degradation.models import Tiers
 from apps.fleet.errors import FleetError
@@ -58,8 +58,9 @@ def tiers_set(*, pool_name: str, model_name: str, versions: list[int], actor: Ac
     """The pool's tiers of the model, the primary first: two or more published versions, each
     newer than the one above it (Triton serves a model's newest READY version, and the tier
     above stays loaded beside the one served), each answering with the same inputs and outputs
-    as the primary (a caller must not notice a switch but in speed and quality). A release
-    manager's to set."""
+    as the primary (a caller must not notice a switch but in speed and quality). The primary
+    is what the pool serves. A release manager's to set; a second person's to approve on a
+    protected pool, since a pin or the automation then moves the pool onto them alone."""
     model, pool = _model_and_pool(model_name, pool_name)
     authorize(actor, "rollouts.add_rollout", pool)
     if len(versions) < 2 or versions != sorted(set(versions)):
@@ -88,6 +89,19 @@ def tiers_set(*, pool_name: str, model_name: str, versions: list[int], actor: Ac
     tiers = Tiers.objects.select_for_update().filter(pool=pool, model=model).first()
     if tiers is not None and tiers.pin_holds():
         raise TierError(f"{_pinned(tiers)}: unpin it before changing its tiers")
+    serving = Deployment.objects.filter(pool=pool, model=model).values_list("version", flat=True)
+    served = serving.first()
+    if tiers is not None and served in tiers.versions:  # on a tier below now, maybe
+        served = tiers.versions[0]
+    if versions[0] != served:
+        what = f"serves v{served}" if served else "serves none"
+        raise TierError(
+            f"tiers: {model_name} on {pool_name} {what}: the primary (tier 0) is what it "
+            f"serves, not v{versions[0]}; deploy or roll out another release first"
+        )
+    # The tiers below are releases the automation or a pin may put the pool on alone.
+    params = {"pool": pool_name, "model": model_name, "versions": versions}
+    second_person(actor, pool, "pool.set_tiers", params)
     before: dict[str, Any] = {"versions": list(tiers.versions) if tiers else []}
     if tiers is not None and tiers.frozen_at is not None:
         before["frozen"] = tiers.frozen_reason  # lifted by setting them: the person is on record

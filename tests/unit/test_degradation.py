@@ -84,6 +84,37 @@ def test_tiers_are_published_versions_answering_as_the_primary_does(pool: NodePo
     assert serving(pool) == 1  # setting tiers switches nothing
 
 
+def test_on_a_protected_pool_tiers_wait_for_a_second_person_and_start_at_what_it_serves(
+    pool: NodePool,
+) -> None:
+    """Tiers are releases a pin or the automation puts the pool on alone: one release manager
+    cannot make v4 the pool's by naming it a tier, nor name a primary the pool does not serve."""
+    from apps.accounts.permissions import ApprovalRequired
+    from apps.accounts.services import user_ensure
+    from apps.approvals.services import approval_approve, approval_request
+    from tests.support.users import PASSWORD
+
+    ModelVersion.objects.update(status=ModelVersion.Status.PUBLISHED)
+    NodePool.objects.filter(pk=pool.pk).update(protected=True)
+    make_user(Role.VIEWER)  # the role groups
+    ann, bob = (
+        user_ensure(username=name, password=PASSWORD, role=Role.RELEASE_MANAGER)
+        for name in ("ann", "bob")
+    )
+    with pytest.raises(TierError, match=re.escape("serves v1: the primary (tier 0) is what it")):
+        tiers_set(pool_name="demo", model_name=PIPELINE, versions=[2, 4], actor=ann)
+    with pytest.raises(ApprovalRequired, match=r"pool\.set_tiers waits") as held:
+        tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4], actor=ann)
+    assert not Tiers.objects.exists()
+    approval = approval_request(refused=held.value, actor=ann)
+    assert approval_approve(approval_id=approval.pk, actor=bob).status == "approved"
+    assert Tiers.objects.get().versions == [1, 4]
+    assert pin(1).pinned == 1 and serving(pool) == 4  # on-call moves within them alone
+    # Degraded, the pool's tiers still start at their primary.
+    tier_unpin(pool_name="demo", model_name=PIPELINE, actor="oncall")
+    tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4, 5], actor="system:test")
+
+
 def test_a_pin_switches_the_pool_now_and_holds_every_other_owner_off(pool: NodePool) -> None:
     tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4], actor="rm")
     tiers = pin(1)
