@@ -10,13 +10,20 @@ from apps.audit.context import adopt_request_id, carry_request_id
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
-# The rollout controller's ticks and beat's heartbeat have a queue of their own: on the default
-# queue they would wait behind every node's task of a 500-node release, and a rollback decision
-# would wait with them. Every worker setup consumes it: the demo's and the tests' worker with
-# `-Q celery,rollouts`, production with a worker of its own (controlplane-worker@rollouts, the
-# chart's worker-rollouts Deployment).
+# The rollout controller's and the degradation automation's ticks and beat's heartbeat have a
+# queue of their own: on the default queue they would wait behind every node's task of a 500-node
+# release (and expire there), and a rollback or step-down decision would wait with them. Every
+# worker setup consumes it: the demo's and the tests' worker with `-Q celery,rollouts`,
+# production with a worker of its own (controlplane-worker@rollouts, the chart's worker-rollouts
+# Deployment).
 ROLLOUTS_QUEUE = "rollouts"
-ROLLOUT_TASKS = ("rollouts.advance_all", "rollouts.advance", "fleet.heartbeat")
+ROLLOUT_TASKS = (
+    "rollouts.advance_all",
+    "rollouts.advance",
+    "degradation.tick_all",
+    "degradation.tick",
+    "fleet.heartbeat",
+)
 # The Heartbeat row the last completed tick writes; /metrics reports its age.
 TICK_HEARTBEAT = "rollouts"
 

@@ -33,16 +33,16 @@ ACTOR = "system:degradation"
 HOUR = timedelta(hours=1)
 
 
-def tick_all() -> list[str]:
-    """Every pool's tiers judged once: what each did, in words, kept on its row when it
+def tiers_tick(*, tiers_id: int) -> str:
+    """One pool's tiers of one model judged once: what it did, in words, kept on its row when it
     changed (the page's "why")."""
-    said = []
-    for tiers in Tiers.objects.select_related("pool", "model"):
-        text = tick(tiers)
-        changed = Tiers.objects.filter(pk=tiers.pk).exclude(said=text)
-        changed.update(said=text, said_at=timezone.now())
-        said.append(text)
-    return said
+    tiers = Tiers.objects.select_related("pool", "model").filter(pk=tiers_id).first()
+    if tiers is None:
+        return ""  # its tiers were removed since the tick was sent
+    text = tick(tiers)
+    changed = Tiers.objects.filter(pk=tiers.pk).exclude(said=text)
+    changed.update(said=text, said_at=timezone.now())
+    return text
 
 
 def tick(tiers: Tiers) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from apps.degradation import automation
+from apps.degradation.models import Tiers
 from apps.degradation.services import tiers_set
 from apps.fleet.models import Node, NodePool
 from apps.fleet.services.deployments import deployment_set
@@ -61,10 +62,11 @@ def test_a_quarantined_or_stray_node_never_steps_its_pool_down(
     deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:test")
     tiers_set(pool_name="gpu", model_name="rag_pipeline", versions=[1, 4, 5], actor="rm")
 
-    (said,) = automation.tick_all()
+    tiers = Tiers.objects.get()
+    said = automation.tiers_tick(tiers_id=tiers.pk)
     assert "within budget: P99 500 ms over 30 s" in said
     assert pool.deployments.get().version == 1
     Node.objects.filter(name="gpu-3").update(stage=Node.Stage.SERVING)  # cleared, slow still
-    (said,) = automation.tick_all()
+    said = automation.tiers_tick(tiers_id=tiers.pk)
     assert "P99 9000 ms over 30 s" in said
     assert pool.deployments.get().version == 4

@@ -83,8 +83,7 @@ def serving(pool: NodePool) -> int:
 
 
 def tick() -> str:
-    (done,) = automation.tick_all()
-    return done
+    return automation.tiers_tick(tiers_id=Tiers.objects.get().pk)
 
 
 SLOW = {30: (3500.0, 100.0, 0.0), 120: (3200.0, 400.0, 0.0)}

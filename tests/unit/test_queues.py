@@ -1,5 +1,5 @@
-"""Rollout ticks and beat's heartbeat go to a queue of their own, so that a release's thousands
-of node tasks on the default queue never delay a rollback decision."""
+"""Rollout and degradation ticks and beat's heartbeat go to a queue of their own, so that a
+release's thousands of node tasks on the default queue never delay a rollback decision."""
 
 from collections import Counter
 
@@ -19,17 +19,40 @@ def queue_of(task: str) -> str:
     return celery_app.amqp.router.route({}, task)["queue"].name
 
 
-def test_the_rollout_controller_and_the_heartbeat_go_to_the_rollouts_queue() -> None:
+def test_the_rollout_controller_the_degradation_automation_and_the_heartbeat_go_apart() -> None:
     assert ROLLOUTS_QUEUE == "rollouts"
-    for task in ("rollouts.advance_all", "rollouts.advance", "fleet.heartbeat"):
+    for task in (
+        "rollouts.advance_all",
+        "rollouts.advance",
+        "degradation.tick_all",
+        "degradation.tick",
+        "fleet.heartbeat",
+    ):
         assert queue_of(task) == "rollouts", task
+
+
+@pytest.mark.django_db
+def test_each_pools_tiers_are_judged_in_a_task_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from apps.degradation import tasks as degradation
+    from apps.degradation.models import Tiers
+    from apps.registry.models import Model
+
+    model = Model.objects.create(name="rag_pipeline")
+    for name in ("a", "b"):
+        Tiers.objects.create(pool=NodePool.objects.create(name=name), model=model, versions=[1, 4])
+    sent: list[int] = []
+    monkeypatch.setattr(degradation.degradation_tick, "delay", sent.append)
+    degradation.degradation_tick_all()
+    assert sorted(sent) == sorted(Tiers.objects.values_list("id", flat=True))
 
 
 def test_beats_schedule_sends_ticks_and_heartbeats_there_and_node_work_elsewhere() -> None:
     queues = {
         name: queue_of(entry["task"]) for name, entry in settings.CELERY_BEAT_SCHEDULE.items()
     }
-    assert queues["rollouts"] == queues["heartbeat"] == "rollouts"
+    assert queues["rollouts"] == queues["heartbeat"] == queues["degradation"] == "rollouts"
     default = celery_app.conf.task_default_queue
     assert queues["poll-nodes"] == queues["reconcile"] == default != "rollouts"
     # A node's own work, and webhooks, stay on the default queue (or its pool's).
