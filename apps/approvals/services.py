@@ -24,6 +24,7 @@ from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.services.nodes import node_adopt, operation_override
 from apps.fleet.services.pools import pool_set_discoverable
 from apps.observability.bottleneck import Advice
+from apps.rollouts.models import Rollout
 from apps.rollouts.notify import notify_approval
 from apps.rollouts.plans import PlanError
 from apps.rollouts.services import (
@@ -101,13 +102,30 @@ ACTIONS: dict[str, Callable[[dict[str, Any], User], object]] = {
 
 
 def _resolved(pool: NodePool, params: dict[str, Any]) -> dict[str, Any]:
-    """What a change is resolved against: the release of its model that the pool (or its node)
-    runs now."""
-    if "model" not in params:
-        return {}
-    where = {"node__name": params["node"]} if "node" in params else {"pool": pool}
-    found = Deployment.objects.filter(model__name=params["model"], **where)
-    return {"release": found.values_list("version", flat=True).first()}
+    """What a change is resolved against: the release of its model (or pipeline) that the pool
+    (or its node) runs now; where it acts on a rollout, that rollout's state and step."""
+    found: dict[str, Any] = {}
+    if "rollout_id" in params:
+        rollout = Rollout.objects.filter(pk=params["rollout_id"]).values("state", "step").first()
+        found["rollout"] = f"{rollout['state']} at step {rollout['step'] + 1}" if rollout else None
+    model = params.get("model") or params.get("pipeline")
+    if model:
+        where = {"node__name": params["node"]} if "node" in params else {"pool": pool}
+        serving = Deployment.objects.filter(model__name=model, **where)
+        found["release"] = serving.values_list("version", flat=True).first()
+    return found
+
+
+def _stale(approval: Approval, now: dict[str, Any]) -> str:
+    """Why what an approval was asked against no longer holds ("" when it does)."""
+    asked = approval.resolved
+    if asked.get("release") != now.get("release"):
+        model = approval.params.get("model") or approval.params.get("pipeline")
+        return f"{model} moved from v{asked.get('release')} to v{now.get('release')}"
+    if asked.get("rollout") != now.get("rollout"):
+        rollout = approval.params["rollout_id"]
+        return f"rollout #{rollout} was {asked.get('rollout')}, is {now.get('rollout')}"
+    return ""
 
 
 class ApprovalError(Exception):
@@ -184,11 +202,8 @@ def approval_approve(*, approval_id: int, actor: User) -> Approval:
     token = APPROVING.set(approval.pk)
     now = _resolved(approval.pool, approval.params)
     try:
-        if approval.resolved and now != approval.resolved:
-            raise ApprovalError(
-                f"{approval.params['model']} moved from v{approval.resolved['release']} to "
-                f"v{now['release']} since it was asked: ask again"
-            )
+        if approval.resolved and (stale := _stale(approval, now)):
+            raise ApprovalError(f"{stale} since it was asked: ask again")
         if approval.action not in ACTIONS:  # asked before moves back stopped waiting
             raise ApprovalError(f"{approval.action} needs no approval now: do it yourself")
         ACTIONS[approval.action](approval.params, approval.requested_by)

@@ -175,6 +175,24 @@ def test_promotion_waits_too_but_the_controller_does_not(pool: NodePool) -> None
     assert deployed(pool) == 2  # automation (a canary that passed its analysis) acts alone
 
 
+def test_a_promotion_asked_of_a_rollout_that_moved_since_is_not_run(pool: NodePool) -> None:
+    ann, bob = person("ann"), person("bob")
+    rollout = canary_on(pool)
+    Rollout.objects.filter(pk=rollout.pk).update(state=Rollout.State.PAUSED)
+    with pytest.raises(ApprovalRequired) as refused:
+        rollout_promote(rollout_id=rollout.pk, reason="tested", actor=ann)
+    approval = approval_request(refused=refused.value, actor=ann)
+    assert approval.resolved == {"rollout": "paused at step 1"}
+    Rollout.objects.filter(pk=rollout.pk).update(state=Rollout.State.PROGRESSING, step=1)
+    approved = approval_approve(approval_id=approval.pk, actor=bob)
+    assert (approved.status, approved.result) == (
+        Approval.Status.FAILED,
+        f"rollout #{rollout.pk} was paused at step 1, is progressing at step 2 since it was "
+        "asked: ask again",
+    )
+    assert Rollout.objects.get().state == Rollout.State.PROGRESSING
+
+
 def canary_on(pool: NodePool) -> Rollout:
     """A rollout of embedder v2 under way on `pool`'s first node, v1 kept beside it."""
     first = Node.objects.create(name=f"{pool.name}-1", pool=pool, http_url="http://127.0.0.1:1")
