@@ -97,8 +97,8 @@ def target_of(listed: dict) -> Target:
     if not re.fullmatch(r"[-a-zA-Z0-9_]{1,60}", name) or not re.fullmatch(r"[-\w]{1,60}", pool):
         raise FleetError(f"node {name!r} in pool {pool!r}: names are letters, digits, - and _")
     where = f"[{host}]" if ":" in host else host
-    http_port = labels.get("http_port") or settings.DISCOVERY_HTTP_PORT
-    grpc_port = labels.get("grpc_port") or settings.DISCOVERY_GRPC_PORT
+    http_port = _port(labels, "http_port", settings.DISCOVERY_HTTP_PORT)
+    grpc_port = _port(labels, "grpc_port", settings.DISCOVERY_GRPC_PORT)
     return Target(
         name=name,
         pool=pool,
@@ -106,6 +106,16 @@ def target_of(listed: dict) -> Target:
         grpc_url=f"{where}:{grpc_port}",
         metrics_url=url.geturl(),
     )
+
+
+def _port(labels: dict[str, str], label: str, default: int) -> int:
+    """A port from the target's `label`, or `default` where it has none."""
+    given = labels.get(label)
+    if not given:
+        return default
+    if not (given.isascii() and given.isdigit() and 0 < int(given) < 65536):
+        raise FleetError(f"label {label}={given!r} is not a port (1-65535)")
+    return int(given)
 
 
 def _validate(target: Target) -> None:

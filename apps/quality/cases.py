@@ -95,8 +95,12 @@ def _case(number: int, line: str, signature: Signature) -> Case | list[Problem]:
         raw = json.loads(line)
     except json.JSONDecodeError as exc:
         return [Problem(number, "", f"not JSON: {exc.msg} at column {exc.colno}")]
+    except RecursionError:
+        return [Problem(number, "", "nested deeper than a case can be")]
     if not isinstance(raw, dict):
         return [Problem(number, "", "a case is a JSON object with inputs and expect")]
+    if "\\u0000" in json.dumps(raw).replace("\\\\", ""):
+        return [Problem(number, "", "a NUL character (\\u0000), which no case may hold")]
     problems = [
         Problem(number, key, "unknown key; known: name, inputs, expect")
         for key in sorted(set(raw) - KEYS)

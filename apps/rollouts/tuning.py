@@ -179,6 +179,12 @@ def _copied(source: ModelVersion, number: int, config: Any) -> Iterator[str]:
             f"{name}'s files are {where}, not a directory under REGISTRY_ARTIFACT_ROOTS: its "
             "tuned version cannot be given files; add it to the nodes' repository by hand"
         )
+    linked = next((p for p in sorted(files.rglob("*")) if p.is_symlink()), None)
+    if linked is not None:
+        raise RolloutError(
+            f"{name}'s files hold a symbolic link, {linked}: a tuned version copies files, "
+            "never what a link points to; replace it by the file"
+        )
     target = files.parent / str(number)
     if target.exists():
         raise RolloutError(

@@ -42,7 +42,8 @@ SHORT_S, LONG_S = 4, 10  # the worker's, tests/support/services.py
 def breached(tiers: Tiers) -> bool:
     limits = Limits(budget_ms=BUDGET_MS, max_error_ratio=None, min_requests=5)
     steps = automation._steps(tiers, 2)
-    short, long = (automation._window(tiers, steps, window) for window in (SHORT_S, LONG_S))
+    nodes = [node.name for node in tiers.pool.nodes.in_traffic()]
+    short, long = (automation._window(tiers, steps, nodes, window) for window in (SHORT_S, LONG_S))
     return judge(short, long, limits).breached
 
 

@@ -69,7 +69,8 @@ def test_a_slowed_reranker_breaks_the_budget_the_pool_steps_down_and_comes_back_
     with_tiers(serving_v1)
     assert switches() == []
     tiers = Tiers.objects.select_related("model", "pool").get()
-    read = automation._window(tiers, automation._steps(tiers, 2), 10)  # the trigger's own query
+    nodes = [node.name for node in serving_v1.nodes.in_traffic()]
+    read = automation._window(tiers, automation._steps(tiers, 2), nodes, 10)  # the trigger's own
     assert (
         read.compute_us and read.queue_ratio is not None and read.queue_ratio < 4
     )  # not saturated

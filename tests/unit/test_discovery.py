@@ -81,6 +81,16 @@ def test_ports_come_from_the_targets_labels_where_it_has_them() -> None:
     assert (node.http_url, node.grpc_url) == ("http://127.0.0.1:9100", "127.0.0.1:9101")
 
 
+def test_a_port_label_that_is_no_port_is_refused_in_words() -> None:
+    listed = target("gpu-7")
+    listed["labels"] |= {"http_port": "80/../admin"}
+    found = nodes_sync([listed], timezone.now())
+    assert found.refused == {
+        "http://10.0.0.5:8002/metrics": "label http_port='80/../admin' is not a port (1-65535)"
+    }
+    assert not Node.objects.exists()
+
+
 def test_a_target_without_a_name_label_is_named_by_its_address() -> None:
     listed = target("", host="10.1.2.3", port=8002)
     del listed["labels"]["node"]

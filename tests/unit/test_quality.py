@@ -195,3 +195,14 @@ def test_a_run_stopped_at_its_time_limit_fails_saying_so_and_is_never_waited_on_
     assert run.error == ("stopped at its time limit of 540 s: too many cases, or too slow a node")
     # 400 cases of 10 s, one at a time, on both sides: 8,000 s; a run is killed at 570 s.
     assert (gate_deadline(run, Analysis()) - run.created_at).total_seconds() == 630
+
+
+def test_a_case_nested_too_deep_or_holding_a_nul_is_refused_with_its_line() -> None:
+    import_demo()
+    deep = '{"name": "deep", "inputs": {"QUESTION": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+    nul = case(name="nul", inputs={"QUESTION": "track\u0000 my order"})
+    literal = case(name="literal", inputs={"QUESTION": "a \\u0000 written out"})
+    assert problems("\n".join([deep, nul, literal])) == [
+        "line 1: nested deeper than a case can be",
+        "line 2: a NUL character (\\u0000), which no case may hold",
+    ]

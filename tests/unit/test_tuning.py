@@ -182,6 +182,17 @@ def test_files_it_may_not_write_are_refused_before_anything_is_made(
     assert versions() == before and not (models / "reranker" / "7").exists()
 
 
+def test_files_holding_a_link_are_refused_before_anything_is_copied(models: Path) -> None:
+    link = models / "reranker" / "1" / "weights"
+    link.symlink_to("/etc/hostname")
+    before = versions()
+    with pytest.raises(RolloutError, match=r"reranker v1's files hold a symbolic link, .*weights"):
+        tuning_start(
+            pipeline="rag_pipeline", pool_name="gpu", advice=ADVICE, plan=PLAN, actor="ops"
+        )
+    assert versions() == before and not (models / "reranker" / "7").exists()
+
+
 def test_an_advice_that_changes_no_field_and_an_unknown_step_are_refused(models: Path) -> None:
     nodes = Advice("reranker", "more nodes, not instances", "GPUs 95% busy", "less queue")
     with pytest.raises(RolloutError, match="changes no config field"):
