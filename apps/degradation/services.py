@@ -4,9 +4,10 @@ authorized and audited; a pin switches the pool at once and holds every other ow
 from datetime import timedelta
 from typing import Any
 
+from django.contrib.auth.models import User
 from django.utils import timezone
 
-from apps.accounts.permissions import authorize, moving_back, second_person
+from apps.accounts.permissions import authorize, may, moving_back, second_person
 from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.degradation.models import Tiers
 from apps.fleet.errors import FleetError
@@ -16,6 +17,9 @@ from apps.registry.models import Model, ModelVersion
 from apps.rollouts.services import rollout_owning
 
 MAX_PIN = timedelta(days=7)
+# On-call's own pins last a shift at most: a week-long hold on what a pool serves is a release
+# manager's to decide.
+MAX_ONCALL_PIN = timedelta(hours=12)
 
 
 class TierError(Exception):
@@ -152,7 +156,8 @@ def tier_pin(
     *, pool_name: str, model_name: str, tier: int, reason: str, hours: float, actor: Actor
 ) -> Tiers:
     """On-call's pin: the pool serves tier `tier` (0, the primary, holds it at full quality)
-    now, and nothing else moves it until the pin expires (at most MAX_PIN) or is lifted. A
+    now, and nothing else moves it until the pin expires (at most MAX_PIN; MAX_ONCALL_PIN for
+    on-call without a release manager's role there) or is lifted. A
     rollout of the model there owns the pool until it ends: it is refused meanwhile."""
     model, pool = _model_and_pool(model_name, pool_name)
     authorize(actor, "rollouts.rollback_release", pool)
@@ -165,9 +170,13 @@ def tier_pin(
         )
     if not reason.strip():
         raise TierError("a pin needs a reason: it is what the next person reads")
-    if not 0 < hours <= MAX_PIN / timedelta(hours=1):
+    oncall = isinstance(actor, User) and not may(actor, "rollouts.add_rollout", pool.pk)
+    longest = MAX_ONCALL_PIN if oncall else MAX_PIN
+    if not 0 < hours <= longest / timedelta(hours=1):
         raise TierError(
-            f"a pin lasts more than 0 and at most {MAX_PIN.days * 24} hours, not {hours:g}"
+            f"a pin lasts more than 0 and at most {longest / timedelta(hours=1):g} hours"
+            + ("" if longest == MAX_PIN else " when on-call sets it (a release manager's, a week)")
+            + f", not {hours:g}"
         )
     if busy := rollout_owning(pool, model):
         raise TierError(busy)

@@ -153,9 +153,15 @@ def test_a_pin_says_why_for_how_long_and_waits_for_a_running_rollout(pool: NodeP
         ({"reason": "  "}, "a pin needs a reason"),
         ({"hours": 0}, "at most 168 hours, not 0"),
         ({"hours": 169}, "at most 168 hours, not 169"),
+        (
+            {"hours": 13, "actor": make_user(Role.OPERATOR)},
+            re.escape("at most 12 hours when on-call sets it (a release manager's, a week)"),
+        ),
     ]:
         with pytest.raises(TierError, match=message):
             pin(**changes)
+    assert pin(0, hours=12, actor=make_user(Role.OPERATOR)).pin_holds()
+    tier_unpin(pool_name="demo", model_name=PIPELINE, actor="oncall")
     rollout_start(
         model_name=PIPELINE,
         pool_name="demo",
