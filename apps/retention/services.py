@@ -1,8 +1,8 @@
-"""Retention: what the fleet and rollouts leave behind goes once it is old, in small batches, so
-that no delete holds its locks for long. The audit trail is kept (by month, apps/audit/
-partitions.py); what a running system still reads is kept whatever its age: a node's latest
-operation of each model and its latest success (the reconciler and the fleet pages read them),
-and every measurement of a rollout still under way."""
+"""Retention: what the fleet and rollouts leave behind goes once it is old (departed nodes
+among it), in small batches, so that no delete holds its locks for long. The audit trail is
+kept (by month, apps/audit/partitions.py); what a running system still reads is kept whatever
+its age: a node's latest operation of each model and its latest success (the reconciler and
+the fleet pages read them), and every measurement of a rollout still under way."""
 
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -18,7 +18,7 @@ from django.utils import timezone
 from apps.approvals.models import Approval
 from apps.audit.partitions import audit_partitions_ensure
 from apps.audit.services import audit_record
-from apps.fleet.models import Operation
+from apps.fleet.models import Node, Operation
 from apps.rollouts.models import Measurement, Notification, Rollout
 
 FINISHED = [
@@ -64,7 +64,14 @@ def _logins(cutoff: datetime) -> list[models.QuerySet]:
     ]
 
 
+def _departed(cutoff: datetime) -> list[models.QuerySet]:
+    """Nodes departed since before the cutoff, with their operations and own deployments: a
+    fleet whose pods come and go would keep every one of them otherwise."""
+    return [Node.objects.filter(stage=Node.Stage.DEPARTED, stage_changed_at__lt=cutoff)]
+
+
 KINDS: dict[str, Callable[[datetime], list[models.QuerySet]]] = {
+    "departed": _departed,
     "operations": _operations,
     "measurements": _measurements,
     "notifications": _notifications,

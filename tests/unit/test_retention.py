@@ -84,6 +84,12 @@ def seeded(db: None) -> dict[str, object]:
     }
     # Older than the others but still queued: only finished operations go.
     ops["queued"] = Operation.objects.create(node=node, kind="load", model_name="m")
+    for name, when in (("gone-long-ago", OLD), ("gone-lately", RECENT)):
+        departed = Node.objects.create(
+            name=name, pool=pool, http_url="http://127.0.0.1:3", stage=Node.Stage.DEPARTED
+        )
+        Node.objects.filter(pk=departed.pk).update(stage_changed_at=when)
+        ops[f"{name}'s"] = _operation(departed, "m", "succeeded", OLD)
     model = Model.objects.create(name="rag")
     done = _rollout(model, pool, Rollout.State.SUCCEEDED)
     active = _rollout(Model.objects.create(name="emb"), pool, Rollout.State.PROGRESSING)
@@ -126,7 +132,8 @@ def test_old_records_are_pruned_in_batches_and_those_still_read_are_kept(
 
     ops = seeded["ops"]
     kept = set(Operation.objects.values_list("pk", flat=True))
-    assert kept == {ops[name].pk for name in ops if name not in ("old success", "old failure")}
+    gone = ("old success", "old failure", "gone-long-ago's")  # a departed node's go with it
+    assert kept == {ops[name].pk for name in ops if name not in gone}
     assert set(seeded["done"].measurements.values_list("taken_at", flat=True)) == {RECENT}
     assert seeded["active"].measurements.count() == 2  # a rollout under way keeps all
     _, pending, recent = seeded["notifications"]
@@ -138,7 +145,10 @@ def test_old_records_are_pruned_in_batches_and_those_still_read_are_kept(
     assert list(Session.objects.values_list("session_key", flat=True)) == ["live"]
     assert AuditEvent.objects.filter(pk=seeded["trail"][0].pk).exists()
 
-    expected = {"operations": 2, "measurements": 1, "notifications": 1, "approvals": 1}
+    assert not Node.objects.filter(name="gone-long-ago").exists()
+    assert Node.objects.filter(name="gone-lately").exists()
+    expected = {"departed": 1, "operations": 2, "measurements": 1, "notifications": 1}
+    expected["approvals"] = 1
     assert counts | expected == counts
     assert (counts["logins"], counts["sessions"]) == (2, 1)
     event = AuditEvent.objects.get(action="retention.prune")
@@ -147,9 +157,10 @@ def test_old_records_are_pruned_in_batches_and_those_still_read_are_kept(
 
 
 def test_a_kind_kept_for_zero_days_is_never_pruned(seeded: dict, settings: object) -> None:
-    settings.RETENTION_DAYS_BY_KIND = {**settings.RETENTION_DAYS_BY_KIND, "operations": 0}  # type: ignore[attr-defined]
+    kept = {"operations": 0, "departed": 0}
+    settings.RETENTION_DAYS_BY_KIND = {**settings.RETENTION_DAYS_BY_KIND, **kept}  # type: ignore[attr-defined]
     counts = retention_prune(actor="system:test")
-    assert counts["operations"] == 0
+    assert counts["operations"] == counts["departed"] == 0
     assert Operation.objects.count() == len(seeded["ops"])
     assert counts["notifications"] == 1
 
