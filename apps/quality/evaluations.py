@@ -1,6 +1,7 @@
 """What the worker carries out: a queued evaluation run (every case sent, every answer scored
 and stored) and a synthetic load."""
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -125,12 +126,31 @@ def _judged(
         run=run,
         case=case,
         version=version,
-        outputs=storable(answer.outputs or {}),
+        outputs=_kept(storable(answer.outputs or {})),
         scores=storable(scores),
         passed=passed,
         latency_ms=answer.latency_ms,
         error=answer.error,
     )
+
+
+# What is kept of one answer's outputs, for the run's page: an LLM step's or an embedding's can be
+# large, and a set holds up to thousands of cases, each answered twice.
+MAX_KEPT_OUTPUT = 16 * 1024
+
+
+def _kept(outputs: dict[str, Any]) -> dict[str, Any]:
+    """Each output as answered, or, past MAX_KEPT_OUTPUT characters of JSON, its beginning and
+    its size: it was judged whole, before this."""
+    kept = {}
+    for name, value in outputs.items():
+        text = json.dumps(value)
+        kept[name] = (
+            value
+            if len(text) <= MAX_KEPT_OUTPUT
+            else {"truncated": f"{len(text):,} characters", "start": text[:MAX_KEPT_OUTPUT]}
+        )
+    return kept
 
 
 def _share(rows: list[CaseResult]) -> float | None:

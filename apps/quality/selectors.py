@@ -75,6 +75,13 @@ def run_rows(run: EvaluationRun, *, only: str = "", limit: int = 200) -> list[Ro
     return rows[:limit]
 
 
+def failing_cases(run: EvaluationRun, *, limit: int) -> list[str]:
+    """The names of the first `limit` cases the version under test failed, in the set's order:
+    one query, which reads no answer, however large the run (a rollout's tick asks it)."""
+    failed = CaseResult.objects.filter(run=run, version=run.version, passed=False)
+    return list(failed.order_by("case__line").values_list("case__name", flat=True)[:limit])
+
+
 # Pages -------------------------------------------------------------------------------------------
 
 

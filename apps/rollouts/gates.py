@@ -12,7 +12,7 @@ from django.utils import timezone
 from apps.fleet.models import Node
 from apps.quality.errors import QualityError
 from apps.quality.models import EvaluationRun, EvaluationSet, SyntheticLoad
-from apps.quality.selectors import run_rows
+from apps.quality.selectors import failing_cases
 from apps.quality.services import evaluation_start, synthetic_load_start
 from apps.quality.tasks import RUN_TIME_LIMIT_S
 from apps.registry.models import Model
@@ -210,7 +210,7 @@ def evaluation_verdict(run: EvaluationRun, spec: Analysis) -> tuple[Verdict, str
         return Verdict.INCONCLUSIVE, f"evaluation run #{run.pk} could not run: {run.error}"
     if run.score is None:
         return Verdict.FAILURE, "no case was judged"
-    failing = [row.case.name for row in run_rows(run, only="failing", limit=5)]
+    failing = failing_cases(run, limit=5)
     named = f"; failing: {', '.join(failing)}{', ...' if run.failed > 5 else ''}" if failing else ""
     score = f"canary scored {run.score:.0%} ({run.passed} of {run.passed + run.failed} cases)"
     if run.score < spec.quality_min_score:

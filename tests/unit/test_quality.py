@@ -206,3 +206,39 @@ def test_a_case_nested_too_deep_or_holding_a_nul_is_refused_with_its_line() -> N
         "line 1: nested deeper than a case can be",
         "line 2: a NUL character (\\u0000), which no case may hold",
     ]
+
+
+def test_a_gates_verdict_names_the_failing_cases_without_reading_any_answer() -> None:
+    """Asked in a rollout's locked tick: one query for the names, whatever the run's size."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from apps.rollouts.gates import evaluation_verdict
+    from apps.rollouts.plans import Analysis
+    from tests.support.quality import demo_faq, wrong_answers
+
+    found = demo_faq()
+    names = list(found.cases.order_by("line").values_list("name", flat=True))
+    run = wrong_answers(found, right=tuple(names[:2]))
+    with CaptureQueriesContext(connection) as queries:
+        verdict, detail = evaluation_verdict(run, Analysis())
+    assert verdict == "failure"
+    assert detail.endswith(f"failing: {', '.join(names[2:7])}, ...")
+    (read,) = [q["sql"] for q in queries.captured_queries if "quality_caseresult" in q["sql"]]
+    assert "outputs" not in read and "LIMIT 5" in read
+
+
+def test_a_large_answer_is_judged_whole_and_kept_only_in_part() -> None:
+    from apps.quality import evaluations
+    from apps.quality.runner import Answer
+
+    import_demo()
+    found = evaluation_set_import(model_name="rag_pipeline", name="faq", text=case(), actor="ops")
+    run = EvaluationRun.objects.create(evaluation_set=found, version=7)
+    long = "faq:orders-track" + " and more" * 5_000
+    given = Answer(outputs={"SOURCE": ["faq:orders-track"], "ANSWER": [long]}, latency_ms=3.0)
+    kept = evaluations._judged(run, found.cases.get(), 7, given, None)
+    assert kept.passed is True  # on the whole answer
+    assert kept.outputs["SOURCE"] == ["faq:orders-track"]
+    assert kept.outputs["ANSWER"]["truncated"] == "45,020 characters"
+    assert len(kept.outputs["ANSWER"]["start"]) == evaluations.MAX_KEPT_OUTPUT
