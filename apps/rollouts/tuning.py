@@ -9,6 +9,7 @@ versions' artifacts to be directories this server may read and write (REGISTRY_A
 as the demo's shared repository is."""
 
 import shutil
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -191,11 +192,16 @@ def _copied(source: ModelVersion, number: int, config: Any) -> Iterator[str]:
             f"{target} exists but {source.model.name} v{number} is not in the registry: import "
             "or remove it first"
         )
-    shutil.copytree(files, target, ignore=shutil.ignore_patterns("__pycache__"))
+    # Copied aside, then renamed into place at once: a request killed while it copies leaves a
+    # hidden directory Triton never reads as a version, never half a version.
+    staging = files.parent / f".{number}.partial-{uuid.uuid4().hex[:8]}"
     try:
-        (target / "config.pbtxt").write_text(to_pbtxt(config))
+        shutil.copytree(files, staging, ignore=shutil.ignore_patterns("__pycache__"))
+        (staging / "config.pbtxt").write_text(to_pbtxt(config))
+        staging.rename(target)
         yield str(target)
     except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(target, ignore_errors=True)
         raise
 

@@ -182,6 +182,29 @@ def test_files_it_may_not_write_are_refused_before_anything_is_made(
     assert versions() == before and not (models / "reranker" / "7").exists()
 
 
+def test_a_version_directory_appears_whole_or_not_at_all(
+    models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copied aside under a hidden name, then renamed: a request killed while it copies never
+    leaves half a version where Triton reads versions."""
+    from apps.rollouts import tuning
+
+    copying: list[str] = []
+    copy = shutil.copytree
+
+    def watched(source: Path, target: Path, **options: object) -> object:
+        number = target.name.split(".")[1]
+        copying.append(f"{target.parent.name}/{target.name.split('-')[0]}")
+        assert not (target.parent / number).exists()  # the version, while it is copied
+        return copy(source, target, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tuning.shutil, "copytree", watched)
+    tuning_start(pipeline="rag_pipeline", pool_name="gpu", advice=ADVICE, plan=PLAN, actor="ops")
+    assert copying == ["reranker/.7.partial", "rag_pipeline/.10.partial"]
+    assert (models / "reranker" / "7" / "config.pbtxt").exists()
+    assert not list((models / "reranker").glob(".*"))
+
+
 def test_files_holding_a_link_are_refused_before_anything_is_copied(models: Path) -> None:
     link = models / "reranker" / "1" / "weights"
     link.symlink_to("/etc/hostname")
