@@ -16,6 +16,7 @@ from apps.approvals.services import (
     ApprovalError,
     approval_approve,
     approval_reject,
+    approval_withdraw,
 )
 
 router = Router(tags=["rollouts"], auth=Token())
@@ -91,6 +92,23 @@ def reject(request: HttpRequest, approval_id: int, body: Decision) -> dict[str, 
     """Refuse someone else's pending change, with a `reason` (required) its requester reads."""
     try:
         approval = approval_reject(
+            approval_id=approval_id, reason=body.reason, actor=current_user(request)
+        )
+    except ApprovalError as exc:
+        raise ApiError(409, "conflict", str(exc)) from None
+    return _approval_out(approval)
+
+
+@router.post(
+    "/approvals/{approval_id}/withdraw",
+    response={200: ApprovalOut, **ERRORS},
+    auth=can("fleet.operate_node", "approval.withdraw"),  # whoever may ask for a change
+)
+def withdraw(request: HttpRequest, approval_id: int, body: Decision) -> dict[str, Any]:
+    """Take back one's own pending change, with a `reason` if one is given: no one can approve
+    it any more (only whoever asked may)."""
+    try:
+        approval = approval_withdraw(
             approval_id=approval_id, reason=body.reason, actor=current_user(request)
         )
     except ApprovalError as exc:

@@ -480,6 +480,21 @@ def test_a_release_by_hand_during_a_rollout_is_refused_with_the_rollout_named(
     assert deployed(pool) == 1
 
 
+def test_a_requester_withdraws_through_the_api_too_and_no_one_else_may(pool: NodePool) -> None:
+    ann, bob = person("ann"), person("bob")
+    with pytest.raises(ApprovalRequired) as refused:
+        deployment_set(model_name="embedder", version=2, pool=pool, actor=ann)
+    asked = approval_request(refused=refused.value, actor=ann)
+    path = f"/api/approvals/{asked.pk}/withdraw"
+    body = {"reason": "wrong pool"}
+    denied = Client(headers=bearer(bob)).post(path, body, content_type="application/json")
+    assert denied.status_code == 403
+    taken = Client(headers=bearer(ann)).post(path, body, content_type="application/json")
+    assert taken.status_code == 200
+    assert (taken.json()["status"], taken.json()["reason"]) == ("withdrawn", "wrong pool")
+    assert deployed(pool) == 1
+
+
 def test_a_request_is_rejected_with_a_reason_or_withdrawn_and_never_carried_out(
     pool: NodePool,
 ) -> None:
