@@ -275,6 +275,7 @@ CELERY_BEAT_SCHEDULE = {
     "degradation": {"task": "degradation.tick_all", "schedule": DEGRADATION_TICK_S},
     "retention": {"task": "retention.prune", "schedule": 3600.0},
     "lost-notifications": {"task": "rollouts.deliver_lost", "schedule": 60.0},
+    "unsent-evaluations": {"task": "quality.resend_queued", "schedule": 60.0},
 }
 # What the fleet and rollouts leave behind goes after RETENTION_DAYS (RETENTION_<KIND>_DAYS for
 # one kind; 0 keeps it), RETENTION_BATCH rows per transaction (apps/retention). Expired sessions

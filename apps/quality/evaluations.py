@@ -5,6 +5,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
@@ -36,6 +37,18 @@ def evaluation_execute(*, run_id: int) -> None:
     except QualityError as exc:
         return _finish(run, status=EvaluationRun.Status.FAILED, error=str(exc))
     _store(run, answers)
+
+
+def runs_unsent(now: datetime | None = None) -> list[tuple[int, str]]:
+    """(run, its node's queue) of each run still queued a minute after it was made, and no more
+    than ten: one a broker that was away never took."""
+    now = now or timezone.now()
+    waiting = EvaluationRun.objects.filter(
+        status=EvaluationRun.Status.QUEUED,
+        created_at__lt=now - timedelta(minutes=1),
+        created_at__gte=now - timedelta(minutes=10),
+    )
+    return list(waiting.values_list("pk", "node__pool__queue"))
 
 
 def evaluation_timed_out(*, run_id: int, limit_s: int) -> None:

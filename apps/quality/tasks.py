@@ -3,7 +3,13 @@
 from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 
-from apps.quality.evaluations import evaluation_execute, evaluation_timed_out, load_drive
+from apps.fleet.tasks import send_to
+from apps.quality.evaluations import (
+    evaluation_execute,
+    evaluation_timed_out,
+    load_drive,
+    runs_unsent,
+)
 
 # Claimed by a conditional update, so a redelivery after a lost worker is a no-op: the run then
 # stays "running" and whoever waits on it (a rollout's gate) gives up at its deadline, at most
@@ -30,3 +36,12 @@ def run_evaluation(run_id: int) -> None:
 @shared_task(name="quality.drive_load", acks_late=True, soft_time_limit=3630, time_limit=3660)
 def drive_load(load_id: int) -> None:
     load_drive(load_id=load_id)
+
+
+# A run is sent once its transaction commits; with the broker away then, it stays queued. Sent
+# again here, each minute for its first minutes (a redelivered run is claimed once): past them,
+# whoever waited on it has given up (apps.rollouts.gates.gate_deadline).
+@shared_task(name="quality.resend_queued", acks_late=True, expires=60)
+def resend_queued() -> None:
+    for run_id, queue in runs_unsent():
+        send_to(queue, run_evaluation, run_id)

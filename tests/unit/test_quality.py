@@ -242,3 +242,35 @@ def test_a_large_answer_is_judged_whole_and_kept_only_in_part() -> None:
     assert kept.outputs["SOURCE"] == ["faq:orders-track"]
     assert kept.outputs["ANSWER"]["truncated"] == "45,020 characters"
     assert len(kept.outputs["ANSWER"]["start"]) == evaluations.MAX_KEPT_OUTPUT
+
+
+def test_a_run_the_broker_never_took_is_sent_again_for_its_first_minutes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from apps.quality import tasks
+
+    import_demo()
+    found = evaluation_set_import(model_name="rag_pipeline", name="faq", text=case(), actor="ops")
+    pool = NodePool.objects.create(name="gpu", queue="eu")
+    node = Node.objects.create(name="gpu-1", pool=pool, http_url="http://127.0.0.1:1")
+    now = timezone.now()
+    made = {}
+    for label, age, status in [
+        ("unsent", 3, "queued"),
+        ("just made", 0, "queued"),
+        ("given up", 30, "queued"),
+        ("running", 3, "running"),
+    ]:
+        run = EvaluationRun.objects.create(
+            evaluation_set=found, version=1, node=node, status=status
+        )
+        EvaluationRun.objects.filter(pk=run.pk).update(created_at=now - timedelta(minutes=age))
+        made[label] = run.pk
+    sent: list[tuple[str, int]] = []
+    monkeypatch.setattr(tasks, "send_to", lambda queue, task, run_id: sent.append((queue, run_id)))
+    tasks.resend_queued()
+    assert sent == [("eu", made["unsent"])]
