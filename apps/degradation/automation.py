@@ -20,12 +20,12 @@ from apps.degradation.probes import probe
 from apps.degradation.services import _target, tier_serve
 from apps.degradation.triggers import Limits, Window, judge
 from apps.fleet.models import Deployment, Node
+from apps.fleet.owners import owner_holding
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_open, incident_update
 from apps.registry.codec import step_names
 from apps.registry.models import ModelVersion
 from apps.rollouts.notify import notify_pool
-from apps.rollouts.services import rollout_owning
 from controlplane.catalog import budget_queries
 from controlplane.prometheus import PrometheusUnavailable, instant_query
 
@@ -51,8 +51,8 @@ def tick(tiers: Tiers) -> str:
         return f"{where}: frozen since {tiers.frozen_at:%H:%M:%S}: {tiers.frozen_reason}"
     if tiers.pin_holds():
         return f"{where}: pinned by {tiers.pinned_by}"
-    if busy := rollout_owning(tiers.pool, tiers.model):
-        return busy
+    if held := owner_holding(tiers.pool, tiers.model):
+        return held.why
     deployment = Deployment.objects.filter(pool=tiers.pool, model=tiers.model).first()
     if deployment is None or deployment.version not in tiers.versions:
         what = f"serves v{deployment.version}" if deployment else "is deployed nowhere"
@@ -150,7 +150,7 @@ def _switch(tiers_id: int, serving: int, position: int, evidence: str) -> str:
     switch would be one too many this hour (a freeze, for a person to decide)."""
     with transaction.atomic():
         tiers = Tiers.objects.select_for_update().select_related("pool", "model").get(pk=tiers_id)
-        if tiers.frozen_at or tiers.pin_holds() or rollout_owning(tiers.pool, tiers.model):
+        if tiers.frozen_at or owner_holding(tiers.pool, tiers.model):
             return f"{tiers.model.name} on {tiers.pool.name}: taken over meanwhile"
         # Two ticks may judge the same readings at once (one slower than the period): the one
         # that waited on the lock finds the pool moved, and neither moves nor counts it again.

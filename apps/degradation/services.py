@@ -11,12 +11,13 @@ from apps.accounts.permissions import authorize, may, moving_back, second_person
 from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.degradation.models import Tiers
 from apps.fleet.errors import FleetError
-from apps.fleet.models import Deployment, NodePool
+from apps.fleet.models import Deployment, NodePool, PoolOwner
+from apps.fleet.owners import owner_claim, owner_holding, owner_release
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model, ModelVersion
-from apps.rollouts.services import rollout_owning
 
 MAX_PIN = timedelta(days=7)
+PIN = "pin"  # a pin's name as the owner of what its pool serves (fleet.PoolOwner)
 # On-call's own pins last a shift at most: a week-long hold on what a pool serves is a release
 # manager's to decide.
 MAX_ONCALL_PIN = timedelta(hours=12)
@@ -142,15 +143,6 @@ def _pinned(tiers: Tiers) -> str:
     )
 
 
-def pin_owning(pool: NodePool, model: Model) -> str:
-    """Why a person may not move `pool`'s release of `model` by hand: a pin holds it there
-    (apps.fleet.services.deployments.POOL_OWNERS)."""
-    tiers = Tiers.objects.filter(pool=pool, model=model).select_related("pool", "model").first()
-    if tiers is None or not tiers.pin_holds():
-        return ""
-    return f"{_pinned(tiers)}: unpin it before changing the release by hand"
-
-
 @audited("pool.pin_tier", _target, (TierError,))
 def tier_pin(
     *, pool_name: str, model_name: str, tier: int, reason: str, hours: float, actor: Actor
@@ -178,11 +170,20 @@ def tier_pin(
             + ("" if longest == MAX_PIN else " when on-call sets it (a release manager's, a week)")
             + f", not {hours:g}"
         )
-    if busy := rollout_owning(pool, model):
-        raise TierError(busy)
     before = {"pinned": tiers.pinned if tiers.pin_holds() else None}
     tiers.pinned, tiers.pinned_by, tiers.pinned_reason = tier, actor_name(actor), reason.strip()
     tiers.pinned_until = timezone.now() + timedelta(hours=hours)
+    # A rollout of the model there owns the pool until it ends; a pin owns it until it lapses.
+    if held := owner_claim(
+        pool=pool,
+        model=model,
+        kind=PoolOwner.Kind.PIN,
+        ref=PIN,
+        why=f"{_pinned(tiers)}: unpin it before changing the release by hand",
+        by=actor_name(actor),
+        until=tiers.pinned_until,
+    ):
+        raise TierError(held.why)
     tiers.save()
     with moving_back():  # on-call's to do alone, even on a protected pool
         try:
@@ -213,10 +214,8 @@ def tier_confirm(*, pool_name: str, model_name: str, actor: Actor) -> Tiers:
     tiers = Tiers.objects.select_for_update().filter(pool=pool, model=model).first()
     if tiers is None or tiers.cleared is None:
         raise TierError(f"{model_name} on {pool_name} has no switch back waiting to be confirmed")
-    if tiers.pin_holds():
-        raise TierError(_pinned(tiers))
-    if busy := rollout_owning(pool, model):
-        raise TierError(busy)
+    if held := owner_holding(pool, model):
+        raise TierError(held.why)
     serving = Deployment.objects.filter(pool=pool, model=model).values_list("version", flat=True)
     position, before = tiers.cleared, serving.first()
     tiers.cleared, tiers.judged_from = None, None
@@ -247,5 +246,6 @@ def tier_unpin(*, pool_name: str, model_name: str, actor: Actor) -> Tiers:
     before = {"pinned": tiers.pinned, "by": tiers.pinned_by, "reason": tiers.pinned_reason}
     tiers.pinned, tiers.pinned_by, tiers.pinned_reason, tiers.pinned_until = None, "", "", None
     tiers.save()
+    owner_release(pool=pool, model=model, ref=PIN)
     audit_record(actor=actor, target=f"pool:{pool_name}:{model_name}", before=before)
     return tiers

@@ -316,6 +316,34 @@ class Release(models.Model):
         return f"{self.model.name} v{self.version} on {self.pool}"
 
 
+class PoolOwner(models.Model):
+    """Who drives what a pool serves of a model now, besides the reconciler (no row): a rollout
+    releasing it, or on-call's pin on a degradation tier. One row, claimed and let go by the
+    owner's own services (apps.fleet.owners) and read by every road that changes what the pool
+    serves; a pin's lapses at `until`."""
+
+    class Kind(models.TextChoices):
+        ROLLOUT = "rollout"
+        PIN = "pin"
+
+    pool = models.ForeignKey(NodePool, on_delete=models.CASCADE, related_name="owners")
+    model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="owners")
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    ref = models.CharField(max_length=60, help_text='which one: "rollout:12", "pin"')
+    why = models.TextField(help_text="what a person told to wait reads")
+    by = models.CharField(max_length=150)
+    since = models.DateTimeField()
+    until = models.DateTimeField(null=True, blank=True, help_text="a pin's end")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["pool", "model"], name="one_owner_per_pool_and_model")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.ref} owns {self.model} on {self.pool}"
+
+
 class Operation(models.Model):
     """One load, unload or reload on one node, from the reconciler or a person."""
 

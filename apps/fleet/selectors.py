@@ -15,7 +15,8 @@ from django.db.models import (
 )
 
 from apps.fleet.desired import DesiredStateError, FleetDesired, fleet_desired, node_desired
-from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.models import Deployment, Node, NodePool, Operation, PoolOwner
+from apps.fleet.owners import owners_live
 from apps.fleet.triton import ready_in
 
 
@@ -343,6 +344,7 @@ class PoolView:
     deployments: list[Deployment]
     shapes: list[Shape]
     drifting: list[NodeRow]  # the first few nodes that drift, for a glance; the nodes page has all
+    owners: list[PoolOwner]  # who drives what it serves of a model now, besides the reconciler
 
     @cached_property
     def summary(self) -> FleetSummary:  # a page asks it several times per pool
@@ -373,6 +375,10 @@ def pool_views(pools: Iterable[NodePool], *, glance: bool = False) -> list[PoolV
     deployments: dict[int, list[Deployment]] = {pool.pk: [] for pool in pools}
     for deployment in Deployment.objects.filter(pool__in=pools).select_related("model"):
         deployments[deployment.pool_id].append(deployment)  # type: ignore[index]
+    owners: dict[int, list[PoolOwner]] = {pool.pk: [] for pool in pools}
+    for owner in owners_live().filter(pool__in=pools).select_related("model"):
+        owners[owner.pool_id].append(owner)
     return [
-        PoolView(pool, deployments[pool.pk], shapes[pool.pk], drifting[pool.pk]) for pool in pools
+        PoolView(pool, deployments[pool.pk], shapes[pool.pk], drifting[pool.pk], owners[pool.pk])
+        for pool in pools
     ]

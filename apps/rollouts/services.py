@@ -10,7 +10,7 @@ from apps.accounts.permissions import authorize, moving_back, second_person
 from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, NodePool, Release
-from apps.fleet.services.deployments import POOL_OWNERS, deployment_set
+from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model
 from apps.rollouts import transitions
 from apps.rollouts.models import AnalysisTemplate, Rollout
@@ -81,18 +81,6 @@ def _active(models: list[str], pool: NodePool) -> Rollout | None:
     return next((r for r in running if set(r.model_names) & set(models)), None)
 
 
-def rollout_owning(pool: NodePool, model: Model) -> str:
-    """Why a person may not move `pool`'s release of `model` by hand: a rollout releasing it
-    there decides what the pool runs until it ends (apps.fleet.services.deployments.POOL_OWNERS)."""
-    running = _active([model.name], pool)
-    if running is None:
-        return ""
-    return (
-        f"rollout #{running.pk} of {running.moves} on {pool.name} is {running.state}: "
-        "abort it, or roll the pool back, before changing the release by hand"
-    )
-
-
 def _pool_target(*, model_name: str, pool_name: str, **_: object) -> str:
     return f"pool:{pool_name}:{model_name}"
 
@@ -147,10 +135,6 @@ def rollout_start(
                 raise RolloutError(
                     f"rollout #{running.pk} of {running.moves} on {pool_name} is {running.state}"
                 )
-            # Any other owner of what the pool serves (a person's pin on a degradation tier).
-            for owner in POOL_OWNERS:
-                if owner is not rollout_owning and (busy := owner(proposal.pool, proposal.model)):
-                    raise RolloutError(busy)
             rollout = Rollout.objects.create(
                 model=proposal.model,
                 pool=proposal.pool,
@@ -164,6 +148,8 @@ def rollout_start(
                 quality_sets=proposal.quality_sets,
                 started_by=actor_name(actor),
             )
+            if held := transitions.pool_claim(rollout, actor_name(actor)):
+                raise RolloutError(held.why)  # another owner: on-call's pin on a tier
     except IntegrityError:
         raise RolloutError(f"another rollout of {model_name} on {pool_name} is active") from None
     audit_record(

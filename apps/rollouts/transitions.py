@@ -10,7 +10,8 @@ from django.utils import timezone
 from apps.accounts.permissions import moving_back
 from apps.audit.services import Actor, actor_name, audit_record
 from apps.fleet import selectors
-from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.models import Deployment, Node, NodePool, Operation, PoolOwner
+from apps.fleet.owners import owner_claim, owner_release
 from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.traffic.balancer import weights_set
 from apps.registry.codec import from_dict
@@ -79,6 +80,8 @@ def transition(
     rollout.reason = reason or rollout.reason
     if state in Rollout.TERMINAL:
         rollout.finished_at = timezone.now()
+        for member in members(rollout):  # the pool's release is the reconciler's again
+            owner_release(pool=rollout.pool, model=member.model, ref=owner_ref(rollout))
     rollout.save()
     audit_record(
         actor=actor,
@@ -95,6 +98,31 @@ def transition(
         message=reason,
     )
     notify(rollout, event or state)
+
+
+def owner_ref(rollout: Rollout) -> str:
+    """How a rollout names itself as the owner of what its pool serves (fleet.PoolOwner)."""
+    return f"rollout:{rollout.pk}"
+
+
+def pool_claim(rollout: Rollout, by: str) -> PoolOwner | None:
+    """The rollout owns what its pool serves of each model it releases, until it ends; returns
+    the owner that holds one of them instead (on-call's pin on a degradation tier)."""
+    why = (
+        f"rollout #{rollout.pk} of {rollout.moves} on {rollout.pool.name} holds it: abort it, "
+        "or roll the pool back, before changing the release by hand"
+    )
+    for member in members(rollout):
+        if held := owner_claim(
+            pool=rollout.pool,
+            model=member.model,
+            kind=PoolOwner.Kind.ROLLOUT,
+            ref=owner_ref(rollout),
+            why=why,
+            by=by,
+        ):
+            return held
+    return None
 
 
 def pause(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:

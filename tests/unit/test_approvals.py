@@ -37,7 +37,7 @@ from apps.incidents.services import incident_rollback
 from apps.quality.services import evaluation_set_import
 from apps.registry.models import Model, ModelVersion
 from apps.registry.services import version_set_status
-from apps.rollouts import gates
+from apps.rollouts import gates, transitions
 from apps.rollouts.models import Notification, Rollout
 from apps.rollouts.plans import Analysis
 from apps.rollouts.services import (
@@ -198,7 +198,7 @@ def canary_on(pool: NodePool) -> Rollout:
     first = Node.objects.create(name=f"{pool.name}-1", pool=pool, http_url="http://127.0.0.1:1")
     Node.objects.create(name=f"{pool.name}-2", pool=pool, http_url="http://127.0.0.1:1")
     deployment_set(model_name="embedder", version=2, baseline=1, node=first, actor=CONTROLLER)
-    return Rollout.objects.create(
+    rollout = Rollout.objects.create(
         model=ModelVersion.objects.get(model__name="embedder", version=1).model,
         pool=pool,
         baseline_version=1,
@@ -208,6 +208,8 @@ def canary_on(pool: NodePool) -> Rollout:
         canary_nodes=[first.name],
         started_by="ann",
     )
+    assert transitions.pool_claim(rollout, "ann") is None  # as its start claims the pool
+    return rollout
 
 
 def test_moves_back_never_wait_for_a_second_person(pool: NodePool) -> None:

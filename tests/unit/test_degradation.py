@@ -17,16 +17,18 @@ from apps.audit.models import AuditEvent
 from apps.degradation.models import Tiers
 from apps.degradation.services import (
     TierError,
-    pin_owning,
     tier_confirm,
     tier_pin,
     tier_unpin,
     tiers_set,
 )
 from apps.fleet.errors import FleetError
-from apps.fleet.models import Deployment, Node, NodePool
+from apps.fleet.models import Deployment, Node, NodePool, PoolOwner
+from apps.fleet.owners import owner_holding
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model, ModelVersion
+from apps.rollouts import transitions
+from apps.rollouts.models import Rollout
 from apps.rollouts.services import RolloutError, rollout_start
 from tests.support.audit import DEGRADATION_SERVICES, Case, assert_one_event_each
 from tests.support.registry import import_demo
@@ -123,7 +125,7 @@ def test_a_pin_switches_the_pool_now_and_holds_every_other_owner_off(pool: NodeP
     assert event.message == "P99 over budget, rerank skipped"
     assert [part["action"] for part in event.parts] == ["deployment.set"]
     held = "rag_pipeline on demo is pinned to tier 1 (v4) by oncall until"
-    assert pin_owning(pool, tiers.model).startswith(held)
+    assert owner_holding(pool, tiers.model).why.startswith(held)  # type: ignore[union-attr]
     release_manager = make_user(Role.RELEASE_MANAGER)
     with pytest.raises(FleetError, match=re.escape(held)):
         deployment_set(model_name=PIPELINE, version=2, pool=pool, actor=release_manager)
@@ -178,8 +180,10 @@ def test_a_pin_says_why_for_how_long_and_waits_for_a_running_rollout(pool: NodeP
 def test_an_expired_pin_holds_nothing(pool: NodePool) -> None:
     tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4], actor="rm")
     tiers = pin(1)
-    Tiers.objects.filter(pk=tiers.pk).update(pinned_until=timezone.now() - timedelta(seconds=1))
-    assert pin_owning(pool, tiers.model) == ""
+    lapsed = timezone.now() - timedelta(seconds=1)
+    Tiers.objects.filter(pk=tiers.pk).update(pinned_until=lapsed)
+    PoolOwner.objects.update(until=lapsed)  # as the pin's claim lapses with it
+    assert owner_holding(pool, tiers.model) is None
     deployment_set(model_name=PIPELINE, version=2, pool=pool, actor=make_user(Role.RELEASE_MANAGER))
     assert serving(pool) == 2
 
@@ -254,3 +258,37 @@ def test_the_api_reads_sets_pins_and_unpins(client: Client, pool: NodePool) -> N
     confirmed = client.post(url + "/confirm", headers=oncall)
     assert confirmed.status_code == 200 and confirmed.json()["serving"] == 1
     assert confirmed.json()["probed"] == "probes of v1: P99 40 ms"
+
+
+def test_one_owner_at_a_time_shown_on_the_deployments_page(pool: NodePool, client: Client) -> None:
+    """A pin owns the pool's release until it is lifted: a rollout waits, then owns it in turn
+    until it ends, and the pool's card says who drives it."""
+    tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4], actor="rm")
+    pin(0)
+    with pytest.raises(RolloutError, match=r"is pinned to tier 0 .* unpin it before"):
+        rollout_start(
+            model_name=PIPELINE,
+            pool_name="demo",
+            canary_version=2,
+            plan="50%\n100%",
+            analysis=None,
+            actor="system:test",
+        )
+    client.force_login(make_user(Role.VIEWER))
+    assert "rag_pipeline: pin by oncall until" in client.get("/deployments/").content.decode()
+    tier_unpin(pool_name="demo", model_name=PIPELINE, actor="oncall")
+    rollout = rollout_start(
+        model_name=PIPELINE,
+        pool_name="demo",
+        canary_version=2,
+        plan="50%\n100%",
+        analysis=None,
+        actor="system:test",
+    )
+    (owner,) = PoolOwner.objects.all()
+    assert (owner.kind, owner.ref) == ("rollout", f"rollout:{rollout.pk}")
+    page = client.get("/deployments/").content.decode()
+    assert f'rag_pipeline: <a href="/rollouts/{rollout.pk}/">rollout #{rollout.pk}</a>' in page
+    transitions.transition(rollout, Rollout.State.ROLLED_BACK)
+    assert not PoolOwner.objects.exists()
+    assert "Driven by: the reconciler</p>" in client.get("/deployments/").content.decode()

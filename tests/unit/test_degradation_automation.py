@@ -15,7 +15,7 @@ from apps.audit.models import AuditEvent
 from apps.degradation import automation
 from apps.degradation.models import Tiers
 from apps.degradation.probes import Probed
-from apps.degradation.services import tier_confirm, tier_pin, tiers_set
+from apps.degradation.services import tier_confirm, tier_pin, tier_unpin, tiers_set
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.incidents.models import Incident
@@ -207,7 +207,7 @@ def test_a_pin_or_a_running_rollout_holds_the_automation(
     prometheus(SLOW)
     tier_pin(pool_name="demo", model_name=PIPELINE, tier=0, reason="hold", hours=1, actor="oncall")
     assert tick() == "rag_pipeline on demo: pinned by oncall"
-    Tiers.objects.update(pinned=None, pinned_until=None)
+    tier_unpin(pool_name="demo", model_name=PIPELINE, actor="oncall")
     rollout_start(
         model_name=PIPELINE,
         pool_name="demo",

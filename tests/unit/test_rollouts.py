@@ -23,6 +23,7 @@ from apps.accounts.services import token_create
 from apps.audit.models import AuditEvent
 from apps.fleet import selectors
 from apps.fleet.models import Deployment, Node, NodePool, Release
+from apps.fleet.owners import owner_release
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.traffic import balancer as balancing
 from apps.fleet.traffic.balancer import Synced
@@ -488,7 +489,7 @@ def test_the_database_allows_one_active_rollout_per_model_and_pool(fleet: Fleet)
         Rollout.objects.create(
             model=first.model, pool=first.pool, baseline_version=1, canary_version=3, plan=[]
         )
-    Rollout.objects.filter(pk=first.pk).update(state=State.ROLLED_BACK)
+    transitions.transition(first, State.ROLLED_BACK)  # its end lets the pool go, too
     assert start(canary=3).active
 
 
@@ -575,7 +576,9 @@ def test_every_rollout_service_records_one_event_refused_or_done(fleet: Fleet) -
         return release_fallback(model_name="rag", pool_name="gpu", actor="oncall")
 
     def retried() -> Rollout:
-        Rollout.objects.filter(pk=rollout()).update(state=State.ROLLED_BACK)
+        ended = Rollout.objects.select_related("model", "pool").get(pk=rollout())
+        Rollout.objects.filter(pk=ended.pk).update(state=State.ROLLED_BACK)
+        owner_release(pool=ended.pool, model=ended.model, ref=transitions.owner_ref(ended))
         return made.setdefault("retried", rollout_retry(rollout_id=rollout(), actor="ops"))
 
     cases = [

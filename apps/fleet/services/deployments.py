@@ -1,7 +1,6 @@
 """Changes of what a pool or a node must serve: deployments, each audited, carried out by the
 reconcile that follows."""
 
-from collections.abc import Callable
 from datetime import datetime
 
 from django.contrib.auth.models import User
@@ -13,13 +12,9 @@ from apps.audit.context import REQUEST_ID
 from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool, Release
+from apps.fleet.owners import owner_holding
 from apps.fleet.tasks import reconcile_change
 from apps.registry.models import Model, ModelVersion
-
-# Who else decides what a pool runs of a model, asked before a person's pool-wide change: each
-# says why that change must wait ("" when it need not). Apps above the fleet register theirs (a
-# rollout under way: apps.rollouts.apps), so that one owner decides at a time.
-POOL_OWNERS: list[Callable[[NodePool, Model], str]] = []
 
 
 def reconcile_later(node_ids: list[int]) -> None:
@@ -80,9 +75,8 @@ def deployment_set(
     if pool is not None and isinstance(actor, User) and not MOVING_BACK.get():
         # What a whole pool runs is a release manager's to change; on-call moves it back only.
         authorize(actor, "rollouts.add_rollout", pool)
-        for owner in POOL_OWNERS:
-            if busy := owner(pool, found.model):
-                raise FleetError(busy)
+        if (held := owner_holding(pool, found.model)) is not None:
+            raise FleetError(held.why)  # a rollout's or a pin's until it ends
     existing = (
         Deployment.objects.select_for_update()
         .filter(model=found.model, pool=pool, node=node)
