@@ -80,7 +80,8 @@ def switch(pool: NodePool, state: FleetState, version: int) -> float:
             pool_name=pool.name,
             canary_version=version,
             plan="",
-            analysis={**HEALTHY, "quality_set": "faq"},
+            # Watched for 10 s once switched (60 by default): the switch is what is timed.
+            analysis={**HEALTHY, "quality_set": "faq", "switch_hold_s": 10},
             actor="system:bench",
             strategy=Rollout.Strategy.BLUE_GREEN,
         )
