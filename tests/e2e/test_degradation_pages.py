@@ -45,4 +45,10 @@ def test_on_call_pins_a_tier_and_the_page_says_why(page: Page, live_server: obje
     expect(card).to_contain_text("to tier 1 by operator-user until")
     expect(card.get_by_role("listitem").nth(1)).to_contain_text("v4 serving pinned")
     screenshot(page, "tiers")
+    # The pin owns what the pool serves of the pipeline: the pool's card says so.
+    page.goto(f"{live_server}/deployments/")
+    owners = page.locator("#pool-demo .owners")
+    expect(owners).to_contain_text("Driven by: rag_pipeline: pin by operator-user until")
+    expect(owners).to_contain_text("the reconciler for the rest")
+    screenshot(page, "deployments-owner")
     assert page.console_errors == []  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.imports import repository_import
 from apps.registry.models import Model
+from apps.rollouts import transitions
 from apps.rollouts.models import Rollout
 from tests.support.browser import screenshot, sign_in
 from tests.support.users import PASSWORD, make_user
@@ -42,6 +43,7 @@ def test_a_conflict_and_a_role_taken_away_are_said_in_place(
         state=Rollout.State.PAUSED,  # holds the model; no controller moves it meanwhile
         started_by="ops",
     )
+    assert transitions.pool_claim(running, "ops") is None  # as its start claims the pool
     make_user(Role.VIEWER)
     user_ensure(username="ann", password=PASSWORD, role=Role.RELEASE_MANAGER)
     base = str(live_server)
