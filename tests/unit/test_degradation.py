@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
+from apps.audit.services import Actor
 from apps.degradation.models import Tiers
 from apps.degradation.services import (
     TierError,
@@ -51,6 +52,18 @@ def pool() -> NodePool:
 
 def serving(pool: NodePool) -> int:
     return Deployment.objects.get(pool=pool, model__name=PIPELINE).version
+
+
+def roll_out(actor: Actor) -> Rollout:
+    """A rollout of the pipeline's v2 on pool demo, in two steps."""
+    return rollout_start(
+        model_name=PIPELINE,
+        pool_name="demo",
+        canary_version=2,
+        plan="50%\n100%",
+        analysis=None,
+        actor=actor,
+    )
 
 
 def pin(tier: int = 1, **changes: object) -> Tiers:
@@ -130,14 +143,7 @@ def test_a_pin_switches_the_pool_now_and_holds_every_other_owner_off(pool: NodeP
     with pytest.raises(FleetError, match=re.escape(held)):
         deployment_set(model_name=PIPELINE, version=2, pool=pool, actor=release_manager)
     with pytest.raises(RolloutError, match=re.escape(held)):
-        rollout_start(
-            model_name=PIPELINE,
-            pool_name="demo",
-            canary_version=2,
-            plan="50%\n100%",
-            analysis=None,
-            actor=release_manager,
-        )
+        roll_out(release_manager)
     with pytest.raises(TierError, match=re.escape(held)):
         tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4, 5], actor="rm")
     tier_unpin(pool_name="demo", model_name=PIPELINE, actor="oncall")
@@ -164,14 +170,7 @@ def test_a_pin_says_why_for_how_long_and_waits_for_a_running_rollout(pool: NodeP
             pin(**changes)
     assert pin(0, hours=12, actor=make_user(Role.OPERATOR)).pin_holds()
     tier_unpin(pool_name="demo", model_name=PIPELINE, actor="oncall")
-    rollout_start(
-        model_name=PIPELINE,
-        pool_name="demo",
-        canary_version=2,
-        plan="50%\n100%",
-        analysis=None,
-        actor="system:test",
-    )
+    roll_out("system:test")
     with pytest.raises(TierError, match="abort it, or roll the pool back"):
         pin(1)
     assert serving(pool) == 1
@@ -266,25 +265,11 @@ def test_one_owner_at_a_time_shown_on_the_deployments_page(pool: NodePool, clien
     tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4], actor="rm")
     pin(0)
     with pytest.raises(RolloutError, match=r"is pinned to tier 0 .* unpin it before"):
-        rollout_start(
-            model_name=PIPELINE,
-            pool_name="demo",
-            canary_version=2,
-            plan="50%\n100%",
-            analysis=None,
-            actor="system:test",
-        )
+        roll_out("system:test")
     client.force_login(make_user(Role.VIEWER))
     assert "rag_pipeline: pin by oncall until" in client.get("/deployments/").content.decode()
     tier_unpin(pool_name="demo", model_name=PIPELINE, actor="oncall")
-    rollout = rollout_start(
-        model_name=PIPELINE,
-        pool_name="demo",
-        canary_version=2,
-        plan="50%\n100%",
-        analysis=None,
-        actor="system:test",
-    )
+    rollout = roll_out("system:test")
     (owner,) = PoolOwner.objects.all()
     assert (owner.kind, owner.ref) == ("rollout", f"rollout:{rollout.pk}")
     page = client.get("/deployments/").content.decode()
