@@ -283,7 +283,15 @@ CELERY_BEAT_SCHEDULE = {
 RETENTION_DAYS = env_int("RETENTION_DAYS", 90)
 RETENTION_DAYS_BY_KIND = {
     kind: env_int(f"RETENTION_{kind.upper()}_DAYS", RETENTION_DAYS)
-    for kind in ("departed", "operations", "measurements", "notifications", "approvals", "logins")
+    for kind in (
+        "departed",
+        "operations",
+        "measurements",
+        "notifications",
+        "approvals",
+        "answers",
+        "logins",
+    )
 }
 RETENTION_BATCH = 1000
 # Slack-compatible webhook told about rollouts (start, steps, pauses, failures, rollbacks,

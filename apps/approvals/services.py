@@ -19,7 +19,7 @@ from apps.approvals.models import Approval
 from apps.audit.services import audit_record, audited
 from apps.degradation.services import TierError, tiers_set
 from apps.fleet.errors import FleetError
-from apps.fleet.models import Deployment, Node, NodePool
+from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.services.nodes import node_adopt, operation_override
 from apps.fleet.services.pools import pool_set_discoverable
@@ -103,12 +103,22 @@ ACTIONS: dict[str, Callable[[dict[str, Any], User], object]] = {
 
 def _resolved(pool: NodePool, params: dict[str, Any]) -> dict[str, Any]:
     """What a change is resolved against: the release of its model (or pipeline) that the pool
-    (or its node) runs now; where it acts on a rollout, that rollout's state and step."""
+    (or its node) runs now; where it acts on a rollout, that rollout's state and step; for an
+    override, the newest operation planned for its node and model; for an adoption, the
+    versions the node's last index shows."""
     found: dict[str, Any] = {}
     if "rollout_id" in params:
         rollout = Rollout.objects.filter(pk=params["rollout_id"]).values("state", "step").first()
         found["rollout"] = f"{rollout['state']} at step {rollout['step'] + 1}" if rollout else None
+    if "operation_id" in params:
+        refused = Operation.objects.filter(pk=params["operation_id"])
+        same = refused.values("node", "model_name").first() or {"pk": params["operation_id"]}
+        newest = Operation.objects.filter(**same).order_by("-pk")
+        found["planned"] = newest.values_list("pk", flat=True).first()
     model = params.get("model") or params.get("pipeline")
+    if model and "node" in params and "operation_id" not in params:
+        index = Node.objects.filter(name=params["node"]).values_list("index", flat=True).first()
+        found["loaded"] = sorted(e["version"] for e in index or [] if e["model"] == model)
     if model:
         where = {"node__name": params["node"]} if "node" in params else {"pool": pool}
         serving = Deployment.objects.filter(model__name=model, **where)
@@ -118,13 +128,21 @@ def _resolved(pool: NodePool, params: dict[str, Any]) -> dict[str, Any]:
 
 def _stale(approval: Approval, now: dict[str, Any]) -> str:
     """Why what an approval was asked against no longer holds ("" when it does)."""
-    asked = approval.resolved
+    asked, params = approval.resolved, approval.params
+    model = params.get("model") or params.get("pipeline")
     if asked.get("release") != now.get("release"):
-        model = approval.params.get("model") or approval.params.get("pipeline")
         return f"{model} moved from v{asked.get('release')} to v{now.get('release')}"
     if asked.get("rollout") != now.get("rollout"):
-        rollout = approval.params["rollout_id"]
+        rollout = params["rollout_id"]
         return f"rollout #{rollout} was {asked.get('rollout')}, is {now.get('rollout')}"
+    if asked.get("planned") != now.get("planned"):
+        return f"{params['node']} was planned again (operation #{now.get('planned')})"
+    if asked.get("loaded") != now.get("loaded"):
+        shown = {
+            key: ", ".join(f"v{v}" for v in found.get("loaded") or []) or "nothing"
+            for key, found in (("asked", asked), ("now", now))
+        }
+        return f"{model} on {params['node']} was {shown['asked']}, is {shown['now']}"
     return ""
 
 

@@ -19,6 +19,7 @@ from apps.approvals.models import Approval
 from apps.audit.partitions import audit_partitions_ensure
 from apps.audit.services import audit_record
 from apps.fleet.models import Node, Operation
+from apps.quality.models import CaseResult
 from apps.rollouts.models import Measurement, Notification, Rollout
 
 FINISHED = [
@@ -57,6 +58,12 @@ def _approvals(cutoff: datetime) -> list[models.QuerySet]:
     return [Approval.objects.filter(settled, requested_at__lt=cutoff)]
 
 
+def _answers(cutoff: datetime) -> list[models.QuerySet]:
+    """What each version answered to each case of an evaluation run finished before the cutoff:
+    the run keeps its score and counts (and its gate its verdict); the answers are the bulk."""
+    return [CaseResult.objects.filter(run__finished_at__lt=cutoff)]
+
+
 def _logins(cutoff: datetime) -> list[models.QuerySet]:
     return [
         model.objects.filter(attempt_time__lt=cutoff)
@@ -76,6 +83,7 @@ KINDS: dict[str, Callable[[datetime], list[models.QuerySet]]] = {
     "measurements": _measurements,
     "notifications": _notifications,
     "approvals": _approvals,
+    "answers": _answers,
     "logins": _logins,
 }
 

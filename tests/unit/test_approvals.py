@@ -456,6 +456,37 @@ def test_a_retry_an_override_and_an_adoption_wait_too(pool: NodePool) -> None:
     assert Node.objects.get(pk=node.pk).owned == []
 
 
+def test_an_override_or_an_adoption_is_refused_once_its_node_moved(pool: NodePool) -> None:
+    bob, carl = person("bob"), person("carl", Role.OPERATOR)
+    node = Node.objects.create(name="gpu-1", pool=pool, http_url="http://127.0.0.1:1")
+    refused = Operation.objects.create(
+        node=node, kind="load", model_name="embedder", failure="memory", requested_by="x"
+    )
+    Node.objects.filter(pk=node.pk).update(index=[{"model": "stray", "version": "1"}])
+    asked = []
+    for change in (
+        lambda: operation_override(operation_id=refused.pk, reason="it fits", actor=carl),
+        lambda: node_adopt(node_id=node.pk, model_name="stray", actor=carl),
+    ):
+        with pytest.raises(ApprovalRequired) as held:
+            change()
+        asked.append(approval_request(refused=held.value, actor=carl))
+    assert [a.resolved for a in asked] == [
+        {"planned": refused.pk},
+        {"loaded": ["1"], "release": None},
+    ]
+    newer = Operation.objects.create(
+        node=node, kind="load", model_name="embedder", requested_by="x"
+    )
+    Node.objects.filter(pk=node.pk).update(index=[{"model": "stray", "version": "2"}])
+
+    override, adoption = (approval_approve(approval_id=a.pk, actor=bob) for a in asked)
+    assert override.status == adoption.status == "failed"
+    assert f"gpu-1 was planned again (operation #{newer.pk})" in override.result
+    assert "stray on gpu-1 was v1, is v2 since it was asked" in adoption.result
+    assert Operation.objects.count() == 2 and Node.objects.get(pk=node.pk).owned == []
+
+
 def test_an_approval_is_refused_once_the_pool_moved(pool: NodePool) -> None:
     ann, bob = person("ann"), person("bob")
     deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor=CONTROLLER)

@@ -26,6 +26,7 @@ from apps.audit.models import AuditEvent
 from apps.audit.partitions import audit_partitions, audit_partitions_ensure, partition_name
 from apps.audit.services import audit_record
 from apps.fleet.models import Node, NodePool, Operation
+from apps.quality.models import CaseResult, EvaluationCase, EvaluationRun, EvaluationSet
 from apps.registry.models import Model
 from apps.retention.services import retention_prune
 from apps.retention.tasks import prune
@@ -91,6 +92,14 @@ def seeded(db: None) -> dict[str, object]:
         Node.objects.filter(pk=departed.pk).update(stage_changed_at=when)
         ops[f"{name}'s"] = _operation(departed, "m", "succeeded", OLD)
     model = Model.objects.create(name="rag")
+    cases = EvaluationSet.objects.create(model=model, name="golden", version=1, created_by="x")
+    case = EvaluationCase.objects.create(evaluation_set=cases, line=1, name="a", inputs={}, expect={})
+    runs = {}
+    for name, finished_at in (("old", OLD), ("recent", RECENT), ("running", None)):
+        runs[name] = EvaluationRun.objects.create(
+            evaluation_set=cases, version=1, finished_at=finished_at, passed=1
+        )
+        CaseResult.objects.create(run=runs[name], case=case, version=1, passed=True)
     done = _rollout(model, pool, Rollout.State.SUCCEEDED)
     active = _rollout(Model.objects.create(name="emb"), pool, Rollout.State.PROGRESSING)
     user = make_user(Role.OPERATOR)
@@ -99,6 +108,7 @@ def seeded(db: None) -> dict[str, object]:
     later = timezone.now() + timedelta(hours=1)
     return {
         "ops": ops,
+        "runs": runs,
         "done": done,
         "active": active,
         "notifications": [
@@ -144,11 +154,15 @@ def test_old_records_are_pruned_in_batches_and_those_still_read_are_kept(
     assert not AccessFailureLog.objects.exists()
     assert list(Session.objects.values_list("session_key", flat=True)) == ["live"]
     assert AuditEvent.objects.filter(pk=seeded["trail"][0].pk).exists()
+    runs = seeded["runs"]
+    answered = CaseResult.objects.values_list("run_id", flat=True)
+    assert set(answered) == {runs["recent"].pk, runs["running"].pk}
+    assert EvaluationRun.objects.get(pk=runs["old"].pk).passed == 1  # the run keeps its counts
 
     assert not Node.objects.filter(name="gone-long-ago").exists()
     assert Node.objects.filter(name="gone-lately").exists()
     expected = {"departed": 1, "operations": 2, "measurements": 1, "notifications": 1}
-    expected["approvals"] = 1
+    expected |= {"approvals": 1, "answers": 1}
     assert counts | expected == counts
     assert (counts["logins"], counts["sessions"]) == (2, 1)
     event = AuditEvent.objects.get(action="retention.prune")
