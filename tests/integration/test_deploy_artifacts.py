@@ -175,7 +175,7 @@ def documented(program: str, *words: str) -> list[str]:
             "worker.queues[0].name=eu-west",
             "networkPolicy.fleetCIDRs={10.40.0.0/16,fd00:40::/48}",
         ),
-        ("networkPolicy.enabled=false", "web.trustedProxies=2"),
+        ("networkPolicy.enabled=false", "web.trustedProxies=2", "migrations.appRole=cp_app"),
     ],
 )
 def test_the_chart_lints_cleanly(values: tuple[str, ...]) -> None:
@@ -258,6 +258,18 @@ def test_migrations_run_as_a_hook_before_install_and_upgrade_then_roles() -> Non
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
     # A pre-install hook runs before the ConfigMap exists: it must not depend on it.
     assert all("envFrom" not in container for container in containers(job))
+
+
+def test_with_an_application_role_the_owner_grants_it_after_each_migrate() -> None:
+    assert [c["name"] for c in containers(workloads()["migrate"])] == ["migrate", "setup-roles"]
+    job = workloads("migrations.appRole=cp_app")["migrate"]
+    assert [c["name"] for c in containers(job)] == ["migrate", "grant-app-role", "setup-roles"]
+    grant = ["python", "manage.py", "grant_app_role", "--role", "cp_app"]
+    assert command(job, 1) == [*grant, "--password-env", "APP_DB_PASSWORD"]
+    env = {item["name"]: item for item in containers(job)[1]["env"]}
+    assert env["DATABASE_AS_OWNER"]["value"] == "true"
+    for name in ("MIGRATE_DATABASE_URL", "APP_DB_PASSWORD"):  # required: the owner grants
+        assert not env[name]["valueFrom"]["secretKeyRef"].get("optional"), name
 
 
 def test_the_ingress_is_optional_and_serves_the_host_over_tls() -> None:
