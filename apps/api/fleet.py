@@ -11,7 +11,9 @@ from ninja import Query, Router, Schema, Status
 from pydantic import AfterValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
+from apps.accounts.models import PoolRole
 from apps.accounts.permissions import current_user
+from apps.accounts.services import RoleError
 from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, WAITS, ApiError
 from apps.api.paging import Limit, Offset
@@ -21,7 +23,7 @@ from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.selectors import Reading, converged, drift_of, node_models, observed_many
 from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.services.nodes import operation_request
-from apps.fleet.services.pools import pool_set_discoverable
+from apps.fleet.services.pools import pool_role_set, pool_set_discoverable
 from apps.fleet.traffic.gateway import (
     DNS_LABEL,
     DNS_SUBDOMAIN,
@@ -355,6 +357,57 @@ def set_discoverable(request: HttpRequest, pool: str, body: DiscoverableIn) -> d
         pool_name=found.name, discoverable=body.discoverable, actor=current_user(request)
     )
     return {"pool": found.name, "discoverable": body.discoverable}
+
+
+class PoolRoleIn(Schema):
+    """`operator` or `release_manager` on the pool, above the user's own role; "" takes it back."""
+
+    role: str
+
+
+class PoolRoleOut(Schema):
+    user: str
+    pool: str
+    role: str
+
+
+ADMIN = "fleet.change_nodepool"  # as the pool roles page: an admin's
+
+
+@router.get(
+    "/pool-roles",
+    response={200: list[PoolRoleOut], **ERRORS},
+    auth=Token(ADMIN),
+)
+def list_pool_roles(
+    request: HttpRequest, pool: str = "", offset: int = Offset, limit: int = Limit
+) -> list[dict[str, Any]]:
+    """Who holds which role on which pool (by pool, then user), `limit` from `offset`."""
+    held = PoolRole.objects.order_by("pool__name", "user__username")
+    rows = (held.filter(pool__name=pool) if pool else held)[offset : offset + limit]
+    return [
+        {"user": user, "pool": name, "role": role}
+        for user, name, role in rows.values_list("user__username", "pool__name", "role")
+    ]
+
+
+@router.put(
+    "/pools/{pool}/roles/{username}",
+    response={200: PoolRoleOut, **ERRORS},
+    auth=can(ADMIN, "user.set_pool_role"),
+)
+def set_pool_role(
+    request: HttpRequest, pool: str, username: str, body: PoolRoleIn
+) -> dict[str, Any]:
+    """Give the user a role on the pool, or take theirs back (an empty role), audited as the
+    pool roles page and `manage.py set_pool_role` do."""
+    try:
+        pool_role_set(
+            username=username, pool_name=pool, role=body.role, actor=current_user(request)
+        )
+    except RoleError as exc:
+        raise ApiError(422, "invalid_request", str(exc)) from None
+    return {"user": username, "pool": pool, "role": body.role}
 
 
 @router.get(

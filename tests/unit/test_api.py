@@ -16,7 +16,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from apps.accounts.models import ApiToken
+from apps.accounts.models import ApiToken, PoolRole
 from apps.accounts.roles import Role
 from apps.accounts.services import TokenError, token_create
 from apps.audit.models import AuditEvent
@@ -350,3 +350,30 @@ def test_the_tokens_page_is_paginated_and_marks_those_expiring_within_a_week(
         body = client.get("/accounts/tokens/").content.decode()
     assert body.count('<tr id="token-') == 20 and "Page 1 of 25" in body
     assert len(many) == len(few)
+
+
+def test_an_admin_grants_and_revokes_a_pool_role_through_the_api(
+    client: Client, admin_user: User, operator: User
+) -> None:
+    NodePool.objects.create(name="gpu")
+    url = f"/api/pools/gpu/roles/{operator.username}"
+    granted = client.put(
+        url, {"role": "release_manager"}, "application/json", headers=bearer(admin_user)
+    )
+    assert granted.status_code == 200
+    assert PoolRole.objects.get(user=operator).role == "release_manager"
+    listed = client.get("/api/pool-roles?pool=gpu", headers=bearer(admin_user)).json()
+    assert listed == [{"user": operator.username, "pool": "gpu", "role": "release_manager"}]
+    wrong = client.put(url, {"role": "owner"}, "application/json", headers=bearer(admin_user))
+    assert wrong.status_code == 422 and "not 'owner'" in wrong.json()["error"]["message"]
+    missing = client.put(
+        "/api/pools/cpu/roles/x", {"role": ""}, "application/json", headers=bearer(admin_user)
+    )
+    assert "no user named 'x'" in missing.json()["error"]["message"]
+    assert client.get("/api/pool-roles", headers=bearer(operator)).status_code == 403
+    client.put(url, {"role": ""}, "application/json", headers=bearer(admin_user))
+    assert not PoolRole.objects.exists()
+    trail = AuditEvent.objects.filter(action="user.set_pool_role", result="ok").values_list(
+        "after", flat=True
+    )
+    assert list(trail) == [{"pool": "gpu", "role": ""}, {"pool": "gpu", "role": "release_manager"}]

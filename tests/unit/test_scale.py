@@ -65,6 +65,7 @@ def pages() -> list[str]:
         "/api/operations",
         "/api/models",
         "/api/approvals",
+        "/api/pool-roles",
     ]
 
 
