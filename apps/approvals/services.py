@@ -12,6 +12,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from apps.accounts.permissions import APPROVING, ApprovalRequired, authorize
@@ -34,6 +35,7 @@ from apps.rollouts.services import (
     rollout_start,
 )
 from apps.rollouts.tuning import tuning_start
+from controlplane.clock import database_now
 
 APPROVER_PERMISSION = "rollouts.change_rollout"  # a release manager's, on the pool
 
@@ -159,7 +161,7 @@ def approval_request(*, refused: ApprovalRequired, actor: User) -> Approval:
         params=refused.params,
         requested_by=actor,
         status=Approval.Status.PENDING,
-        expires_at__gt=timezone.now(),
+        expires_at__gt=Now(),
     ).first()
     if pending is not None:
         return pending
@@ -169,7 +171,7 @@ def approval_request(*, refused: ApprovalRequired, actor: User) -> Approval:
         params=refused.params,
         resolved=_resolved(refused.pool, refused.params),
         requested_by=actor,
-        expires_at=timezone.now() + timedelta(seconds=settings.APPROVAL_TTL_S),
+        expires_at=database_now() + timedelta(seconds=settings.APPROVAL_TTL_S),
     )
     audit_record(
         actor=actor,
@@ -202,7 +204,7 @@ def _pending(approval_id: int) -> Approval:
         raise ApprovalError(f"there is no approval #{approval_id}")
     if approval.status != Approval.Status.PENDING:
         raise ApprovalError(f"approval #{approval_id} is {approval.status} already")
-    if approval.expires_at <= timezone.now():
+    if approval.expires_at <= database_now():
         raise ApprovalError(
             f"approval #{approval_id} expired at {approval.expires_at:%H:%M:%S} UTC"
         )

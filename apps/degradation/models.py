@@ -2,10 +2,10 @@ from datetime import datetime
 from typing import NamedTuple
 
 from django.db import models
-from django.utils import timezone
 
 from apps.fleet.models import NodePool
 from apps.registry.models import Model
+from controlplane.clock import database_now
 
 
 class Shape(NamedTuple):
@@ -83,5 +83,5 @@ class Tiers(models.Model):
         return (
             self.pinned is not None
             and self.pinned_until is not None
-            and self.pinned_until > (now or timezone.now())
+            and self.pinned_until > (now or database_now())
         )

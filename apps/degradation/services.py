@@ -5,7 +5,6 @@ from datetime import timedelta
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.utils import timezone
 
 from apps.accounts.permissions import authorize, may, moving_back, second_person
 from apps.audit.services import Actor, actor_name, audit_record, audited
@@ -15,6 +14,7 @@ from apps.fleet.models import Deployment, NodePool, PoolOwner
 from apps.fleet.owners import owner_claim, owner_holding, owner_release
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model, ModelVersion
+from controlplane.clock import database_now
 
 MAX_PIN = timedelta(days=7)
 PIN = "pin"  # a pin's name as the owner of what its pool serves (fleet.PoolOwner)
@@ -172,7 +172,7 @@ def tier_pin(
         )
     before = {"pinned": tiers.pinned if tiers.pin_holds() else None}
     tiers.pinned, tiers.pinned_by, tiers.pinned_reason = tier, actor_name(actor), reason.strip()
-    tiers.pinned_until = timezone.now() + timedelta(hours=hours)
+    tiers.pinned_until = database_now() + timedelta(hours=hours)
     # A rollout of the model there owns the pool until it ends; a pin owns it until it lapses.
     if held := owner_claim(
         pool=pool,

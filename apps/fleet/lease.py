@@ -9,6 +9,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from apps.audit.services import Statement
@@ -36,22 +37,14 @@ class Lease:
         """The lease, if the node is free: no lease, or a lapsed one whose worker can no longer
         be waiting on a load it sent (_TAKE); and `then` run if it was taken, in the same
         statement on PostgreSQL. Returns whether each changed a row."""
-        now = timezone.now()
-        until = now + timedelta(seconds=self.seconds)
-        may_run = now - timedelta(seconds=settings.FLEET_LOAD_TIMEOUT_S + settings.TRITON_TIMEOUT_S)
-        at = connection.ops.adapt_datetimefield_value
-        params = (self.owner, at(until), self.node_id, at(now), at(may_run))
+        running_s = settings.FLEET_LOAD_TIMEOUT_S + settings.TRITON_TIMEOUT_S
+        if connection.vendor != "postgresql":
+            return self._take_on_one_host(then, running_s)
+        params = (self.owner, self.seconds, self.node_id, running_s)
         if then is None:
             with prepared_cursor() as cursor:
                 cursor.execute(_TAKE, params)
                 return cursor.rowcount == 1, False
-        if connection.vendor != "postgresql":
-            with transaction.atomic(), prepared_cursor() as cursor:
-                cursor.execute(_TAKE, params)
-                if cursor.rowcount != 1:
-                    return False, False
-                cursor.execute(*then)
-                return True, cursor.rowcount == 1
         # Written out of the callers' own statements; every value a parameter.
         statement = (
             f"WITH taken AS ({_TAKE} RETURNING 1), "  # noqa: S608
@@ -63,6 +56,20 @@ class Lease:
             taken, followed = cursor.fetchone()
         return taken == 1, followed == 1
 
+    def _take_on_one_host(self, then: Statement | None, running_s: float) -> tuple[bool, bool]:
+        """`_take` on SQLite, a file on one host, whose clock is that host's."""
+        now = timezone.now()
+        at = connection.ops.adapt_datetimefield_value
+        until, may_run = now + timedelta(seconds=self.seconds), now - timedelta(seconds=running_s)
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(
+                _TAKE_ON_ONE_HOST, (self.owner, at(until), self.node_id, at(now), at(may_run))
+            )
+            if cursor.rowcount != 1 or then is None:
+                return cursor.rowcount == 1, False
+            cursor.execute(*then)
+            return True, cursor.rowcount == 1
+
     def release_when_idle(self) -> Statement:
         """The lease given back if no operation is queued for the node: run with the end of a
         run's last operation (the caller sets `released` if it changed a row), it saves the
@@ -70,7 +77,7 @@ class Lease:
         return _RELEASE_WHEN_IDLE, (self.node_id, self.owner)
 
     def _renew(self) -> bool:
-        until = timezone.now() + timedelta(seconds=self.seconds)
+        until = Now() + timedelta(seconds=self.seconds)
         renewed = Node.objects.filter(pk=self.node_id, lease_owner=self.owner)
         return bool(renewed.update(lease_until=until))
 
@@ -111,7 +118,17 @@ class Lease:
 # it), the node is busy: the next owner would send a second load beside it. Written out once:
 # built by the ORM, its subquery was compiled afresh for every node of a release. The statuses
 # are written in, not parameters: so the open operations' index serves the prepared statement.
+# The moments are the database's (controlplane/clock.py): the lease is judged by other hosts.
 _TAKE = """
+UPDATE fleet_node
+SET lease_owner = %s, lease_until = statement_timestamp() + make_interval(secs => %s)
+WHERE id = %s AND (lease_until IS NULL OR lease_until < statement_timestamp()) AND NOT EXISTS (
+    SELECT 1 FROM fleet_operation
+    WHERE fleet_operation.node_id = fleet_node.id AND status = 'running'
+    AND started_at > statement_timestamp() - make_interval(secs => %s)
+)
+"""
+_TAKE_ON_ONE_HOST = """
 UPDATE fleet_node SET lease_owner = %s, lease_until = %s
 WHERE id = %s AND (lease_until IS NULL OR lease_until < %s) AND NOT EXISTS (
     SELECT 1 FROM fleet_operation

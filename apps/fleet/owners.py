@@ -8,7 +8,7 @@ from datetime import datetime
 
 from django.db import IntegrityError, transaction
 from django.db.models import Q, QuerySet
-from django.utils import timezone
+from django.db.models.functions import Now
 
 from apps.fleet.models import NodePool, PoolOwner
 from apps.registry.models import Model
@@ -16,7 +16,7 @@ from apps.registry.models import Model
 
 def owners_live() -> QuerySet[PoolOwner]:
     """The owners that hold now: a pin that lapsed holds nothing."""
-    return PoolOwner.objects.filter(Q(until__isnull=True) | Q(until__gt=timezone.now()))
+    return PoolOwner.objects.filter(Q(until__isnull=True) | Q(until__gt=Now()))
 
 
 def owner_holding(pool: NodePool, model: Model) -> PoolOwner | None:
@@ -44,7 +44,7 @@ def owner_claim(
     try:
         with transaction.atomic():
             PoolOwner.objects.update_or_create(
-                pool=pool, model=model, defaults=values | {"since": timezone.now()}
+                pool=pool, model=model, defaults=values | {"since": Now()}
             )
     except IntegrityError:  # another claimed it between the read and the write
         return owner_holding(pool, model)

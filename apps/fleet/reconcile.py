@@ -12,6 +12,7 @@ from typing import NamedTuple
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Exists, OuterRef, Q, Subquery
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from apps.audit.context import REQUEST_ID
@@ -29,6 +30,7 @@ from apps.fleet.traffic.balancer import traffic_sync
 from apps.fleet.triton import ready_in
 from apps.registry.models import Model
 from controlplane.bulk import bulk_insert
+from controlplane.clock import database_now
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +217,7 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
     joining: list[tuple[Node, Desired]] = []
     with transaction.atomic():
         locked = _locked([node.pk for node, _ in nodes])  # less those removed meanwhile
-        now = timezone.now()
+        now = database_now()  # leases are the database's (controlplane/clock.py)
         idle = [pk for pk, row in locked.items() if not row.pending]  # type: ignore[attr-defined]
         histories = _histories(idle, now, since=reading)
         pruned: dict[tuple[str, ...], list[int]] = {}  # nodes by their owned models, changed
@@ -456,7 +458,7 @@ def rollback_windows_close() -> int:
     narrows its nodes to the release itself. Returns how many closed."""
     with transaction.atomic():
         closing = list(
-            Deployment.objects.filter(baseline_until__lt=timezone.now())
+            Deployment.objects.filter(baseline_until__lt=Now())
             .select_related("model", "pool", "node")
             .select_for_update(of=("self",))
         )

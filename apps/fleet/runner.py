@@ -448,9 +448,12 @@ def _finish(
 
 
 def _claim(op: Operation) -> Statement:
-    """`op` taken from the queue, if it is still there (a cancel may have come first)."""
-    now = connection.ops.adapt_datetimefield_value(timezone.now())
-    return _CLAIM, (Operation.Status.RUNNING, now, op.pk, Operation.Status.QUEUED)
+    """`op` taken from the queue if still there (not cancelled), at the database's moment."""
+    if connection.vendor == "postgresql":
+        return _CLAIM, (Operation.Status.RUNNING, op.pk, Operation.Status.QUEUED)
+    now = connection.ops.adapt_datetimefield_value(timezone.now())  # SQLite: one host's
+    status = (Operation.Status.RUNNING, now, op.pk, Operation.Status.QUEUED)
+    return _CLAIM.replace("statement_timestamp()", "%s"), status
 
 
 # An operation's end and the claim of the next, each conditional on the status it leaves, are
@@ -460,7 +463,7 @@ UPDATE fleet_operation SET status = %s, error = %s, finished_at = %s, failure = 
 WHERE id = %s AND status = %s
 """
 _CLAIM = """
-UPDATE fleet_operation SET status = %s, started_at = %s, attempts = attempts + 1
+UPDATE fleet_operation SET status = %s, started_at = statement_timestamp(), attempts = attempts + 1
 WHERE id = %s AND status = %s
 """
 

@@ -28,6 +28,7 @@ from apps.rollouts.transitions import (
 )
 from apps.rollouts.verdicts import Verdict
 from controlplane.catalog import budget_queries
+from controlplane.clock import database_now
 from controlplane.prometheus import PrometheusUnavailable, instant_query
 
 
@@ -56,7 +57,7 @@ def promote(rollout: Rollout) -> None:
                 message="the release before is not kept loaded for the rollback window, for "
                 f"want of memory beside the new one: {'; '.join(short)}",
             )
-        until = timezone.now() + timedelta(seconds=window)
+        until = database_now() + timedelta(seconds=window)
         try:
             for member in moving:  # in dependency order
                 keep = member.beside if window else None

@@ -248,6 +248,7 @@ def api_path(path: str, world: World) -> str:
         "deployment_id": world.deployment_b.pk,
         "approval_id": world.approval_b.pk,
         "version": 1,
+        "username": "viewer-user",
     }
     return re.sub(r"{(\w+)}", lambda m: str(values[m[1]]), path)
 
@@ -266,6 +267,7 @@ API_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("put", "/api/pools/{pool}/models/{model}/tiers"): {"versions": [1, 2]},
     ("post", "/api/pools/{pool}/models/{model}/tiers/pin"): {"tier": 0, "reason": "drill"},
     ("post", "/api/pools/{pool}/discoverable"): {"discoverable": True},
+    ("put", "/api/pools/{pool}/roles/{username}"): {"role": "release_manager"},
 }
 
 
