@@ -16,11 +16,11 @@ from apps.api.auth import Token, can
 from apps.api.errors import ERRORS
 from apps.api.paging import Limit, Offset
 from apps.fleet.models import Node
-from apps.quality.cases import Problem
+from apps.quality.cases import MAX_BYTES, Problem
 from apps.quality.errors import QualityError
 from apps.quality.models import CaseResult, EvaluationRun, EvaluationSet
 from apps.quality.selectors import Row, latest_set, run_list, run_rows, set_list
-from apps.quality.services import MAX_BYTES, evaluation_set_import, evaluation_start
+from apps.quality.services import evaluation_set_import, evaluation_start
 from apps.registry.models import Model, ModelVersion
 
 router = Router(tags=["quality"], auth=Token())
@@ -187,15 +187,11 @@ def import_evaluation_set(
     if file.size is None or file.size > MAX_BYTES:
         message = f"larger than {MAX_BYTES // 2**20} MiB"
         raise QualityError([Problem(0, "file", message)])
-    try:
-        text = file.read().decode()
-    except UnicodeDecodeError as exc:
-        raise QualityError([Problem(0, "file", f"not UTF-8 text: {exc.reason}")]) from None
     before = latest_set(model_id=model.pk, name=set_name)
     found = evaluation_set_import(
         model_name=model.name,
         name=set_name,
-        text=text,
+        text=file,  # its lines, as they are read
         actor=current_user(request),
         source=file.name or "",
     )

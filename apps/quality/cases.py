@@ -2,6 +2,7 @@
 check the request: every input named and typed as declared, of the declared dims."""
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,9 @@ from apps.fleet.triton import numpy_dtype
 from apps.quality.rules import RuleError, parse_rule
 
 MAX_CASES = 10_000
+MAX_BYTES = 20 * 2**20  # a set
+MAX_LINE_BYTES = 2**20  # a case
+MAX_PROBLEMS = 100  # then reading stops: fix these first
 KEYS = {"name", "inputs", "expect"}
 
 
@@ -65,20 +69,31 @@ class Problem:
         return ": ".join([*where, *([self.field] if self.field else []), self.message])
 
 
-def parse_cases(text: str, signature: Signature) -> tuple[list[Case], list[Problem]]:
-    """Every case of a JSON Lines text, or every problem with its line and field: a set is
-    stored whole or not at all, so an error anywhere refuses it."""
+def parse_cases(
+    lines: Iterable[str | bytes], signature: Signature
+) -> tuple[list[Case], list[Problem]]:
+    """Every case of JSON Lines, or every problem with its line and field: a set is stored whole
+    or not at all, so an error anywhere refuses it. Read a line at a time (an upload's bytes as
+    they come, never the whole file at once); past MAX_BYTES, or MAX_PROBLEMS, reading stops."""
     cases: list[Case] = []
     problems: list[Problem] = []
     names: dict[str, int] = {}
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if not lines:
-        return [], [Problem(1, "", "no cases: one JSON object per line is expected")]
-    if len(lines) > MAX_CASES:
-        return [], [Problem(lines[MAX_CASES][0], "", f"more than {MAX_CASES} cases")]
-    for number, line in lines:
-        found = _case(number, line, signature)
-        if isinstance(found, Case):
+    size = 0
+    for number, raw in enumerate(lines, 1):
+        size += (length := len(raw) if isinstance(raw, bytes) else len(raw.encode()))
+        if size > MAX_BYTES:
+            problems.append(Problem(number, "", f"the set is larger than {MAX_BYTES // 2**20} MiB"))
+            break
+        if length > MAX_LINE_BYTES:
+            problems.append(Problem(number, "", f"a case is at most {MAX_LINE_BYTES // 2**20} MiB"))
+        elif (line := _text(number, raw)) is None:
+            problems.append(Problem(number, "", "not UTF-8 text"))
+        elif not line.strip():
+            continue
+        elif len(cases) == MAX_CASES:
+            problems.append(Problem(number, "", f"more than {MAX_CASES} cases"))
+            break
+        elif isinstance(found := _case(number, line, signature), Case):
             if found.name in names:
                 problems.append(
                     Problem(number, "name", f"{found.name!r} is already line {names[found.name]}")
@@ -87,7 +102,22 @@ def parse_cases(text: str, signature: Signature) -> tuple[list[Case], list[Probl
             cases.append(found)
         else:
             problems += found
+        if len(problems) >= MAX_PROBLEMS:
+            problems.append(Problem(number, "", f"{len(problems)} problems: reading stopped here"))
+            break
+    if not cases and not problems:
+        return [], [Problem(1, "", "no cases: one JSON object per line is expected")]
     return (cases, []) if not problems else ([], problems)
+
+
+def _text(number: int, line: str | bytes) -> str | None:
+    """A line as text without its end (None: not UTF-8); a file's byte order mark dropped."""
+    if isinstance(line, str):
+        return line.rstrip("\r\n")
+    try:
+        return line.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        return None
 
 
 def _case(number: int, line: str, signature: Signature) -> Case | list[Problem]:

@@ -2,7 +2,7 @@ from typing import Any
 
 from django import forms
 
-from apps.quality.services import MAX_BYTES
+from apps.quality.cases import MAX_BYTES
 
 # A refused file comes back in the text box to be fixed there, up to this size; a larger one is
 # chosen again.
@@ -35,13 +35,7 @@ class SetImportForm(forms.Form):
         if upload is not None:
             if upload.size > MAX_BYTES:
                 raise forms.ValidationError(f"the file is larger than {MAX_BYTES // 2**20} MiB")
-            try:
-                data["text"] = upload.read().decode("utf-8-sig")
-            except UnicodeDecodeError as exc:
-                raise forms.ValidationError(
-                    f"the file is not UTF-8 text (byte {exc.start + 1})"
-                ) from None
-            data["source"] = upload.name
+            data["source"] = upload.name  # read a line at a time by the import
         elif not data.get("text", "").strip():
             raise forms.ValidationError("choose a JSON Lines file, or paste its cases")
         else:

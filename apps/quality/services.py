@@ -1,5 +1,7 @@
 """Evaluation sets in, evaluation runs out: every write here, each audited."""
 
+from collections.abc import Iterable
+
 from django.db import transaction
 
 from apps.accounts.permissions import authorize
@@ -14,8 +16,6 @@ from apps.quality.selectors import latest_set, reference_version
 from apps.quality.tasks import drive_load, run_evaluation
 from apps.registry.models import Model
 
-MAX_BYTES = 20 * 2**20
-
 
 def _model_target(*, model_name: str, **_: object) -> str:
     return f"model:{model_name}"
@@ -23,22 +23,22 @@ def _model_target(*, model_name: str, **_: object) -> str:
 
 @audited("evaluation_set.import", _model_target, (QualityError,))
 def evaluation_set_import(
-    *, model_name: str, name: str, text: str, actor: Actor, source: str = ""
+    *, model_name: str, name: str, text: str | Iterable[bytes], actor: Actor, source: str = ""
 ) -> EvaluationSet:
-    """The cases of a JSON Lines text as the set's next version, checked against the model's
-    config (tensor names, types, dims) and each rule; a single problem refuses the whole set."""
+    """The cases of a JSON Lines text (or a file's lines, read as they come) as the set's next
+    version, checked against the model's config (tensor names, types, dims) and each rule; a
+    single problem refuses the whole set."""
     authorize(actor, "quality.add_evaluationset", None)
     model = Model.objects.select_for_update().filter(name=model_name).first()
     if model is None:
         raise QualityError(f"no model named {model_name!r} in the registry")
     if not name or len(name) > 60 or not all(c.isalnum() or c in "-_" for c in name):
         raise QualityError(f"{name!r} is not a set's name: letters, digits, - and _")
-    if len(text.encode()) > MAX_BYTES:
-        raise QualityError(f"larger than {MAX_BYTES // 2**20} MiB")
     reference = reference_version(model)
     if reference is None:
         raise QualityError(f"{model_name} has no version to check the cases against")
-    cases, problems = parse_cases(text, Signature.of(reference.config))
+    lines = text.split("\n") if isinstance(text, str) else text
+    cases, problems = parse_cases(lines, Signature.of(reference.config))
     if problems:
         raise QualityError(problems)
     latest = latest_set(model_id=model.pk, name=name)

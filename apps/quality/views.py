@@ -3,6 +3,7 @@
 from typing import Any
 
 from django.contrib import messages
+from django.core.files.uploadedfile import UploadedFile
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -68,12 +69,13 @@ def set_import(request: HttpRequest, name: str) -> HttpResponse:
         found = evaluation_set_import(
             model_name=name,
             name=data["name"],
-            text=data["text"],
+            text=data["file"] or data["text"],
             source=data["source"],
             actor=current_user(request),
         )
     except QualityError as exc:
-        kept = data["text"] if len(data["text"]) <= KEPT_CHARS else ""
+        kept = _kept(data["file"]) if data["file"] else data["text"]
+        kept = kept if len(kept) <= KEPT_CHARS else ""
         again = SetImportForm(initial={"name": data["name"], "text": kept})
         if data["source"] and not kept:
             messages.error(
@@ -85,6 +87,14 @@ def set_import(request: HttpRequest, name: str) -> HttpResponse:
     else:
         messages.success(request, f"{found.name} v{found.version} imported.")
     return redirect("quality:set_detail", name=name, set_name=found.name, version=found.version)
+
+
+def _kept(upload: UploadedFile) -> str:
+    """A refused file, to be fixed in the text box, if it is small enough to show there."""
+    if upload.size is None or upload.size > KEPT_CHARS:
+        return ""
+    upload.seek(0)
+    return upload.read().decode("utf-8-sig", errors="replace")
 
 
 def _set(name: str, set_name: str, version: int) -> EvaluationSet:

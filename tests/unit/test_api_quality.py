@@ -124,7 +124,9 @@ def test_a_bad_set_is_refused_whole_with_each_line_and_field_named(
     assert (event.result, event.actor) == ("failed", "admin-user")
     binary = upload(client, headers, b"\xff\xfe{}")
     assert binary.status_code == 422
-    assert binary.json()["error"]["details"][0]["field"] == "file"
+    assert binary.json()["error"]["details"] == [
+        {"line": 1, "field": "", "message": "not UTF-8 text"}
+    ]
     bad_name = client.post(
         "/api/models/rag_pipeline/evaluation-sets",
         {"name": "no spaces", "file": io.BytesIO(case().encode())},

@@ -1,4 +1,5 @@
 import json
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ from django.core.management import CommandError, call_command
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
 from apps.fleet.traffic import warmup
+from apps.quality import cases
 from apps.quality.errors import QualityError
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.quality.services import evaluation_set_import
@@ -21,7 +23,7 @@ def case(**fields: object) -> str:
     return json.dumps(base | {"expect": {"SOURCE": {"exact": "faq:orders-track"}}} | fields)
 
 
-def problems(text: str, model: str = "rag_pipeline") -> list[str]:
+def problems(text: str | Iterator[bytes], model: str = "rag_pipeline") -> list[str]:
     with pytest.raises(QualityError) as refused:
         evaluation_set_import(model_name=model, name="faq", text=text, actor="ops")
     return [str(p) for p in refused.value.problems]
@@ -206,6 +208,33 @@ def test_a_case_nested_too_deep_or_holding_a_nul_is_refused_with_its_line() -> N
         "line 1: nested deeper than a case can be",
         "line 2: a NUL character (\\u0000), which no case may hold",
     ]
+
+
+def test_a_file_is_read_a_line_at_a_time_and_stops_at_its_limits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import_demo()
+    read: list[int] = []
+
+    def lines(*texts: str) -> Iterator[bytes]:
+        for text in texts:
+            read.append(len(read) + 1)
+            yield text.encode() + b"\n"
+
+    huge = case(name="huge", inputs={"QUESTION": "x" * cases.MAX_LINE_BYTES})
+    refused = problems(lines(case(), huge, "[]", case(name="q")))  # type: ignore[arg-type]
+    assert refused == [
+        "line 2: a case is at most 1 MiB",
+        "line 3: a case is a JSON object with inputs and expect",
+    ]
+    monkeypatch.setattr(cases, "MAX_PROBLEMS", 3)
+    read.clear()
+    refused = problems(lines(*["{"] * 10))  # type: ignore[arg-type]
+    assert refused[-1] == "line 3: 3 problems: reading stopped here" and read == [1, 2, 3]
+    monkeypatch.setattr(cases, "MAX_BYTES", len(case(name="c0")) * 3 // 2)
+    read.clear()
+    refused = problems(lines(*[case(name=f"c{n}") for n in range(10)]))  # type: ignore[arg-type]
+    assert refused == ["line 2: the set is larger than 0 MiB"] and read == [1, 2]  # of 10
 
 
 def test_a_gates_verdict_names_the_failing_cases_without_reading_any_answer() -> None:

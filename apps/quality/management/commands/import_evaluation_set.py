@@ -19,17 +19,16 @@ class Command(BaseCommand):
 
     def handle(self, *args: object, model: str, name: str, file: Path, **options: object) -> None:
         try:
-            text = file.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
+            with file.open("rb") as lines:  # read as the cases are checked, a line at a time
+                found = evaluation_set_import(
+                    model_name=model,
+                    name=name,
+                    text=lines,
+                    actor="system:import_evaluation_set",
+                    source=file.name,
+                )
+        except OSError as exc:
             raise CommandError(f"{file}: {exc}") from None
-        try:
-            found = evaluation_set_import(
-                model_name=model,
-                name=name,
-                text=text,
-                actor="system:import_evaluation_set",
-                source=file.name,
-            )
         except QualityError as exc:
             raise CommandError(
                 "\n".join(f"{file}: {problem}" for problem in exc.problems)
