@@ -27,6 +27,9 @@ class ApprovalOut(Schema):
     pool: str
     action: str
     params: dict[str, Any]
+    # What it was asked against: the release the pool ran, a rollout's state, and the evaluation
+    # sets a rollout's gates will run, each described as it was then.
+    resolved: dict[str, Any]
     requested_by: str
     requested_at: datetime
     expires_at: datetime
@@ -43,6 +46,7 @@ def _approval_out(approval: Approval) -> dict[str, Any]:
         "pool": approval.pool.name,
         "action": approval.action,
         "params": approval.params,
+        "resolved": approval.resolved,
         "requested_by": approval.requested_by.username,
         "requested_at": approval.requested_at,
         "expires_at": approval.expires_at,

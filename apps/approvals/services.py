@@ -12,6 +12,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
+from django.db.models import Count
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -25,6 +26,7 @@ from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.services.nodes import node_adopt, operation_override
 from apps.fleet.services.pools import pool_set_discoverable
 from apps.observability.bottleneck import Advice
+from apps.quality.models import EvaluationSet
 from apps.rollouts.models import Rollout
 from apps.rollouts.notify import notify_approval
 from apps.rollouts.plans import PlanError
@@ -117,6 +119,8 @@ def _resolved(pool: NodePool, params: dict[str, Any]) -> dict[str, Any]:
         same = refused.values("node", "model_name").first() or {"pk": params["operation_id"]}
         newest = Operation.objects.filter(**same).order_by("-pk")
         found["planned"] = newest.values_list("pk", flat=True).first()
+    if sets := params.get("quality_sets"):
+        found["sets"] = _sets(sets)
     model = params.get("model") or params.get("pipeline")
     if model and "node" in params and "operation_id" not in params:
         index = Node.objects.filter(name=params["node"]).values_list("index", flat=True).first()
@@ -126,6 +130,20 @@ def _resolved(pool: NodePool, params: dict[str, Any]) -> dict[str, Any]:
         serving = Deployment.objects.filter(model__name=model, **where)
         found["release"] = serving.values_list("version", flat=True).first()
     return found
+
+
+def _sets(pinned: dict[str, int]) -> dict[str, str]:
+    """The evaluation sets a rollout's gates will run, as its approver must see them: a set
+    imported just before by the requester, say, is named as theirs."""
+    found = EvaluationSet.objects.filter(pk__in=pinned.values()).annotate(size=Count("cases"))
+    by_pk = {s.pk: s for s in found}
+    return {
+        model: f"{s.name} v{s.version}, {s.size} cases, imported by {s.created_by} "
+        f"at {s.created_at:%Y-%m-%d %H:%M} UTC"
+        if (s := by_pk.get(pk))
+        else f"#{pk}, gone"
+        for model, pk in pinned.items()
+    }
 
 
 def _stale(approval: Approval, now: dict[str, Any]) -> str:

@@ -393,8 +393,16 @@ def test_an_approved_rollout_runs_the_evaluation_set_and_template_it_showed(
         1,
     )
     assert f"quality_sets rag_pipeline={faq.pk}" in approval.summary
+    shown = approval.resolved["sets"]["rag_pipeline"]  # by name and size, and whose it is
+    assert shown.startswith(f"faq v1, 30 cases, imported by {faq.created_by} at ")
     trivial = DEMO_SET.read_text().splitlines()[0]
     evaluation_set_import(model_name="rag_pipeline", name="faq", text=trivial, actor="mallory")
+    headers = bearer(bob)
+    (listed,) = Client().get("/api/approvals", headers=headers).json()
+    assert listed["resolved"]["sets"] == {"rag_pipeline": shown}
+    page = Client()
+    page.force_login(bob)
+    assert "gate runs faq v1, 30 cases" in page.get("/rollouts/approvals/").content.decode()
     template_save(
         name="careful",
         analysis={"quality_set": "faq", "quality_min_score": 0.5},
