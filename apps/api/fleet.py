@@ -20,7 +20,15 @@ from apps.api.paging import Limit, Offset
 from apps.fleet.desired import DesiredStateError, FleetDesired, fleet_desired
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.selectors import Reading, converged, drift_of, node_models, observed_many
+from apps.fleet.selectors import (
+    Reading,
+    Readings,
+    converged,
+    drift_of,
+    node_models,
+    nodes_read,
+    observed_many,
+)
 from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.services.nodes import operation_request
 from apps.fleet.services.pools import pool_role_set, pool_set_discoverable
@@ -102,8 +110,8 @@ class OperationOut(Schema):
     finished_at: datetime | None
 
 
-def _node_out(node: Node, desired: FleetDesired) -> dict[str, Any]:
-    rows = node_models(node, desired)
+def _node_out(node: Node, desired: FleetDesired, readings: Readings) -> dict[str, Any]:
+    rows = node_models(node, desired, readings)
     return {
         **{f: getattr(node, f) for f in ("name", "health", "http_url", "triton_version")},
         **{f: getattr(node, f) for f in ("last_seen", "last_error")},
@@ -250,13 +258,15 @@ def list_nodes(
     found = Node.objects.select_related("pool").order_by("name")
     nodes = list((found.filter(pool__name=pool) if pool else found)[offset : offset + limit])
     desired = fleet_desired(pool_ids={n.pool_id for n in nodes})
-    return [_node_out(n, desired) for n in nodes]
+    readings = nodes_read(nodes, desired)
+    return [_node_out(n, desired, readings) for n in nodes]
 
 
 @router.get("/nodes/{name}", response={200: NodeOut, **ERRORS})
 def get_node(request: HttpRequest, name: str) -> dict[str, Any]:
     node = get_object_or_404(Node.objects.select_related("pool"), name=name)
-    return _node_out(node, fleet_desired(pool_ids=[node.pool_id]))
+    desired = fleet_desired(pool_ids=[node.pool_id])
+    return _node_out(node, desired, nodes_read([node], desired))
 
 
 @router.get("/deployments", response={200: list[DeploymentOut], **ERRORS})

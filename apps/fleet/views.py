@@ -24,6 +24,7 @@ from apps.fleet.selectors import (
     fleet_summary,
     node_models,
     node_search,
+    nodes_read,
     nodes_serving,
     pool_views,
 )
@@ -117,7 +118,7 @@ def node_detail(request: HtmxHttpRequest, name: str) -> HttpResponse:
     operations = node.operations.all()[:30]
     context = {
         "node": node,
-        "rows": node_models(node),
+        "rows": node_models(node, readings=nodes_read([node])),
         "operations": operations,
         "busy": any(op.status in Operation.OPEN for op in operations),
         "release_options": _release_options(),

@@ -20,7 +20,7 @@ from apps.accounts.models import ApiToken, PoolRole
 from apps.accounts.roles import Role
 from apps.accounts.services import TokenError, token_create
 from apps.audit.models import AuditEvent
-from apps.fleet.models import Node, NodePool
+from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.imports import repository_import
 from tests.support import REPOSITORY
@@ -235,6 +235,32 @@ def test_nodes_deployments_and_the_timeline_read_back(client: Client, admin_user
     assert {"target": "pool:gpu:embedder", "before": None, "after": 1} in timeline["changes"]
     trail = client.get("/api/audit?action=deployment.", headers=headers).json()
     assert [e["action"] for e in trail] == ["deployment.set"]
+
+
+def test_a_nodes_read_back_shows_before_its_next_poll(client: Client, admin_user: User) -> None:
+    """A move back read back by its worker (v2 gone, v1 alone) is what the API and the node's
+    page show at once, though the last poll, a moment before, saw both."""
+    pool = NodePool.objects.create(name="gpu")
+    polled = [{"model": "embedder", "version": str(v), "state": "READY"} for v in (1, 2)]
+    node = Node.objects.create(
+        name="gpu-1", pool=pool, http_url="http://127.0.0.1:1", index=polled, health="ready"
+    )
+    Node.objects.filter(pk=node.pk).update(last_seen=timezone.now() - timedelta(seconds=3))
+    Operation.objects.create(
+        node=node,
+        kind="load",
+        model_name="embedder",
+        versions=[1],
+        status="succeeded",
+        finished_at=timezone.now(),
+        requested_by="oncall",
+    )
+    (listed,) = client.get("/api/nodes", headers=bearer(admin_user)).json()
+    assert [(m["model"], m["ready"]) for m in listed["models"]] == [("embedder", [1])]
+    assert client.get("/api/nodes/gpu-1", headers=bearer(admin_user)).json() == listed
+    client.force_login(admin_user)
+    page = client.get("/nodes/gpu-1/").content.decode()
+    assert "v1" in page and "v2" not in page.split('id="node-live"')[1].split("Operations")[0]
 
 
 def test_on_call_rolls_a_pool_back_to_its_last_good_release(client: Client, operator: User) -> None:
