@@ -109,7 +109,8 @@ def _resolved(pool: NodePool, params: dict[str, Any]) -> dict[str, Any]:
     """What a change is resolved against: the release of its model (or pipeline) that the pool
     (or its node) runs now; where it acts on a rollout, that rollout's state and step; for an
     override, the newest operation planned for its node and model; for an adoption, the
-    versions the node's last index shows."""
+    versions the node's last index shows; for a removal, the deployment's version; for opening
+    to discovery, whether the pool is open."""
     found: dict[str, Any] = {}
     if "rollout_id" in params:
         rollout = Rollout.objects.filter(pk=params["rollout_id"]).values("state", "step").first()
@@ -119,6 +120,12 @@ def _resolved(pool: NodePool, params: dict[str, Any]) -> dict[str, Any]:
         same = refused.values("node", "model_name").first() or {"pk": params["operation_id"]}
         newest = Operation.objects.filter(**same).order_by("-pk")
         found["planned"] = newest.values_list("pk", flat=True).first()
+    if "deployment_id" in params:
+        removed = Deployment.objects.filter(pk=params["deployment_id"])
+        found["deployment"] = removed.values_list("version", flat=True).first()
+    if "discoverable" in params:
+        open_now = NodePool.objects.filter(pk=pool.pk).values_list("discoverable", flat=True)
+        found["discoverable"] = open_now.first()
     if sets := params.get("quality_sets"):
         found["sets"] = _sets(sets)
     model = params.get("model") or params.get("pipeline")
@@ -155,6 +162,14 @@ def _stale(approval: Approval, now: dict[str, Any]) -> str:
     if asked.get("rollout") != now.get("rollout"):
         rollout = params["rollout_id"]
         return f"rollout #{rollout} was {asked.get('rollout')}, is {now.get('rollout')}"
+    if asked.get("deployment") != now.get("deployment"):
+        was, is_now = (
+            f"v{v}" if v else "gone" for v in (asked.get("deployment"), now.get("deployment"))
+        )
+        return f"deployment #{params['deployment_id']} was {was}, is {is_now}"
+    if asked.get("discoverable") != now.get("discoverable"):
+        state = "open to discovery" if now.get("discoverable") else "closed to discovery"
+        return f"pool {approval.pool.name} is {state} now, by someone else"
     if asked.get("planned") != now.get("planned"):
         return f"{params['node']} was planned again (operation #{now.get('planned')})"
     if asked.get("loaded") != now.get("loaded"):

@@ -29,9 +29,9 @@ from apps.approvals.services import (
 )
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool, Operation
-from apps.fleet.services.deployments import deployment_set
+from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.services.nodes import node_adopt, operation_override
-from apps.fleet.services.pools import pool_role_set
+from apps.fleet.services.pools import pool_role_set, pool_set_discoverable
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_rollback
 from apps.quality.services import evaluation_set_import
@@ -493,6 +493,28 @@ def test_an_override_or_an_adoption_is_refused_once_its_node_moved(pool: NodePoo
     assert f"gpu-1 was planned again (operation #{newer.pk})" in override.result
     assert "stray on gpu-1 was v1, is v2 since it was asked" in adoption.result
     assert Operation.objects.count() == 2 and Node.objects.get(pk=node.pk).owned == []
+
+
+def test_a_removal_or_an_opening_is_refused_once_the_pool_moved(pool: NodePool) -> None:
+    ann, bob = person("ann"), person("bob")
+    embedder = Deployment.objects.get(pool=pool, model__name="embedder")
+    asked = []
+    for change in (
+        lambda: deployment_remove(deployment_id=embedder.pk, actor=ann),
+        lambda: pool_set_discoverable(pool_name="gpu", discoverable=True, actor=ann),
+    ):
+        with pytest.raises(ApprovalRequired) as held:
+            change()
+        asked.append(approval_request(refused=held.value, actor=ann))
+    assert [a.resolved for a in asked] == [{"deployment": 1}, {"discoverable": False}]
+    deployment_set(model_name="embedder", version=2, pool=pool, actor=CONTROLLER)
+    NodePool.objects.filter(pk=pool.pk).update(discoverable=True)  # another's, approved first
+
+    removal, opening = (approval_approve(approval_id=a.pk, actor=bob) for a in asked)
+    assert removal.status == opening.status == "failed"
+    assert f"deployment #{embedder.pk} was v1, is v2 since it was asked" in removal.result
+    assert "pool gpu is open to discovery now, by someone else" in opening.result
+    assert Deployment.objects.get(pk=embedder.pk).version == 2
 
 
 def test_an_approval_is_refused_once_the_pool_moved(pool: NodePool) -> None:
