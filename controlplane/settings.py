@@ -72,8 +72,10 @@ INSTALLED_APPS = [
     "csp",
     "django_celery_beat",
     "axes",
-    "apps.accounts",
     "apps.audit",
+    "apps.prometheus",
+    "apps.web",
+    "apps.accounts",
     "apps.registry",
     "apps.fleet",
     "apps.quality",
@@ -93,15 +95,15 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",  # collected static files, before the session
     "django.contrib.sessions.middleware.SessionMiddleware",
-    "controlplane.sessions.IdleSessionMiddleware",
+    "apps.web.sessions.IdleSessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "controlplane.guard.RequestGuardMiddleware",  # before CSRF reads the form
-    "controlplane.nul.RejectNulMiddleware",
+    "apps.web.guard.RequestGuardMiddleware",  # before CSRF reads the form
+    "apps.web.nul.RejectNulMiddleware",
     "django.contrib.auth.middleware.LoginRequiredMiddleware",
     "apps.accounts.permissions.RoleRequiredMiddleware",
-    "controlplane.guard.ReadOnlyPagesMiddleware",
+    "apps.web.guard.ReadOnlyPagesMiddleware",
     "apps.approvals.middleware.ApprovalMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
@@ -116,7 +118,7 @@ AUTHENTICATION_BACKENDS = [
 # AXES_FAILURE_LIMIT failed sign-ins for one user from one address lock that pair out for
 # AXES_COOLOFF_MINUTES (a per-user lock alone would let anyone lock the admins out), and
 # AXES_ADDRESS_FAILURE_LIMIT from one address, whichever users they named, lock the address
-# (one client guessing a few passwords of every user): controlplane/throttle.py.
+# (one client guessing a few passwords of every user): apps/web/throttle.py.
 AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5)
 AXES_ADDRESS_FAILURE_LIMIT = env_int("AXES_ADDRESS_FAILURE_LIMIT", 30)
 if AXES_ADDRESS_FAILURE_LIMIT < AXES_FAILURE_LIMIT:
@@ -126,14 +128,14 @@ if AXES_ADDRESS_FAILURE_LIMIT < AXES_FAILURE_LIMIT:
     )
 AXES_COOLOFF_TIME = timedelta(minutes=env_float("AXES_COOLOFF_MINUTES", 15))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
-AXES_HANDLER = "controlplane.throttle.AddressThrottleHandler"
+AXES_HANDLER = "apps.web.throttle.AddressThrottleHandler"
 AXES_RESET_ON_SUCCESS = True
 AXES_DISABLE_ACCESS_LOG = True  # the audit trail records what matters; this table only grows
 AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
 AXES_VERBOSE = False
 # Behind TRUSTED_PROXIES reverse proxies, the client is the address they saw (X-Forwarded-For).
 TRUSTED_PROXIES = env_int("TRUSTED_PROXIES", 0)
-AXES_CLIENT_IP_CALLABLE = "controlplane.guard.client_ip"
+AXES_CLIENT_IP_CALLABLE = "apps.web.guard.client_ip"
 
 ROOT_URLCONF = "controlplane.urls"
 WSGI_APPLICATION = "controlplane.wsgi.application"
@@ -153,7 +155,7 @@ TEMPLATES = [
                 "django.contrib.messages.context_processors.messages",
                 "csp.context_processors.nonce",
             ],
-            "builtins": ["controlplane.times"],
+            "builtins": ["apps.web.times"],
         },
     }
 ]
@@ -197,7 +199,7 @@ CONTENT_SECURITY_POLICY = {
 REQUEST_BODY_MAX_BYTES = int(env_float("REQUEST_BODY_MAX_BYTES", 21 * 2**20))
 
 # A session ends after SESSION_IDLE_S without a request of a person (a live part's poll is not
-# one), and SESSION_MAX_AGE_S after sign-in however active (controlplane/sessions.py: to the
+# one), and SESSION_MAX_AGE_S after sign-in however active (apps/web/sessions.py: to the
 # minute, writing the session once a minute at most).
 SESSION_COOKIE_AGE = int(env_float("SESSION_IDLE_S", 3600))
 SESSION_MAX_AGE_S = int(env_float("SESSION_MAX_AGE_S", 12 * 3600))

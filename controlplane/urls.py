@@ -2,8 +2,8 @@ from django.contrib import admin
 from django.urls import include, path
 
 from apps.api.api import urls as api_urls
+from apps.api.metrics import metrics
 from controlplane.health import healthz, readyz
-from controlplane.metrics import metrics
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),

@@ -11,7 +11,7 @@ class AccountsConfig(AppConfig):
         from axes.signals import user_locked_out
         from django.contrib.auth.signals import user_logged_in
 
-        from controlplane.sessions import session_started
+        from apps.web.sessions import session_started
 
         user_locked_out.connect(_audit_lockout, dispatch_uid="accounts.audit_lockout")
         user_logged_in.connect(session_started, dispatch_uid="accounts.session_started")

@@ -2,7 +2,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from apps.accounts import views
-from controlplane.guard import takes_post
+from apps.web.guard import takes_post
 
 app_name = "accounts"
 urlpatterns = [

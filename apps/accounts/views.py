@@ -11,7 +11,7 @@ from django.views.decorators.http import require_POST
 from apps.accounts.models import ApiToken
 from apps.accounts.permissions import current_user
 from apps.accounts.services import TokenError, token_create, token_revoke
-from controlplane.guard import takes_post
+from apps.web.guard import takes_post
 
 TOKENS_PER_PAGE = 20
 TOKEN_EXPIRY_WARNING_DAYS = 7  # a token expiring within this is marked, to be replaced in time

@@ -15,7 +15,7 @@ from apps.api.errors import ApiError
 from apps.audit.context import VIA
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
-from controlplane.nul import MESSAGE, nul_in
+from apps.web.nul import MESSAGE, nul_in
 
 READS = {"GET", "HEAD", "OPTIONS"}
 ALERTS_ONLY = "this token may only send alerts (POST /api/alertmanager)"

@@ -6,7 +6,7 @@ from django.urls import reverse
 
 from apps.accounts.permissions import ApprovalRequired, current_user
 from apps.approvals.services import approval_request
-from controlplane.htmx import back
+from apps.web.htmx import back
 
 
 class ApprovalMiddleware:

@@ -37,7 +37,7 @@ from apps.rollouts.services import (
     rollout_start,
 )
 from apps.rollouts.tuning import tuning_start
-from controlplane.clock import database_now
+from apps.web.clock import database_now
 
 APPROVER_PERMISSION = "rollouts.change_rollout"  # a release manager's, on the pool
 

@@ -19,8 +19,8 @@ from apps.approvals.services import (
     approval_withdraw,
 )
 from apps.fleet.models import NodePool
-from controlplane.guard import takes_post
-from controlplane.htmx import back, refused
+from apps.web.guard import takes_post
+from apps.web.htmx import back, refused
 
 
 def approval_list(request: HttpRequest) -> HttpResponse:

@@ -12,8 +12,8 @@ from django.utils import timezone
 from apps.audit.actions import ACTIONS
 from apps.audit.context import REQUEST_ID, VIA
 from apps.audit.models import AuditEvent, target_parts
-from controlplane.bulk import bulk_insert
-from controlplane.prepared import prepared_cursor
+from apps.web.bulk import bulk_insert
+from apps.web.prepared import prepared_cursor
 
 Actor = str | User  # a person, or `system:<component>`
 

@@ -23,11 +23,11 @@ from apps.fleet.models import Deployment, Node
 from apps.fleet.owners import owner_holding
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_open, incident_update
+from apps.prometheus.catalog import budget_queries
+from apps.prometheus.client import PrometheusUnavailable, instant_query
 from apps.registry.codec import step_names
 from apps.registry.models import ModelVersion
 from apps.rollouts.notify import notify_pool
-from controlplane.catalog import budget_queries
-from controlplane.prometheus import PrometheusUnavailable, instant_query
 
 ACTOR = "system:degradation"
 HOUR = timedelta(hours=1)

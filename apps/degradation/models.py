@@ -5,7 +5,7 @@ from django.db import models
 
 from apps.fleet.models import NodePool
 from apps.registry.models import Model
-from controlplane.clock import database_now
+from apps.web.clock import database_now
 
 
 class Shape(NamedTuple):

@@ -6,13 +6,12 @@ and their P99 is within the model's latency budget. The requests are the model's
 
 import math
 import random
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from django.conf import settings
 
 from apps.degradation.models import Tiers
+from apps.fleet.asking import ask
 from apps.fleet.models import Node
 from apps.fleet.traffic.warmup import requests_for
 from apps.fleet.triton import TritonClient, TritonError
@@ -36,10 +35,15 @@ def probe(tiers: Tiers, version: int) -> Probed:
     )
     if not nodes:
         return Probed(False, f"no ready node of {tiers.pool.name} to probe v{version} on")
-    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
-        found = list(pool.map(lambda node: _probe_node(node, model, version), nodes))
-    failures = [error for _, error in found if error]
-    took = sorted(ms for latencies, _ in found for ms in latencies)
+    clients = [TritonClient(node.http_url, node=node.name) for node in nodes]
+    try:  # the same requests to each node, the nodes side by side
+        requests = requests_for(clients[0], model, settings.DEGRADATION_PROBES, random.Random(0))
+    except TritonError as exc:
+        return Probed(False, f"no requests to probe v{version} with: {exc}")
+    each = [inputs for inputs in requests for _ in clients]
+    answers = ask(clients, model, each, version=version, concurrency=len(clients))
+    failures = [f"{a.node}: {a.error}" for a in answers if a.error]
+    took = sorted(a.latency_ms for a in answers if a.latency_ms is not None)
     names = ", ".join(node.name for node in nodes)
     if failures:
         return Probed(False, f"probes of v{version} on {names}: {failures[0]}")
@@ -48,19 +52,3 @@ def probe(tiers: Tiers, version: int) -> Probed:
     if budget is not None and p99 > budget:
         return Probed(False, f"{said}, over the budget of {budget} ms")
     return Probed(True, f"{said}{f', budget {budget} ms' if budget is not None else ''}")
-
-
-def _probe_node(node: Node, model: str, version: int) -> tuple[list[float], str]:
-    """Each probe's time (ms) on the node, and the first failure in words ('' when none)."""
-    client = TritonClient(node.http_url, node=node.name)
-    took: list[float] = []
-    try:
-        with client.session() as session:
-            count, rng = settings.DEGRADATION_PROBES, random.Random(node.pk)
-            for inputs in requests_for(client, model, count, rng):
-                start = time.monotonic()
-                session.infer(model, inputs, version=version)
-                took.append((time.monotonic() - start) * 1000)
-    except TritonError as exc:
-        return took, f"{node.name}: {exc}"
-    return took, ""

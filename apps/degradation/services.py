@@ -14,7 +14,7 @@ from apps.fleet.models import Deployment, NodePool, PoolOwner
 from apps.fleet.owners import owner_claim, owner_holding, owner_release
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model, ModelVersion
-from controlplane.clock import database_now
+from apps.web.clock import database_now
 
 MAX_PIN = timedelta(days=7)
 PIN = "pin"  # a pin's name as the owner of what its pool serves (fleet.PoolOwner)

@@ -17,7 +17,7 @@ from apps.degradation.services import (
     tiers_set,
 )
 from apps.fleet.models import Deployment, NodePool
-from controlplane.htmx import back, refused
+from apps.web.htmx import back, refused
 
 PER_PAGE = 25
 

@@ -12,10 +12,10 @@ from django.utils import timezone
 
 from apps.audit.models import AuditEvent, target_parts
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
+from apps.prometheus.catalog import canary_queries
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.verdicts import Verdict
-from controlplane.catalog import canary_queries
 
 TENSOR = {"data_type": "TYPE_FP32", "dims": ["4"]}
 STEPS_PER_PIPELINE = 3

@@ -28,7 +28,7 @@ from apps.fleet.models import Node, NodePool
 from apps.fleet.stages import stage_set
 from apps.fleet.traffic.balancer import traffic_sync
 from apps.fleet.traffic.haproxy import name_refusal
-from controlplane import prometheus
+from apps.prometheus import client as prometheus
 
 ACTOR = "system:discovery"
 

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from apps.audit.services import Statement
 from apps.fleet.models import Node
-from controlplane.prepared import prepared_cursor
+from apps.web.prepared import prepared_cursor
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Lease:
 # it), the node is busy: the next owner would send a second load beside it. Written out once:
 # built by the ORM, its subquery was compiled afresh for every node of a release. The statuses
 # are written in, not parameters: so the open operations' index serves the prepared statement.
-# The moments are the database's (controlplane/clock.py): the lease is judged by other hosts.
+# The moments are the database's (apps/web/clock.py): the lease is judged by other hosts.
 _TAKE = """
 UPDATE fleet_node
 SET lease_owner = %s, lease_until = statement_timestamp() + make_interval(secs => %s)

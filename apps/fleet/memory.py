@@ -25,9 +25,9 @@ from apps.fleet.triton import (
     parse_gpu_memory,
     read_metrics,
 )
+from apps.prometheus.catalog import gpu_memory_query
+from apps.prometheus.client import PrometheusUnavailable, instant_query
 from apps.registry.models import ModelVersion
-from controlplane.catalog import gpu_memory_query
-from controlplane.prometheus import PrometheusUnavailable, instant_query
 
 MIB = 2**20
 Pair = tuple[str, int]  # (model, version)

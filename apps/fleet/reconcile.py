@@ -29,8 +29,8 @@ from apps.fleet.stages import stage_set
 from apps.fleet.traffic.balancer import traffic_sync
 from apps.fleet.triton import ready_in
 from apps.registry.models import Model
-from controlplane.bulk import bulk_insert
-from controlplane.clock import database_now
+from apps.web.bulk import bulk_insert
+from apps.web.clock import database_now
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
     joining: list[tuple[Node, Desired]] = []
     with transaction.atomic():
         locked = _locked([node.pk for node, _ in nodes])  # less those removed meanwhile
-        now = database_now()  # leases are the database's (controlplane/clock.py)
+        now = database_now()  # leases are the database's (apps/web/clock.py)
         idle = [pk for pk, row in locked.items() if not row.pending]  # type: ignore[attr-defined]
         histories = _histories(idle, now, since=reading)
         pruned: dict[tuple[str, ...], list[int]] = {}  # nodes by their owned models, changed

@@ -29,7 +29,7 @@ from apps.fleet.triton import (
     ready_in,
 )
 from apps.registry.codec import stored_steps
-from controlplane.prepared import prepared_cursor
+from apps.web.prepared import prepared_cursor
 
 log = logging.getLogger(__name__)
 RECONCILER = "system:reconciler"  # the actor of what the reconcile plans

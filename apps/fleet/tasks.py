@@ -31,7 +31,7 @@ from apps.fleet.reconcile import (
 from apps.fleet.runner import NodeBusy, node_run
 from apps.fleet.traffic.balancer import PoolAtCapacity, pool_sync
 from apps.fleet.triton import TritonUnreachable
-from controlplane.prometheus import PrometheusUnavailable
+from apps.prometheus.client import PrometheusUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -97,6 +97,31 @@ def sample_inputs(
     return inputs
 
 
+def tensors_json(inputs: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+    """A request's inputs in the form Triton's JSON protocol gives them (datatype, shape, data
+    flattened), strings as text: to be stored, and sent again as they were (`tensors_from`)."""
+    return {
+        name: {
+            "datatype": np_to_triton_dtype(array.dtype),
+            "shape": list(array.shape),
+            "data": [v.decode() if isinstance(v, bytes) else v for v in array.flatten().tolist()],
+        }
+        for name, array in inputs.items()
+    }
+
+
+def tensors_from(stored: dict[str, dict[str, Any]]) -> dict[str, np.ndarray]:
+    """`tensors_json` back to the arrays it was made of."""
+    found = {}
+    for name, tensor in stored.items():
+        if tensor["datatype"] == "BYTES":
+            data = np.array([str(v).encode() for v in tensor["data"]], dtype=np.object_)
+        else:
+            data = np.array(tensor["data"], dtype=numpy_dtype(tensor["datatype"]))
+        found[name] = data.reshape(tensor["shape"])
+    return found
+
+
 def _connect_to(client: httpclient.InferenceServerClient, address: str) -> None:
     """Make `client` connect to `address`, the one addresses.pinned checked, instead of
     resolving the node's name again; the Host header and TLS (SNI, the certificate's name)

@@ -37,7 +37,7 @@ from apps.fleet.services.nodes import (
 )
 from apps.fleet.services.pools import pool_role_set
 from apps.registry.models import ModelVersion
-from controlplane.htmx import HtmxHttpRequest, back, refused
+from apps.web.htmx import HtmxHttpRequest, back, refused
 
 
 def overview(request: HttpRequest) -> HttpResponse:

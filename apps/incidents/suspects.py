@@ -12,9 +12,9 @@ from apps.audit.actions import Kind, of_kind
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node
 from apps.incidents.models import Incident
+from apps.prometheus.catalog import step_for, suspect_queries
+from apps.prometheus.client import PrometheusUnavailable, Series, range_query
 from apps.rollouts.models import Rollout
-from controlplane.catalog import step_for, suspect_queries
-from controlplane.prometheus import PrometheusUnavailable, Series, range_query
 
 LOOKBACK = timedelta(hours=1)
 AROUND = timedelta(minutes=1)  # the P99 before a change is compared with the P99 after it

@@ -39,7 +39,7 @@ from apps.incidents.timeline import (
     window_valid,
 )
 from apps.observability.charts import Chart, metric_chart
-from controlplane.htmx import back, refused
+from apps.web.htmx import back, refused
 
 MAX_CHARTS = 8
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}

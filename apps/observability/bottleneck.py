@@ -7,12 +7,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from apps.fleet.models import Deployment
+from apps.prometheus.catalog import bottleneck_query
+from apps.prometheus.client import PrometheusUnavailable, instant_query
 from apps.registry.codec import from_dict
 from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.models import Model, ModelVersion
 from apps.registry.selectors import registry_resolver
-from controlplane.catalog import bottleneck_query
-from controlplane.prometheus import PrometheusUnavailable, instant_query
 
 WINDOW_S = 300
 # Judgement needs evidence: under this many requests of a step in the window, nothing is named.

@@ -3,8 +3,8 @@
 import math
 from dataclasses import dataclass
 
-from controlplane.catalog import worst_p99_query
-from controlplane.prometheus import instant_query
+from apps.prometheus.catalog import worst_p99_query
+from apps.prometheus.client import instant_query
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import orjson
 from django.utils.http import urlencode
 
 from apps.observability.markers import Marker, change_markers
-from controlplane.catalog import METRICS, build_query, step_for
-from controlplane.prometheus import PrometheusUnavailable, Series, range_query
+from apps.prometheus.catalog import METRICS, build_query, step_for
+from apps.prometheus.client import PrometheusUnavailable, Series, range_query
 
 
 @dataclass(frozen=True)

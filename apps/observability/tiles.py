@@ -3,10 +3,10 @@
 from dataclasses import dataclass
 
 from apps.observability.breakdown import worst_p99_ms
+from apps.prometheus.catalog import failed_rate_by_model, served_rate_by_model
+from apps.prometheus.client import instant_query
 from apps.registry.codec import step_names
 from apps.registry.models import Model, ModelVersion
-from controlplane.catalog import failed_rate_by_model, served_rate_by_model
-from controlplane.prometheus import instant_query
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,13 @@ from apps.observability import bottleneck as pipeline
 from apps.observability.breakdown import serving_version, step_breakdown, worst_p99_ms
 from apps.observability.charts import Chart, metric_chart
 from apps.observability.tiles import fleet_tiles
+from apps.prometheus.catalog import METRICS
+from apps.prometheus.client import PrometheusUnavailable
 from apps.registry.codec import from_dict, step_names
 from apps.registry.ensembles import UnresolvedStep, pinned_steps
 from apps.registry.models import Model, ModelVersion
 from apps.registry.selectors import registry_resolver
-from controlplane.catalog import METRICS
-from controlplane.htmx import HtmxHttpRequest
-from controlplane.prometheus import PrometheusUnavailable
+from apps.web.htmx import HtmxHttpRequest
 
 RANGES = {
     "15m": timedelta(minutes=15),

@@ -4,15 +4,15 @@ and stored) and a synthetic load."""
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
+from apps.fleet import asking
 from apps.fleet.models import Node
-from apps.fleet.triton import TritonClient, TritonError
+from apps.fleet.triton import TritonClient
 from apps.quality.cases import Signature
 from apps.quality.errors import QualityError
 from apps.quality.models import CaseResult, EvaluationCase, EvaluationRun, SyntheticLoad
@@ -200,26 +200,27 @@ def load_drive(*, load_id: int) -> None:
     total = int(load.rps * load.seconds)
     counts = {"sent": 0, "failed": 0}
     lock = threading.Lock()
+    saved = [time.monotonic()]
 
-    def one(index: int) -> None:
-        client = clients[index % len(clients)]
-        try:
-            client.infer(model.name, requests[index % len(requests)])
-            key = "sent"
-        except TritonError:
-            key = "failed"
+    def answered(answer: asking.Answer) -> None:
         with lock:
-            counts[key] += 1
+            counts["failed" if answer.error else "sent"] += 1
 
-    start = time.monotonic()
-    saved = start
-    with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
-        for index in range(total):
-            time.sleep(max(0.0, start + index / load.rps - time.monotonic()))
-            pool.submit(one, index)
-            if time.monotonic() - saved >= SAVE_EVERY_S:
-                saved = time.monotonic()
+    def between() -> None:  # in this thread, which holds the database connection
+        if time.monotonic() - saved[0] >= SAVE_EVERY_S:
+            saved[0] = time.monotonic()
+            with lock:
                 SyntheticLoad.objects.filter(pk=load_id).update(**counts)
+
+    asking.ask(
+        clients,
+        model.name,
+        [requests[index % len(requests)] for index in range(total)],
+        concurrency=LOAD_THREADS,
+        rps=load.rps,
+        answered=answered,
+        between=between,
+    )
     SyntheticLoad.objects.filter(pk=load_id).update(**counts)
 
 

@@ -1,17 +1,14 @@
 """Cases sent through Triton itself: each to an explicit version on one node, a bounded number
-at a time, each within its own timeout."""
+at a time, each within its own timeout; their answers as JSON values, to be judged and stored."""
 
 import math
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from apps.fleet.triton import Session, TritonClient, TritonError, TritonTimeout
+from apps.fleet import asking
+from apps.fleet.triton import TritonClient
 from apps.quality.cases import Signature, as_array
 
 
@@ -38,30 +35,25 @@ def ask(
     concurrency: int,
     timeout_s: float,
 ) -> list[Answer]:
-    """One answer per request, in their order. A request that takes longer than `timeout_s`,
-    or that Triton refuses, is an answer with its error: one slow case never holds the rest."""
-    local = threading.local()
-    with ExitStack() as sessions, ThreadPoolExecutor(max_workers=concurrency) as pool:
-        lock = threading.Lock()
-
-        def session() -> Session:
-            if not hasattr(local, "session"):
-                with lock:  # ExitStack is not thread-safe
-                    local.session = sessions.enter_context(client.session(timeout_s))
-            return local.session
-
-        def one(inputs: dict[str, np.ndarray]) -> Answer:
-            start = time.perf_counter()
-            try:
-                outputs = session().infer(model, inputs, version=version)
-            except TritonTimeout:
-                return Answer(None, None, f"no answer within {timeout_s:g} s")
-            except TritonError as exc:
-                return Answer(None, None, exc.message)
-            latency = (time.perf_counter() - start) * 1000
-            return Answer({k: jsonable(v, batched) for k, v in outputs.items()}, latency)
-
-        return list(pool.map(one, requests))
+    """One answer per request, in their order, its outputs as JSON values; sent the one way
+    every feature asks a node (apps/fleet/asking.py)."""
+    return [
+        Answer(
+            None
+            if answer.outputs is None
+            else {k: jsonable(v, batched) for k, v in answer.outputs.items()},
+            answer.latency_ms,
+            answer.error,
+        )
+        for answer in asking.ask(
+            [client],
+            model,
+            requests,
+            version=version,
+            concurrency=concurrency,
+            timeout_s=timeout_s,
+        )
+    ]
 
 
 def jsonable(array: np.ndarray, batched: bool) -> Any:

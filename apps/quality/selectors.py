@@ -6,12 +6,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from django.db.models import Count, OuterRef, QuerySet, Subquery
 
-from apps.quality.cases import Signature
 from apps.quality.models import CaseResult, EvaluationCase, EvaluationRun, EvaluationSet
-from apps.quality.runner import request
 from apps.registry.models import Model, ModelVersion
 
 
@@ -238,26 +235,3 @@ def reference_version(model: Model) -> ModelVersion | None:
     else the newest."""
     versions = model.versions.order_by("-version")
     return versions.filter(status=ModelVersion.Status.PUBLISHED).first() or versions.first()
-
-
-WARMUP_CASES = 20
-
-
-def warmup_requests(model: str) -> list[dict[str, np.ndarray]]:
-    """Requests made of the model's own evaluation cases (its newest set's first few), for a
-    warm-up that looks like what the model will be asked; none where it has no set or the
-    cases no longer fit its config."""
-    found = (
-        EvaluationSet.objects.filter(model__name=model)
-        .select_related("model")
-        .order_by("-created_at", "-id")
-        .first()
-    )
-    reference = reference_version(found.model) if found else None
-    if found is None or reference is None:
-        return []
-    signature = Signature.of(reference.config)
-    try:
-        return [request(c.inputs, signature) for c in found.cases.all()[:WARMUP_CASES]]
-    except (KeyError, ValueError):
-        return []

@@ -9,9 +9,11 @@ from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.fleet.models import Node
 from apps.fleet.selectors import observed_many
 from apps.fleet.tasks import send_to
+from apps.fleet.triton import tensors_json
 from apps.quality.cases import Case, Signature, parse_cases
 from apps.quality.errors import QualityError
 from apps.quality.models import EvaluationCase, EvaluationRun, EvaluationSet, SyntheticLoad
+from apps.quality.runner import request
 from apps.quality.selectors import latest_set, reference_version
 from apps.quality.tasks import drive_load, run_evaluation
 from apps.registry.models import Model
@@ -41,6 +43,10 @@ def evaluation_set_import(
     cases, problems = parse_cases(lines, Signature.of(reference.config))
     if problems:
         raise QualityError(problems)
+    signature = Signature.of(reference.config)
+    samples = [tensors_json(request(c.inputs, signature)) for c in cases[:SAMPLE_CASES]]
+    if samples != model.sample_inputs:  # the newest set's: what warm-ups and probes send
+        Model.objects.filter(pk=model.pk).update(sample_inputs=samples)
     latest = latest_set(model_id=model.pk, name=name)
     if latest is not None and _same(latest, cases):
         return latest  # imported again unchanged (each `make demo`): no new version, no event
@@ -69,6 +75,10 @@ def evaluation_set_import(
         },
     )
     return found
+
+
+# A model's sample inputs: the first cases of its newest set, sent by warm-ups and probes.
+SAMPLE_CASES = 20
 
 
 def _same(found: EvaluationSet, cases: list[Case]) -> bool:

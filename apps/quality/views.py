@@ -27,7 +27,7 @@ from apps.quality.selectors import (
 from apps.quality.selectors import set_list as select_sets
 from apps.quality.services import evaluation_set_import, evaluation_start
 from apps.registry.models import Model, ModelVersion
-from controlplane.htmx import HtmxHttpRequest
+from apps.web.htmx import HtmxHttpRequest
 
 FILTERS = {"": "All", "failing": "Failing", "changed": "Changed"}
 

@@ -35,6 +35,11 @@ class Model(models.Model):
         blank=True,
         help_text="a degraded, faster version (say, no reranker) for latency emergencies",
     )
+    # What the model is asked in earnest: warm-ups and probes send these (apps/fleet/asking.py),
+    # filled from its newest evaluation set (apps.quality); Triton's JSON form, a batch of one.
+    sample_inputs = models.JSONField(
+        default=list, blank=True, help_text="a few requests' inputs: name -> datatype, shape, data"
+    )
 
     class Meta:
         ordering = ["name"]

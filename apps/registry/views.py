@@ -28,8 +28,8 @@ from apps.registry.services import (
     version_set_status,
 )
 from apps.registry.validation import errors
-from controlplane.guard import takes_post
-from controlplane.htmx import HtmxHttpRequest
+from apps.web.guard import takes_post
+from apps.web.htmx import HtmxHttpRequest
 
 
 def model_list(request: HttpRequest) -> HttpResponse:

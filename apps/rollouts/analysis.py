@@ -17,23 +17,23 @@ from datetime import timedelta
 
 from django.utils import timezone
 
-from apps.rollouts.judge import compare, score
-from apps.rollouts.plans import Analysis, CustomMetric
-from apps.rollouts.slo import Objectives, burn_rate, gate, over_budget
-from apps.rollouts.verdicts import Verdict
-from controlplane.catalog import (
+from apps.prometheus.catalog import (
     canary_queries,
     custom_query,
     quantiles_query,
     sample_queries,
     step_mean_latency_query,
 )
-from controlplane.prometheus import (
+from apps.prometheus.client import (
     PrometheusUnavailable,
     escape_label,
     instant_query,
     range_query,
 )
+from apps.rollouts.judge import compare, score
+from apps.rollouts.plans import Analysis, CustomMetric
+from apps.rollouts.slo import Objectives, burn_rate, gate, over_budget
+from apps.rollouts.verdicts import Verdict
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from apps.fleet import selectors
 from apps.fleet.models import Node
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.traffic.balancer import share_weights, weights_set
+from apps.prometheus.client import PrometheusUnavailable
 from apps.quality.errors import QualityError
 from apps.rollouts.analysis import Result, measure, overall
 from apps.rollouts.bluegreen import blue_green
@@ -47,7 +48,6 @@ from apps.rollouts.transitions import (
     transition,
 )
 from apps.rollouts.verdicts import Verdict
-from controlplane.prometheus import PrometheusUnavailable
 
 log = logging.getLogger(__name__)
 

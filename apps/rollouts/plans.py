@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from controlplane.catalog import PLACEHOLDERS
+from apps.prometheus.catalog import PLACEHOLDERS
 
 
 class PlanError(ValueError):

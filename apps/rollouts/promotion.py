@@ -11,6 +11,8 @@ from apps.fleet.errors import FleetError
 from apps.fleet.memory import shortfalls
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.traffic.balancer import weights_reset
+from apps.prometheus.catalog import budget_queries
+from apps.prometheus.client import PrometheusUnavailable, instant_query
 from apps.rollouts.gates import ACTOR
 from apps.rollouts.models import Rollout
 from apps.rollouts.plans import Analysis
@@ -27,9 +29,7 @@ from apps.rollouts.transitions import (
     transition,
 )
 from apps.rollouts.verdicts import Verdict
-from controlplane.catalog import budget_queries
-from controlplane.clock import database_now
-from controlplane.prometheus import PrometheusUnavailable, instant_query
+from apps.web.clock import database_now
 
 
 def promote(rollout: Rollout) -> None:

@@ -22,6 +22,7 @@ from apps.accounts.permissions import authorize, second_person
 from apps.audit.services import Actor, audit_record, audited
 from apps.fleet.models import Deployment, NodePool
 from apps.observability.bottleneck import Advice
+from apps.prometheus.catalog import tuning_queries
 from apps.registry.archives import inside_roots
 from apps.registry.codec import from_dict, to_pbtxt
 from apps.registry.models import ModelVersion
@@ -31,7 +32,6 @@ from apps.rollouts.models import AnalysisTemplate, Rollout
 from apps.rollouts.plans import PlanError
 from apps.rollouts.proposals import RolloutError
 from apps.rollouts.services import rollout_start
-from controlplane.catalog import tuning_queries
 
 # The canary may serve this share fewer requests a node than the baseline, and queue this share
 # longer, before the tuning counts as worse (the queue's is wider: it is the noisier of the two).

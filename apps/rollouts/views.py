@@ -39,7 +39,7 @@ from apps.rollouts.services import (
     rollout_start,
 )
 from apps.rollouts.tuning import tuning_start
-from controlplane.htmx import HtmxHttpRequest, back, refused
+from apps.web.htmx import HtmxHttpRequest, back, refused
 
 
 def rollout_list(request: HttpRequest) -> HttpResponse:

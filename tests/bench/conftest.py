@@ -5,6 +5,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.bench import ROWS, Report
+from tests.support.browser_fixtures import browser, page  # noqa: F401 (fixtures: a browser bench)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.utils import timezone
 
-from controlplane.catalog import METRICS, build_query, step_for
+from apps.prometheus.catalog import METRICS, build_query, step_for
 from tests.support.backfill import backfilled_prometheus
 from tests.support.bench import Report
 

@@ -16,9 +16,9 @@ from django.test import Client
 from apps.devtools.traffic import send_traffic
 from apps.fleet.triton import TritonClient
 from apps.observability.tiles import fleet_tiles
+from apps.prometheus.catalog import TILE_WINDOW
+from apps.prometheus.client import instant_query
 from apps.registry.imports import repository_import
-from controlplane.catalog import TILE_WINDOW
-from controlplane.prometheus import instant_query
 from tests.support import REPOSITORY
 from tests.support.fleet import Fleet
 

@@ -26,7 +26,7 @@ from apps.fleet.triton import (
     TritonUnreachable,
     read_metrics,
 )
-from controlplane.prometheus import PrometheusUnavailable, instant_query
+from apps.prometheus.client import PrometheusUnavailable, instant_query
 
 pytestmark = pytest.mark.integration
 

@@ -22,9 +22,9 @@ from apps.fleet.models import NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.incidents.models import Incident
 from apps.observability.markers import change_markers
+from apps.prometheus.catalog import budget_queries
+from apps.prometheus.client import instant_query
 from apps.registry.services import model_set_budget
-from controlplane.catalog import budget_queries
-from controlplane.prometheus import instant_query
 from tests.support.fleet import STEPS_V2, STEPS_V4, converged, flapping, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]

@@ -10,7 +10,7 @@ from django.utils import timezone
 from apps.devtools.processes import DevfleetError
 from apps.devtools.traffic import send_traffic
 from apps.fleet.triton import TritonClient, TritonRejected
-from controlplane.prometheus import range_query
+from apps.prometheus.client import range_query
 from tests.support import REPOSITORY
 from tests.support.fleet import Fleet
 

@@ -22,8 +22,8 @@ from kombu import Connection
 from apps.accounts.models import ApiToken
 from apps.accounts.roles import Role
 from apps.accounts.services import token_create
+from apps.api import metrics
 from apps.fleet.models import Node, NodePool
-from controlplane import metrics
 from controlplane.celery import app as celery_app
 from tests.support.metrics import make_fleet, matching, scrape, scrape_headers
 from tests.support.services import redis_server

@@ -19,9 +19,9 @@ from apps.devtools.traffic import QUESTIONS, send_traffic, wait_for_model
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.traffic.haproxy import Runtime
 from apps.fleet.triton import TritonClient, TritonError, sample_inputs
+from apps.prometheus.client import active_targets
 from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Rollout
-from controlplane.prometheus import active_targets
 
 
 @dataclass

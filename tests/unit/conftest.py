@@ -52,7 +52,7 @@ def _in_this_process(monkeypatch: pytest.MonkeyPatch, settings: object) -> None:
 
 @pytest.fixture(autouse=True)
 def _sessions_written_at_sign_in_only(settings: object) -> None:
-    """A session is written again once a minute (controlplane/sessions.py): a page's query
+    """A session is written again once a minute (apps/web/sessions.py): a page's query
     count would depend on the clock. tests/unit/test_security.py checks the writes."""
     settings.SESSION_TOUCH_S = 10**12  # type: ignore[attr-defined]
 

@@ -3,7 +3,8 @@ same paths run against a real HAProxy in tests/integration/test_traffic.py."""
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -33,7 +34,7 @@ from apps.fleet.traffic.balancer import (
 )
 from apps.fleet.traffic.haproxy import Server
 from apps.fleet.traffic.warmup import warm_up
-from apps.fleet.triton import IndexEntry, TritonClient, TritonError
+from apps.fleet.triton import IndexEntry, Session, TritonClient, TritonError
 from apps.registry.models import Model as RegistryModel
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import rollout_abort
@@ -246,8 +247,13 @@ def test_what_a_node_just_loaded_is_warmed_on_the_node_itself_once_per_pipeline(
                 raise TritonError(self.node, "model 'broken' is not ready")
             return [("TEXT", "BYTES", [-1, 1])]
 
-        def infer(self, model: str, inputs: dict[str, object]) -> None:
+        @contextmanager
+        def session(self, timeout: float | None = None) -> Iterator["Client"]:
+            yield self
+
+        def infer(self, model: str, inputs: dict[str, object], version: int | None = None) -> dict:
             sent.append((self.node, model))
+            return {}
 
     monkeypatch.setattr(warmup, "TritonClient", Client)
     NodePool.objects.update(warmup_requests=2)
@@ -277,7 +283,7 @@ def test_a_load_is_warmed_where_its_node_left_traffic_for_it_and_only_there(
     monkeypatch.setattr(TritonClient, "load", lambda self, model, **_: sent.append("load"))
     monkeypatch.setattr(TritonClient, "repository_index", lambda self: ready)
     monkeypatch.setattr(TritonClient, "model_inputs", lambda self, m: [("TEXT", "BYTES", [-1])])
-    monkeypatch.setattr(TritonClient, "infer", lambda self, model, inputs: sent.append(model))
+    monkeypatch.setattr(Session, "infer", lambda self, model, inputs, **_: sent.append(model))
     NodePool.objects.update(warmup_requests=2)
     gpu_1 = node("gpu-1")
     Node.objects.filter(pk=gpu_1.pk).update(lease_until=None)  # no worker at it

@@ -8,8 +8,8 @@ from django.test import Client
 
 from apps.fleet.models import Deployment, NodePool
 from apps.observability import bottleneck
+from apps.prometheus.catalog import bottleneck_query
 from apps.registry.models import Model, ModelVersion
-from controlplane.catalog import bottleneck_query
 from tests.support.registry import import_demo
 
 STEPS = ["embedder", "retriever", "reranker", "generator"]

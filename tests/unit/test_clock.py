@@ -17,7 +17,7 @@ from apps.fleet.lease import Lease
 from apps.fleet.models import Node, NodePool, PoolOwner
 from apps.fleet.owners import owner_holding
 from apps.registry.models import Model
-from controlplane.clock import database_now
+from apps.web.clock import database_now
 from tests.support.users import make_user
 
 pytestmark = [

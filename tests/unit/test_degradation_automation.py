@@ -19,11 +19,11 @@ from apps.degradation.services import tier_confirm, tier_pin, tier_unpin, tiers_
 from apps.fleet.models import Deployment, Node, NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.incidents.models import Incident
+from apps.prometheus.catalog import budget_queries
+from apps.prometheus.client import PrometheusUnavailable
 from apps.registry.services import model_set_budget, model_set_slo
 from apps.rollouts.models import Notification
 from apps.rollouts.services import rollout_start
-from controlplane.catalog import budget_queries
-from controlplane.prometheus import PrometheusUnavailable
 from tests.support.registry import import_demo
 from tests.support.users import make_user
 

@@ -584,7 +584,7 @@ def test_an_index_read_while_a_run_ended_is_read_again_before_anything_is_planne
 def test_a_chunks_plans_are_written_as_planned_each_with_its_own_id(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The plans of a chunk are written in one statement on PostgreSQL (controlplane.bulk): each
+    """The plans of a chunk are written in one statement on PostgreSQL (apps.web.bulk): each
     operation must come back with its own id, every field as the run will read it."""
     from apps.fleet.reconcile import nodes_reconcile
 

@@ -10,7 +10,7 @@ from django.core.files.uploadhandler import TemporaryFileUploadHandler
 from django.test import Client
 
 from apps.accounts.roles import Role
-from controlplane.guard import MAX_JSON_DEPTH
+from apps.web.guard import MAX_JSON_DEPTH
 from tests.support.users import bearer, make_user
 
 pytestmark = pytest.mark.django_db

@@ -27,7 +27,7 @@ from apps.incidents.templatetags.mdtext import md, md_block, md_code
 from apps.registry.models import Model
 from apps.rollouts.models import Rollout
 from apps.rollouts.notify import notify
-from controlplane.sessions import POLL_HEADER, STARTED, TOUCHED
+from apps.web.sessions import POLL_HEADER, STARTED, TOUCHED
 from tests.support.users import PASSWORD
 
 pytestmark = pytest.mark.django_db

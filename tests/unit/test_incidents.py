@@ -22,11 +22,11 @@ from apps.incidents import suspects as suspects_module
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_open, incident_rollback
 from apps.incidents.suspects import suspects
+from apps.prometheus.client import Series
 from apps.registry.imports import repository_import
 from apps.registry.models import Model
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import rollout_start
-from controlplane.prometheus import Series
 
 pytestmark = pytest.mark.django_db
 REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"

@@ -12,7 +12,7 @@ from apps.audit.models import AuditEvent, target_parts
 from apps.fleet.models import Node, NodePool
 from apps.observability.charts import figure
 from apps.observability.markers import MAX_MARKERS, Marker, change_markers
-from controlplane.prometheus import Series
+from apps.prometheus.client import Series
 
 pytestmark = pytest.mark.django_db
 STEPS = ["embedder", "retriever", "rag_pipeline"]

@@ -15,12 +15,12 @@ from django.utils import timezone
 
 from apps.accounts.models import ApiToken
 from apps.accounts.services import token_create, token_revoke
+from apps.api import metrics
 from apps.fleet.models import Heartbeat, Node, NodePool, Operation
 from apps.fleet.tasks import heartbeat
 from apps.registry.models import Model
 from apps.rollouts.models import Measurement, Notification, Rollout
 from apps.rollouts.tasks import advance_all
-from controlplane import metrics
 from controlplane.celery import app as celery_app
 from tests.support.metrics import make_fleet, matching, operation, scrape, scrape_headers
 

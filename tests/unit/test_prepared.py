@@ -1,5 +1,5 @@
 """The statements a release runs for every load of every node are prepared once per connection
-on PostgreSQL (controlplane/prepared.py), and counted and logged as Django's own are."""
+on PostgreSQL (apps/web/prepared.py), and counted and logged as Django's own are."""
 
 import pytest
 from django.db import connection
@@ -8,7 +8,7 @@ from django.test.utils import CaptureQueriesContext
 from apps.fleet.lease import Lease
 from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.runner import _claim
-from controlplane.prepared import prepared_cursor
+from apps.web.prepared import prepared_cursor
 
 pytestmark = pytest.mark.django_db
 

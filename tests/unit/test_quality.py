@@ -1,5 +1,6 @@
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -118,8 +119,13 @@ def test_a_node_is_warmed_with_its_models_own_cases_and_not_while_it_gets_no_tra
         def __init__(self, url: str, *, node: str) -> None:
             self.node = node
 
-        def infer(self, model: str, inputs: dict[str, np.ndarray]) -> None:
+        @contextmanager
+        def session(self, timeout: float | None = None) -> Iterator["Client"]:
+            yield self
+
+        def infer(self, model: str, inputs: dict[str, np.ndarray], **_: object) -> dict:
             sent.append((model, [q.decode() for q in inputs["QUESTION"].flat]))
+            return {}
 
     monkeypatch.setattr(warmup, "TritonClient", Client)
     pool = NodePool.objects.create(name="demo", warmup_requests=2)

@@ -11,12 +11,12 @@ from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 
 from apps.fleet.models import NodePool
+from apps.prometheus.catalog import custom_query
+from apps.prometheus.client import PrometheusUnavailable
 from apps.registry.models import Model
 from apps.rollouts import analysis
 from apps.rollouts.models import Measurement
 from apps.rollouts.plans import Analysis, CustomMetric, PlanError
-from controlplane.catalog import custom_query
-from controlplane.prometheus import PrometheusUnavailable
 
 HELPFUL = (
     'sum(rate(rag_helpful_total{pool="$pool",node=~"$nodes"}[$window]))'

@@ -9,9 +9,9 @@ from django.db import OperationalError
 
 from apps.fleet import tasks
 from apps.fleet.models import Node, NodePool
+from apps.fleet.queues import ROLLOUTS_QUEUE
 from apps.fleet.reconcile import Planned
 from apps.fleet.runner import DesiredDigest
-from controlplane.celery import ROLLOUTS_QUEUE
 from controlplane.celery import app as celery_app
 
 

@@ -93,7 +93,9 @@ def seeded(db: None) -> dict[str, object]:
         ops[f"{name}'s"] = _operation(departed, "m", "succeeded", OLD)
     model = Model.objects.create(name="rag")
     cases = EvaluationSet.objects.create(model=model, name="golden", version=1, created_by="x")
-    case = EvaluationCase.objects.create(evaluation_set=cases, line=1, name="a", inputs={}, expect={})
+    case = EvaluationCase.objects.create(
+        evaluation_set=cases, line=1, name="a", inputs={}, expect={}
+    )
     runs = {}
     for name, finished_at in (("old", OLD), ("recent", RECENT), ("running", None)):
         runs[name] = EvaluationRun.objects.create(

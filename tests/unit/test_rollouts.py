@@ -27,6 +27,7 @@ from apps.fleet.owners import owner_release
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.traffic import balancer as balancing
 from apps.fleet.traffic.balancer import Synced
+from apps.prometheus.client import PrometheusUnavailable
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts import analysis, controller, transitions
 from apps.rollouts.analysis import Result
@@ -47,7 +48,6 @@ from apps.rollouts.services import (
     rollout_start,
     template_save,
 )
-from controlplane.prometheus import PrometheusUnavailable
 from tests.support.audit import ROLLOUT_SERVICES, Case, assert_one_event_each
 from tests.support.users import make_user
 
@@ -827,8 +827,8 @@ def test_with_the_canary_everywhere_only_the_budget_judges(monkeypatch: pytest.M
 def test_the_statistical_judge_compares_each_nodes_samples_and_keeps_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from apps.prometheus.client import Series
     from apps.rollouts import analysis
-    from controlplane.prometheus import Series
 
     def counts(query: str) -> list[tuple[dict[str, str], float]]:
         if "summary" in query or "failure" in query:

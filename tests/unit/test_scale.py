@@ -23,7 +23,7 @@ from apps.incidents.models import Incident
 from apps.quality.models import CaseResult, EvaluationCase, EvaluationRun, EvaluationSet
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Rollout
-from controlplane.prepared import prepared_cursor
+from apps.web.prepared import prepared_cursor
 from tests.support.registry import import_demo
 
 SMALL = Size(nodes=4, pools=2, models=10, versions=3, operations=20, rollouts=2, events=30)

@@ -15,8 +15,8 @@ from django.utils import timezone
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
 from apps.fleet.polling import node_poll
-from controlplane.guard import client_ip
-from controlplane.prometheus import PrometheusUnavailable, instant_query
+from apps.prometheus.client import PrometheusUnavailable, instant_query
+from apps.web.guard import client_ip
 from tests.support.users import PASSWORD
 
 pytestmark = pytest.mark.django_db

@@ -23,7 +23,7 @@ from django.db import connection, transaction
 from apps.audit.services import audit_record
 from apps.fleet.models import Node, NodePool
 from apps.fleet.traffic.haproxy import HEALTH_CHECKS, HAProxyError, Runtime
-from controlplane.clock import database_now
+from apps.web.clock import database_now
 
 log = logging.getLogger(__name__)
 DEFAULT_WEIGHT = 100
@@ -256,7 +256,7 @@ def _sync(pool: NodePool) -> dict[str, int]:
     if target is None:
         return {}
     nodes = list(pool.nodes.all())
-    at = database_now()  # as leases are judged (controlplane/clock.py)
+    at = database_now()  # as leases are judged (apps/web/clock.py)
     lapsed = [n for n in nodes if n.draining and (n.lease_until is None or n.lease_until < at)]
     for node in lapsed:
         node.draining = False

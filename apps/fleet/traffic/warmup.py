@@ -1,33 +1,33 @@
 """A node's warm-up: after a load, before it takes traffic again, it answers a few requests
-to each model it loaded: the model's own evaluation inputs where an app above registers them
-(apps.quality), sample inputs from its metadata otherwise."""
+to each model it loaded: the model's sample inputs from the registry (its evaluation set's
+first cases), sample inputs from its metadata where it has none."""
 
 import random
-from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from apps.audit.services import audit_record
+from apps.fleet.asking import ask
 from apps.fleet.models import Node
 from apps.fleet.traffic.balancer import ACTOR
-from apps.fleet.triton import TritonClient, TritonError, sample_inputs
+from apps.fleet.triton import TritonClient, TritonError, sample_inputs, tensors_from
+from apps.registry.models import Model
 
-# Where a model's warm-up requests come from, asked in order: apps above the fleet register
-# theirs (its evaluation sets' inputs: apps.quality.apps), each giving requests with their
-# batch dimension, or none; sample inputs from the model's metadata where none has any.
-WARMUP_TEXTS = ("warm-up request",)  # a string input's text, where a model has no set
-WARMUP_INPUTS: list[Callable[[str], list[dict[str, np.ndarray]]]] = []
+WARMUP_TEXTS = ("warm-up request",)  # a string input's text, where a model has no samples
 
 
 def requests_for(
     client: TritonClient, model: str, count: int, rng: random.Random
-) -> Iterator[dict[str, np.ndarray]]:
-    """`count` requests' inputs for `model`: its registered ones (WARMUP_INPUTS) in turn, else
-    sample inputs from its metadata, read from the node (TritonError when it cannot answer)."""
-    given = next((found for source in WARMUP_INPUTS if (found := source(model))), [])
+) -> list[dict[str, np.ndarray]]:
+    """`count` requests' inputs for `model`: its sample inputs in turn, else sample inputs made
+    from its metadata, read from the node (TritonError when it cannot answer)."""
+    stored = Model.objects.filter(name=model).values_list("sample_inputs", flat=True).first()
+    given = [tensors_from(inputs) for inputs in stored or []]
     spec = [] if given else client.model_inputs(model)
-    for index in range(count):
-        yield given[index % len(given)] if given else sample_inputs(spec, rng, texts=WARMUP_TEXTS)
+    return [
+        given[index % len(given)] if given else sample_inputs(spec, rng, texts=WARMUP_TEXTS)
+        for index in range(count)
+    ]
 
 
 def warm_up(node: Node, configs: dict[str, dict | None]) -> None:
@@ -53,13 +53,15 @@ def warm_up(node: Node, configs: dict[str, dict | None]) -> None:
     rng = random.Random(node.pk)
     for model in models:
         try:
-            for inputs in requests_for(client, model, count, rng):
-                client.infer(model, inputs)
-        except TritonError as exc:  # it takes traffic all the same: it serves what it loaded
+            answers = ask([client], model, requests_for(client, model, count, rng))
+            failed = next((f"{a.node}: {a.error}" for a in answers if a.error), "")
+        except TritonError as exc:  # no metadata to make requests of
+            failed = str(exc)
+        if failed:  # it takes traffic all the same: it serves what it loaded
             audit_record(
                 actor=ACTOR,
                 action="node.warm_up",
                 target=f"node:{node.name}:{model}",
                 result="failed",
-                message=f"warm-up of {model} failed: {exc}",
+                message=f"warm-up of {model} failed: {failed}",
             )

@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import redis
+from celery import current_app as celery_app
 from django.conf import settings
 from django.contrib.auth.decorators import login_not_required
 from django.db.models import Count, F, Min, Model, Q, QuerySet, Subquery, Sum, TextChoices
@@ -33,10 +34,9 @@ from apps.accounts.models import ApiToken
 from apps.accounts.permissions import ANY_ROLE
 from apps.accounts.services import token_authenticate
 from apps.fleet.models import Heartbeat, Node, NodePool, Operation
+from apps.fleet.queues import ROLLOUTS_QUEUE, TICK_HEARTBEAT
 from apps.rollouts.models import Measurement, Notification, Rollout
 from apps.rollouts.verdicts import Verdict
-from controlplane.celery import ROLLOUTS_QUEUE, TICK_HEARTBEAT
-from controlplane.celery import app as celery_app
 
 # A scrape must answer within Prometheus' timeout (10 s by default) even when the broker does
 # not: one short try, then the depth series are left out and broker_up says why.

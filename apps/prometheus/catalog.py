@@ -5,7 +5,7 @@ imports no other app: every app may use it, as it may the Prometheus client."""
 import re
 from dataclasses import dataclass
 
-from controlplane.prometheus import escape_label
+from apps.prometheus.client import escape_label
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ let anyone lock the admins out from everywhere; a lock on a user at an address a
 client try a few passwords of every user. So: AXES_FAILURE_LIMIT failures of one user from one
 address lock that pair, and AXES_ADDRESS_FAILURE_LIMIT failures from one address, whoever they
 named, lock the address. The address is the client's behind TRUSTED_PROXIES proxies
-(controlplane.guard.client_ip): without them, everyone behind the ingress is one address."""
+(apps.web.guard.client_ip): without them, everyone behind the ingress is one address."""
 
 from typing import Any
 
