@@ -68,24 +68,6 @@ def polled(node: Node) -> Node:
     )
 
 
-# What decides whether a joining node takes traffic, once its loads ran (its metadata and GPUs
-# were polled before its plan).
-JOINING_READ = ("health", "index", "last_seen")
-
-
-def joining_read(node: Node) -> bool:
-    """`JOINING_READ` read now onto `node`, not written (its join writes them with its stage);
-    False if it did not answer."""
-    client = TritonClient(node.http_url, node=node.name)
-    try:
-        node.health = client.health()
-        node.index = stored(client.repository_index())
-    except TritonError:
-        return False
-    node.last_seen = timezone.now()
-    return True
-
-
 def stored(index: list[IndexEntry]) -> list[dict]:
     """A repository index as a node keeps it (`Node.index`)."""
     return [dataclasses.asdict(entry) for entry in index]

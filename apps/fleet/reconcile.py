@@ -20,13 +20,11 @@ from apps.audit.models import AuditEvent
 from apps.audit.services import audit_append, audit_event, audit_record
 from apps.fleet import memory, quarantine
 from apps.fleet.desired import Desired, DesiredStateError, nodes_desired
+from apps.fleet.join import join
 from apps.fleet.models import Deployment, Node, Operation
 from apps.fleet.planner import Action, Observed, plan
-from apps.fleet.polling import JOINING_READ, joining_read, nodes_read_index
+from apps.fleet.polling import nodes_read_index
 from apps.fleet.runner import RECONCILER, DesiredDigest, Looks
-from apps.fleet.selectors import converged
-from apps.fleet.stages import stage_set
-from apps.fleet.traffic.balancer import traffic_sync
 from apps.fleet.triton import ready_in
 from apps.registry.models import Model
 from apps.web.bulk import bulk_insert
@@ -252,7 +250,7 @@ def nodes_reconcile(node_ids: list[int]) -> dict[int, Planned]:
         bulk_insert([op for plan in planned.values() for op in plan.ops if not op.pk])
         audit_append([event for event in drifts if event])
     for node, desired in joining:
-        _join(node, desired)  # polled in full by nodes_read_index, as every joining node is
+        join(node, desired)  # polled in full by nodes_read_index, as every joining node is
     return planned
 
 
@@ -361,61 +359,6 @@ def _request(request: str) -> Iterator[None]:
     finally:
         if token is not None:
             REQUEST_ID.reset(token)
-
-
-def node_join(node_id: int) -> None:
-    """`joined` for a node whose run was not handed its plan (a run_node task), if it joins."""
-    if (node := Node.objects.filter(pk=node_id, stage=Node.Stage.JOINING).first()) is not None:
-        joined(node)
-
-
-def joined(node: Node, desired: Desired | None = None) -> None:
-    """A joining node whose loads just ran takes traffic now if it may (_join), rather than at
-    its next reconcile; nothing is planned (its run just ended). Only what decides it is read
-    again: whether it answers ready, and its index (its metadata and GPUs were polled before
-    its plan). `desired`: the state it was planned for, if the caller knows it."""
-    if not joining_read(node):
-        return  # out of traffic still: the next reconcile polls it in full, and records why
-    if desired is None:
-        found = nodes_desired([node])[node.pk]
-        if isinstance(found, DesiredStateError):
-            return
-        desired = found
-    _join(node, desired, read=JOINING_READ)
-
-
-def _join(node: Node, desired: Desired, read: tuple[str, ...] = ()) -> None:
-    """A joining node, polled just now, takes traffic once it answers ready and its index shows
-    exactly what its desired state names READY (the run that loaded it warmed it, out of
-    traffic); until then its balancer weight stays 0. The fields `read` just now, not recorded
-    by a poll, are written with its stage."""
-    if node.health != Node.Health.READY or node.last_error:
-        return
-    ready = ready_in(node.index)
-    if not all(converged(ready.get(name, ()), model.versions) for name, model in desired.items()):
-        return
-    now = timezone.now()
-    with transaction.atomic():
-        locked = Node.objects.select_for_update().select_related("pool").get(pk=node.pk)
-        if locked.stage != Node.Stage.JOINING:
-            return
-        if locked.operations.filter(status__in=Operation.OPEN).exists():
-            return
-        took = (now - (locked.stage_changed_at or now)).total_seconds()
-        serving = {name: sorted(model.versions) for name, model in desired.items()}
-        stage_set(
-            locked,
-            Node.Stage.SERVING,
-            actor=RECONCILER,
-            action="node.join",
-            message=f"takes traffic {took:.1f} s after it joined: its pool's release read "
-            "back READY, warmed, ready",
-            at=now,
-            after={"serving": serving, "joining_s": round(took, 1)},
-            fields={field: getattr(node, field) for field in read},
-        )
-        if locked.pool.traffic:
-            transaction.on_commit(lambda: traffic_sync(locked.pool_id), robust=True)
 
 
 def _pruned(node: Node, desired: Desired, observed: dict[str, Observed]) -> set[str]:

@@ -19,15 +19,10 @@ from django.utils import timezone
 
 from apps.audit.context import REQUEST_ID
 from apps.fleet.discovery import discover
+from apps.fleet.join import joined, node_join
 from apps.fleet.models import Heartbeat, Node, NodePool
 from apps.fleet.polling import node_poll
-from apps.fleet.reconcile import (
-    Planned,
-    joined,
-    node_join,
-    nodes_reconcile,
-    rollback_windows_close,
-)
+from apps.fleet.reconcile import Planned, nodes_reconcile, rollback_windows_close
 from apps.fleet.runner import NodeBusy, node_run
 from apps.fleet.traffic.balancer import PoolAtCapacity, pool_sync
 from apps.fleet.triton import TritonUnreachable
