@@ -10,7 +10,8 @@ before a rename keep their old name (the trail is never rewritten): `registry.me
 `registry.version_create` and `registry.version_status` are `version.create` and
 `version.set_status`, `user.role_set` and `user.pool_role_set` are `user.set_role` and
 `user.set_pool_role`, `node.warmup` is `node.warm_up`, `pool.weights` is `pool.set_weights`,
-`deployment.window_closed` is `deployment.close_window`, `rollout.window_skipped` is
+`deployment.window_closed` is `deployment.close_window`, `node.release` is `node.clear`,
+`rollout.window_skipped` is
 `rollout.skip_window` and `rollout.resumed` is `rollout.resume`."""
 
 from enum import StrEnum
@@ -102,7 +103,7 @@ _BY_KIND: dict[Kind, list[str]] = {
         "node.register",
         "node.adopt",
         "node.set_memory",
-        "node.release",
+        "node.clear",
         "pool.set_protected",
         "pool.set_discoverable",
         "pool.set_queue",

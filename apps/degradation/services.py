@@ -11,7 +11,7 @@ from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.degradation.models import Tiers
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, NodePool, PoolOwner
-from apps.fleet.owners import owner_claim, owner_holding, owner_release
+from apps.fleet.owners import owner_claim, owner_holding, owner_let_go
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model, ModelVersion
 from apps.web.clock import database_now
@@ -246,6 +246,6 @@ def tier_unpin(*, pool_name: str, model_name: str, actor: Actor) -> Tiers:
     before = {"pinned": tiers.pinned, "by": tiers.pinned_by, "reason": tiers.pinned_reason}
     tiers.pinned, tiers.pinned_by, tiers.pinned_reason, tiers.pinned_until = None, "", "", None
     tiers.save()
-    owner_release(pool=pool, model=model, ref=PIN)
+    owner_let_go(pool=pool, model=model, ref=PIN)
     audit_record(actor=actor, target=f"pool:{pool_name}:{model_name}", before=before)
     return tiers

@@ -30,7 +30,7 @@ class Lease:
         self.seconds = settings.FLEET_LEASE_S
         self.held = False
         self.claimed = False  # the first operation, claimed with the lease (`hold`)
-        self.released = False  # with the run's last statement (`release_when_idle`)
+        self.let_go = False  # with the run's last statement (`let_go_when_idle`)
         self._stop = threading.Event()
 
     def _take(self, then: Statement | None = None) -> tuple[bool, bool]:
@@ -70,11 +70,11 @@ class Lease:
             cursor.execute(*then)
             return True, cursor.rowcount == 1
 
-    def release_when_idle(self) -> Statement:
+    def let_go_when_idle(self) -> Statement:
         """The lease given back if no operation is queued for the node: run with the end of a
-        run's last operation (the caller sets `released` if it changed a row), it saves the
+        run's last operation (the caller sets `let_go` if it changed a row), it saves the
         run's look for more work and its release, two statements a node of a release."""
-        return _RELEASE_WHEN_IDLE, (self.node_id, self.owner)
+        return _LET_GO_WHEN_IDLE, (self.node_id, self.owner)
 
     def _renew(self) -> bool:
         until = Now() + timedelta(seconds=self.seconds)
@@ -106,9 +106,9 @@ class Lease:
         finally:
             self._stop.set()
             thread.join()
-            if not self.released:
+            if not self.let_go:
                 with prepared_cursor() as cursor:
-                    cursor.execute(_RELEASE, (self.node_id, self.owner))
+                    cursor.execute(_LET_GO, (self.node_id, self.owner))
             self.held = False
 
 
@@ -135,10 +135,10 @@ WHERE id = %s AND (lease_until IS NULL OR lease_until < %s) AND NOT EXISTS (
     WHERE fleet_operation.node_id = fleet_node.id AND status = 'running' AND started_at > %s
 )
 """
-_RELEASE = (
+_LET_GO = (
     "UPDATE fleet_node SET lease_owner = '', lease_until = NULL WHERE id = %s AND lease_owner = %s"
 )
-_RELEASE_WHEN_IDLE = f"""{_RELEASE}
+_LET_GO_WHEN_IDLE = f"""{_LET_GO}
 AND NOT EXISTS (
     SELECT 1 FROM fleet_operation
     WHERE fleet_operation.node_id = fleet_node.id AND status = 'queued'

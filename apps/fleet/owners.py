@@ -51,6 +51,6 @@ def owner_claim(
     return None
 
 
-def owner_release(*, pool: NodePool, model: Model, ref: str) -> None:
+def owner_let_go(*, pool: NodePool, model: Model, ref: str) -> None:
     """Let go of `ref`'s claim, if it still holds it (harmless to repeat)."""
     PoolOwner.objects.filter(pool=pool, model=model, ref=ref).delete()

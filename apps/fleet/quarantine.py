@@ -1,6 +1,6 @@
 """Nodes whose load hung. Triton's loads can stay LOADING until the server restarts
 (server#8766); such a node takes no traffic and gets no further work until a person clears it
-(`services.nodes.node_release`) or it shows the load no longer LOADING (a restart), and then it
+(`services.nodes.node_clear`) or it shows the load no longer LOADING (a restart), and then it
 joins again: loaded, read back and warmed before it serves."""
 
 import math
@@ -74,7 +74,7 @@ def quarantine(node: Node, why: str) -> str:
     return why
 
 
-def release(node: Node, *, actor: Actor, why: str) -> None:
+def clear(node: Node, *, actor: Actor, why: str) -> None:
     """Back to joining: it serves again once its release reads back READY, warmed; the hung
     load may be tried again now. Call under the node's row lock."""
     hung = node.stage_reason
@@ -82,7 +82,7 @@ def release(node: Node, *, actor: Actor, why: str) -> None:
         node,
         Node.Stage.JOINING,
         actor=actor,
-        action="node.release",
+        action="node.clear",
         message=why,
         before={"reason": hung},
     )
@@ -93,7 +93,7 @@ def release(node: Node, *, actor: Actor, why: str) -> None:
 
 def restarted(node: Node) -> bool:
     """Whether the node's index, just read, no longer shows its hung load LOADING (Triton was
-    restarted, or the load ended after all): then it is released, to join again."""
+    restarted, or the load ended after all): then it is cleared, to join again."""
     hung = (
         node.operations.filter(failure=failures.STUCK)
         .order_by("-id")
@@ -110,5 +110,5 @@ def restarted(node: Node) -> bool:
         locked = Node.objects.select_for_update().get(pk=node.pk)
         if locked.stage != Node.Stage.QUARANTINED:
             return False
-        release(locked, actor=ACTOR, why=f"{model} is no longer LOADING there: restarted")
+        clear(locked, actor=ACTOR, why=f"{model} is no longer LOADING there: restarted")
     return True

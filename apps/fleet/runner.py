@@ -166,7 +166,7 @@ def _run_queued(
                 break
         else:
             if claimed:  # the lease, with the batch's last end: nothing more was queued
-                lease.released = True
+                lease.let_go = True
                 return loaded
         claimed = False
         batch = _next_batch(node)
@@ -188,7 +188,7 @@ def _following(
     if not lease.held:
         return None
     if op is None:
-        return lease.release_when_idle() if last else None
+        return lease.let_go_when_idle() if last else None
     return None if _superseded(op, wanted) else _claim(op)
 
 

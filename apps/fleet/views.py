@@ -31,7 +31,7 @@ from apps.fleet.selectors import (
 from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.services.nodes import (
     node_adopt,
-    node_release,
+    node_clear,
     operation_override,
     operation_request,
 )
@@ -178,9 +178,9 @@ def node_operate(request: HttpRequest, name: str) -> HttpResponse:
                 actor=actor,
             )
             done = f"{model} on {name}: sent anyway, as you asked."
-        elif kind == "release":
-            node_release(node_name=name, reason=request.POST.get("reason", ""), actor=actor)
-            done = f"{name} is released: it serves again once its release reads back READY."
+        elif kind == "clear":
+            node_clear(node_name=name, reason=request.POST.get("reason", ""), actor=actor)
+            done = f"{name} is cleared: it serves again once its release reads back READY."
         elif kind in (Operation.Kind.RELOAD, Operation.Kind.UNLOAD):
             operation_request(node_id=node.pk, kind=kind, model_name=model, actor=actor)
             done = f"{kind.capitalize()} of {model} on {name} queued."

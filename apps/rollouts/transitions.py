@@ -11,7 +11,7 @@ from apps.accounts.permissions import moving_back
 from apps.audit.services import Actor, actor_name, audit_record
 from apps.fleet import selectors
 from apps.fleet.models import Deployment, Node, NodePool, Operation, PoolOwner
-from apps.fleet.owners import owner_claim, owner_release
+from apps.fleet.owners import owner_claim, owner_let_go
 from apps.fleet.services.deployments import deployment_remove, deployment_set
 from apps.fleet.traffic.balancer import weights_set
 from apps.registry.codec import from_dict
@@ -81,7 +81,7 @@ def transition(
     if state in Rollout.TERMINAL:
         rollout.finished_at = timezone.now()
         for member in members(rollout):  # the pool's release is the reconciler's again
-            owner_release(pool=rollout.pool, model=member.model, ref=owner_ref(rollout))
+            owner_let_go(pool=rollout.pool, model=member.model, ref=owner_ref(rollout))
     rollout.save()
     audit_record(
         actor=actor,

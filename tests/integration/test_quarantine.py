@@ -17,7 +17,7 @@ from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.reconcile import node_reconcile
 from apps.fleet.runner import node_run
 from apps.fleet.services.deployments import deployment_set
-from apps.fleet.services.nodes import node_register, node_release
+from apps.fleet.services.nodes import node_clear, node_register
 from apps.fleet.triton import TritonClient, TritonDropped
 from tests.support.registry import import_demo
 
@@ -82,7 +82,7 @@ def test_a_hung_load_fails_in_time_and_quarantines_its_node_until_it_restarts(
         assert reconcile_and_run(node)  # released, then its release is loaded again
         node.refresh_from_db()
         assert node.stage == Node.Stage.JOINING
-        released = AuditEvent.objects.get(action="node.release")
+        released = AuditEvent.objects.get(action="node.clear")
         assert released.actor == "system:reconciler"
         assert released.message == "embedder is no longer LOADING there: restarted"
         assert node_reconcile(node_id=node.pk) == []  # converged: it joins
@@ -94,10 +94,10 @@ def test_a_hung_load_fails_in_time_and_quarantines_its_node_until_it_restarts(
 def test_a_person_releases_a_quarantined_node_with_a_reason(hanging: Simulator) -> None:
     node = Node.objects.get()
     reconcile_and_run(node)
-    node_release(node_name="gpu-1", reason="restarted it by hand", actor="ops")
+    node_clear(node_name="gpu-1", reason="restarted it by hand", actor="ops")
     node.refresh_from_db()
     assert (node.stage, node.stage_reason) == (Node.Stage.JOINING, "")
-    event = AuditEvent.objects.get(action="node.release")
+    event = AuditEvent.objects.get(action="node.clear")
     assert (event.actor, event.message) == ("ops", "restarted it by hand")
 
 

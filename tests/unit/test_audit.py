@@ -242,7 +242,7 @@ FLEET_REGISTRY_SERVICES = {
     pools.pool_set_discoverable,
     pools.pool_set_traffic,
     nodes.node_set_memory,
-    nodes.node_release,
+    nodes.node_clear,
     nodes.operation_override,
     pools.pool_set_rollback_window,
     registry.version_set_memory,
@@ -426,12 +426,12 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
 
     cases += [
         Case(
-            nodes.node_release,
-            "node.release",
-            lambda: nodes.node_release(node_name="gpu-1", reason="restarted", actor="ops"),
+            nodes.node_clear,
+            "node.clear",
+            lambda: nodes.node_clear(node_name="gpu-1", reason="restarted", actor="ops"),
             lambda: (
                 Node.objects.filter(pk=node.pk).update(stage=Node.Stage.QUARANTINED),
-                nodes.node_release(node_name="gpu-1", reason="restarted", actor="ops"),
+                nodes.node_clear(node_name="gpu-1", reason="restarted", actor="ops"),
             ),
         ),
         Case(

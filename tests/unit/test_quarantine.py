@@ -74,21 +74,21 @@ def test_a_quarantined_node_says_why_on_its_page_and_an_operator_releases_it(
     client.force_login(operator)
     page = client.get("/nodes/gpu-1/").content.decode()
     assert "Quarantined" in page and "embedder v2 still LOADING" in page
-    assert 'value="release"' in page
+    assert 'value="clear"' in page
     listed = client.get("/nodes/").content.decode()
     assert "1 quarantined" in listed and 'class="badge stage-quarantined"' in listed
-    form = {"kind": "release", "reason": "restarted it by hand"}
+    form = {"kind": "clear", "reason": "restarted it by hand"}
     client.post("/nodes/gpu-1/operate/", form)
     assert Node.objects.get().stage == Node.Stage.JOINING
-    assert AuditEvent.objects.get(action="node.release").actor == operator.username
+    assert AuditEvent.objects.get(action="node.clear").actor == operator.username
 
 
 def test_a_viewer_sees_no_release_and_may_not_release(
     client: Client, quarantined: Node, viewer: User
 ) -> None:
     client.force_login(viewer)
-    assert 'value="release"' not in client.get("/nodes/gpu-1/").content.decode()
-    response = client.post("/nodes/gpu-1/operate/", {"kind": "release", "reason": "why not"})
+    assert 'value="clear"' not in client.get("/nodes/gpu-1/").content.decode()
+    response = client.post("/nodes/gpu-1/operate/", {"kind": "clear", "reason": "why not"})
     assert response.status_code == 403
     assert Node.objects.get().stage == Node.Stage.QUARANTINED
 

@@ -23,7 +23,7 @@ from apps.accounts.services import token_create
 from apps.audit.models import AuditEvent
 from apps.fleet import selectors
 from apps.fleet.models import Deployment, Node, NodePool, Release
-from apps.fleet.owners import owner_release
+from apps.fleet.owners import owner_let_go
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.traffic import balancer as balancing
 from apps.fleet.traffic.balancer import Synced
@@ -578,7 +578,7 @@ def test_every_rollout_service_records_one_event_refused_or_done(fleet: Fleet) -
     def retried() -> Rollout:
         ended = Rollout.objects.select_related("model", "pool").get(pk=rollout())
         Rollout.objects.filter(pk=ended.pk).update(state=State.ROLLED_BACK)
-        owner_release(pool=ended.pool, model=ended.model, ref=transitions.owner_ref(ended))
+        owner_let_go(pool=ended.pool, model=ended.model, ref=transitions.owner_ref(ended))
         return made.setdefault("retried", rollout_retry(rollout_id=rollout(), actor="ops"))
 
     cases = [

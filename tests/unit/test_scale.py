@@ -200,8 +200,8 @@ def test_a_nodes_plan_and_run_read_none_of_the_fleets_nor_its_own_past_operation
             assert lease.held
             assert runner._next_batch(busy) == []
             with prepared_cursor() as cursor:
-                cursor.execute(*lease.release_when_idle())
-            lease.released = True
+                cursor.execute(*lease.let_go_when_idle())
+            lease.let_go = True
     assert _operations_read() - after == 0
 
 

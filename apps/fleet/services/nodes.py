@@ -166,8 +166,8 @@ def node_set_memory(*, node_name: str, limit_mb: int | None, actor: Actor) -> No
     return node
 
 
-@audited("node.release", lambda node_name, **_: f"node:{node_name}", (FleetError,))
-def node_release(*, node_name: str, reason: str, actor: Actor) -> Node:
+@audited("node.clear", lambda node_name, **_: f"node:{node_name}", (FleetError,))
+def node_clear(*, node_name: str, reason: str, actor: Actor) -> Node:
     """Take a quarantined node back: it joins again, serving once its release reads back READY,
     warmed (say, once its Triton was restarted by hand)."""
     node = Node.objects.select_for_update().select_related("pool").filter(name=node_name).first()
@@ -178,6 +178,6 @@ def node_release(*, node_name: str, reason: str, actor: Actor) -> Node:
         raise FleetError(f"{node_name} is {node.stage}, not quarantined")
     if not reason.strip():
         raise FleetError("say why the node may work again: a reason is required")
-    quarantine.release(node, actor=actor, why=reason.strip())
+    quarantine.clear(node, actor=actor, why=reason.strip())
     transaction.on_commit(lambda: reconcile_change([node.pk]), robust=True)
     return node
