@@ -14,7 +14,7 @@ from apps.audit.models import AuditEvent, target_parts
 from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
 from apps.prometheus.catalog import canary_queries
 from apps.registry.models import Model, ModelVersion
-from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.models import Measurement, Rollout, Round
 from apps.rollouts.verdicts import Verdict
 
 TENSOR = {"data_type": "TYPE_FP32", "dims": ["4"]}
@@ -176,22 +176,27 @@ def seed_fleet(*, size: Size, prefix: str = "") -> None:
         )
         for i in range(size.rollouts)
     )
+    rounds = Round.objects.bulk_create(
+        Round(rollout=rollout, step=0, number=number, verdict=Verdict.SUCCESS)
+        for rollout in rollouts
+        for number in range(1, 11)
+    )
     Measurement.objects.bulk_create(
         Measurement(
-            rollout=rollout,
+            rollout=judged.rollout,
+            round=judged,
             step=0,
             metric=metric,
-            query=canary_queries(model=rollout.model.name, pool=rollout.pool.name, window_s=60)[
-                "p99"
-            ],
+            query=canary_queries(
+                model=judged.rollout.model.name, pool=judged.rollout.pool.name, window_s=60
+            )["p99"],
             canary_value=100.0,
             baseline_value=90.0,
             threshold=120.0,
             verdict=Verdict.SUCCESS,
         )
-        for rollout in rollouts
+        for judged in rounds
         for metric in ("requests", "p99", "errors")
-        for _ in range(10)
     )
     _seed_events(size.events, [n.name for n in nodes], now)
 

@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from apps.audit.models import AuditEvent, target_parts
 from apps.fleet.models import Operation
-from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.models import Measurement, Rollout, Round
 from apps.rollouts.verdicts import Verdict
 
 # The longest timeline window a page, a report or the API reads: bounded work per request.
@@ -17,9 +17,13 @@ MAX_WINDOW = timedelta(days=31)
 # The most audit events one timeline page, report or API answer holds; the rest is linked.
 MAX_EVENTS = 2_000
 MARGIN = timedelta(minutes=5)
-# One analysis round's rows are written within one tick; rounds are a whole interval apart.
-ROUND_GAP = timedelta(seconds=0.5)
-WORST_FIRST = [Verdict.FAILURE, Verdict.ERROR, Verdict.INCONCLUSIVE, Verdict.SUCCESS]
+WORST_FIRST = [
+    Verdict.FAILURE,
+    Verdict.ERROR,
+    Verdict.INCONCLUSIVE,
+    Verdict.MARGINAL,
+    Verdict.SUCCESS,
+]
 
 
 def window_valid(start: datetime, end: datetime) -> bool:
@@ -69,60 +73,53 @@ def timeline_events(start: datetime, end: datetime) -> tuple[list[AuditEvent], d
 
 
 def verdict_changes(start: datetime, end: datetime) -> list[AuditEvent]:
-    """Each rollout's analysis verdicts in [start, end], for the timeline: a round appears when
-    its verdict differs from the round before it in the same step, so that a steady rollout reads
-    as one line per step, and the round that turned it shows what failed. Derived from the
-    measurements, as unsaved `rollout.verdict` events; nothing is written."""
-    # Hundreds of rows in an incident's window: only what a verdict line says is read (not the
-    # evidence, the query or the rollout's own row), the model's name joined in.
-    rows = (
-        Measurement.objects.filter(taken_at__range=(start, end))
-        .only(*_VERDICT_FIELDS)
+    """Each rollout's rounds in [start, end], for the timeline: a round appears when its verdict
+    differs from the round before it in the same step, so that a steady rollout reads as one line
+    per step, and the round that turned it shows what did not pass. Read from the rounds (the
+    verdict is the round's own: a marginal round reads marginal), as unsaved `rollout.verdict`
+    events; nothing is written. Two queries, however many rounds."""
+    rounds = (
+        Round.objects.filter(taken_at__range=(start, end))
         .annotate(model_name=F("rollout__model__name"))
+        .order_by("rollout_id", "taken_at", "id")
     )
-    rounds: list[list[Measurement]] = []
-    for row in rows.order_by("rollout_id", "taken_at", "id"):
-        last = rounds[-1][-1] if rounds else row
-        same = (last.rollout_id, last.step) == (row.rollout_id, row.step)
-        if rounds and same and row.taken_at - last.taken_at <= ROUND_GAP:
-            rounds[-1].append(row)
-        else:
-            rounds.append([row])
-    changes: list[AuditEvent] = []
+    turned: list[Round] = []
     previous: tuple[int, int, str] | None = None
     for found in rounds:
-        verdict = next(v for v in WORST_FIRST if any(m.verdict == v for m in found))
-        first = found[0]
-        key = (first.rollout_id, first.step, verdict)
+        key = (found.rollout_id, found.step, found.verdict)
         if key != previous:
-            worst = [m for m in found if m.verdict == verdict != Verdict.SUCCESS]
-            target = f"rollout:{first.rollout_id}:{first.model_name}"  # type: ignore[attr-defined]
-            changes.append(
-                AuditEvent(
-                    created_at=first.taken_at,
-                    actor="system:rollouts",
-                    action="rollout.verdict",
-                    target=target,
-                    **target_parts(target),
-                    result="ok" if verdict == Verdict.SUCCESS else "failed",
-                    message=f"step {first.step + 1}: {verdict}"
-                    + "".join(f"; {m.metric} {_values(m)}" for m in worst[:3]),
-                )
-            )
+            turned.append(found)
         previous = key
+    # Only what a verdict line says is read of the measurements (not the evidence or query).
+    shown = (
+        Measurement.objects.filter(round__in=[r.pk for r in turned if r.verdict != Verdict.SUCCESS])
+        .exclude(verdict=Verdict.SUCCESS)
+        .only(*_VERDICT_FIELDS)
+        .order_by("id")
+    )
+    why: dict[int, list[Measurement]] = {}
+    for measured in shown:
+        why.setdefault(measured.round_id, []).append(measured)  # type: ignore[arg-type]
+    changes = []
+    for turn in turned:
+        target = f"rollout:{turn.rollout_id}:{turn.model_name}"  # type: ignore[attr-defined]
+        worst = sorted(why.get(turn.pk, []), key=lambda m: WORST_FIRST.index(Verdict(m.verdict)))
+        changes.append(
+            AuditEvent(
+                created_at=turn.taken_at,
+                actor="system:rollouts",
+                action="rollout.verdict",
+                target=target,
+                **target_parts(target),
+                result="ok" if turn.verdict == Verdict.SUCCESS else "failed",
+                message=f"step {turn.step + 1}: {turn.verdict}"
+                + "".join(f"; {m.metric} {_values(m)}" for m in worst[:3]),
+            )
+        )
     return changes
 
 
-_VERDICT_FIELDS = (
-    "rollout",
-    "step",
-    "taken_at",
-    "metric",
-    "canary_value",
-    "threshold",
-    "verdict",
-    "detail",
-)
+_VERDICT_FIELDS = ("round", "metric", "canary_value", "threshold", "verdict", "detail")
 
 
 def _values(m: Measurement) -> str:

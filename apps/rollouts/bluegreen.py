@@ -14,18 +14,18 @@ from apps.rollouts.gates import (
     everywhere_verdicts,
     gate_deadline,
 )
-from apps.rollouts.models import Rollout
+from apps.rollouts.models import Rollout, Round
 from apps.rollouts.plans import Analysis
 from apps.rollouts.promotion import promote
 from apps.rollouts.transitions import (
     State,
-    begin_abort,
     changed_steps,
     members,
     pause,
     pool_deployments,
     pool_nodes,
     record,
+    roll_back,
     stalled,
     transition,
 )
@@ -93,15 +93,15 @@ def blue_green(rollout: Rollout) -> None:
             )
         return None
     results = everywhere_verdicts(runs, spec)
-    record(rollout, results)
     verdict = overall(results)
+    record(rollout, results, verdict, Round.Kind.SWITCH)
     findings = "; ".join(f"{r.metric}: {r.detail}" for r in results if r.verdict == verdict)
     if verdict == Verdict.INCONCLUSIVE:
         rollout.gate_runs.clear()
         return pause(rollout, f"{findings}; resume to run it again")
     if verdict != Verdict.SUCCESS:
         rollout.first_failure_at = now
-        return begin_abort(
+        return roll_back(
             rollout, f"failed before the switch, still serving the release before: {findings}"
         )
     rollout.gate_passed_at = now

@@ -32,18 +32,18 @@ from apps.rollouts.gates import (
     gate_deadline,
     labelled,
 )
-from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.models import Rollout, Round
 from apps.rollouts.plans import Analysis, canary_nodes, parse_plan
 from apps.rollouts.promotion import aborting, promote
 from apps.rollouts.slo import Objectives
 from apps.rollouts.transitions import (
     State,
-    begin_abort,
     changed_steps,
     members,
     pause,
     pool_nodes,
     record,
+    roll_back,
     stalled,
     transition,
 )
@@ -102,7 +102,7 @@ def _canary(rollout: Rollout, nodes: list[Node]) -> list[Node]:
 
 
 @dataclass(frozen=True)
-class Round:
+class Measured:
     """An analysis round measured before the rollout's lock was taken, of the rollout as it was
     then (`of`, as `_as_measured` says)."""
 
@@ -136,7 +136,7 @@ def _due(rollout: Rollout, spec: Analysis, now: datetime) -> bool:
     )
 
 
-def _measure_ahead(rollout_id: int) -> Round | None:
+def _measure_ahead(rollout_id: int) -> Measured | None:
     """The round a tick is about to judge, if one is due, read without any lock."""
     found = Rollout.objects.select_related("model", "pool").filter(pk=rollout_id).first()
     if found is None or found.state != State.PROGRESSING or found.step_started_at is None:
@@ -150,12 +150,12 @@ def _measure_ahead(rollout_id: int) -> Round | None:
     compare = len(_canary(found, nodes)) < len(nodes)
     of = _as_measured(found, compare)
     try:
-        return Round(of, results=_measure(found, spec, compare))
+        return Measured(of, results=_measure(found, spec, compare))
     except PrometheusUnavailable as exc:
-        return Round(of, error=exc)
+        return Measured(of, error=exc)
 
 
-def _progress(rollout: Rollout, reading: Round | None = None) -> None:
+def _progress(rollout: Rollout, reading: Measured | None = None) -> None:
     if rollout.strategy == Rollout.Strategy.BLUE_GREEN:
         return blue_green(rollout)
     steps = parse_plan(rollout.plan)
@@ -274,24 +274,23 @@ def _gate(rollout: Rollout, canary: list[Node], spec: Analysis, now: datetime) -
             )
         return None
     verdict, detail = evaluation_verdict(run, spec)
-    Measurement.objects.create(
-        rollout=rollout,
-        step=rollout.step,
-        metric="quality before traffic",
-        query=f"evaluation run #{run.pk}: {run.evaluation_set}",
-        canary_value=run.score,
-        baseline_value=run.baseline_score,
-        threshold=spec.quality_min_score,
-        verdict=verdict,
-        detail=detail,
-        evidence={"run": run.pk, "passed": run.passed, "failed": run.failed},
+    found = Result(
+        "quality before traffic",
+        f"evaluation run #{run.pk}: {run.evaluation_set}",
+        run.score,
+        run.baseline_score,
+        spec.quality_min_score,
+        verdict,
+        detail,
+        {"run": run.pk, "passed": run.passed, "failed": run.failed},
     )
+    record(rollout, [found], verdict, Round.Kind.GATE)
     if verdict == Verdict.INCONCLUSIVE:
         rollout.gate_run = None  # a resume runs it again
         return pause(rollout, f"quality gate: {detail}; resume to run it again")
     if verdict != Verdict.SUCCESS:
         rollout.first_failure_at = rollout.first_failure_at or now
-        return begin_abort(rollout, f"quality gate failed before any traffic: {detail}")
+        return roll_back(rollout, f"quality gate failed before any traffic: {detail}")
     rollout.gate_passed_at = now
     _apply_share(rollout, canary, pool_nodes(rollout))  # now with the step's share of requests
     rollout.step_ready_at = now
@@ -336,23 +335,17 @@ def _measure(rollout: Rollout, spec: Analysis, compare: bool) -> list[Result]:
     ]
 
 
-def _analyse(rollout: Rollout, spec: Analysis, reading: Round) -> None:
+def _analyse(rollout: Rollout, spec: Analysis, reading: Measured) -> None:
     now = timezone.now()
     rollout.last_measured_at = now
     results, exc = reading.results, reading.error
     if exc is not None:
-        Measurement.objects.create(
-            rollout=rollout,
-            step=rollout.step,
-            metric="prometheus",
-            query="",
-            verdict=Verdict.ERROR,
-            detail=str(exc),
-        )
+        said = Result("prometheus", "", None, None, None, Verdict.ERROR, str(exc))
+        record(rollout, [said], Verdict.ERROR)
         rollout.errors += 1
         rollout.last_verdict = Verdict.ERROR
         if rollout.errors >= spec.error_limit and not spec.dry_run:
-            return begin_abort(
+            return roll_back(
                 rollout, f"error: Prometheus failed {rollout.errors} times in a row: {exc}"
             )
         rollout.save()
@@ -361,22 +354,22 @@ def _analyse(rollout: Rollout, spec: Analysis, reading: Round) -> None:
     lead, canary = members(rollout)[0], _canary(rollout, nodes)
     judged = evaluated(rollout, spec, lead=lead, canary=canary, nodes=nodes)
     results = labelled(rollout, [*results, *judged])
-    record(rollout, results)
     rollout.errors = 0
     rollout.last_verdict = overall(results, spec.pass_score)
+    record(rollout, results, rollout.last_verdict)
     if rollout.last_verdict == Verdict.FAILURE and not spec.dry_run:
         rollout.failures += 1
         rollout.first_failure_at = rollout.first_failure_at or now
         if rollout.failures >= spec.failure_limit:
             failed = [r for r in results if r.verdict == Verdict.FAILURE]
             why = "; ".join(f"{r.metric}: {r.detail}" for r in failed)
-            return begin_abort(rollout, f"failure: {why}")
+            return roll_back(rollout, f"failure: {why}")
     rollout.save()
     return None
 
 
 # Each handler gets what was measured before the lock; only a rollout going forward measures.
-HANDLERS: dict[str, Callable[[Rollout, Round | None], None]] = {
+HANDLERS: dict[str, Callable[[Rollout, Measured | None], None]] = {
     State.PENDING: _progress,
     State.PROGRESSING: _progress,
     State.PROMOTING: lambda rollout, _: promote(rollout),

@@ -182,10 +182,41 @@ class Rollout(models.Model):
         return None
 
 
+class Round(models.Model):
+    """One judgement of a rollout's step, with its verdict (the round's whole: a marginal round
+    is marginal, whatever its measurements): an analysis during the step, the quality gate
+    before any traffic, or the evaluation before a blue-green switch."""
+
+    class Kind(models.TextChoices):
+        ANALYSIS = "analysis"
+        GATE = "gate"  # quality before traffic
+        SWITCH = "switch"  # quality before a blue-green switch
+
+    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="rounds")
+    step = models.PositiveIntegerField()
+    number = models.PositiveIntegerField(help_text="its place among the step's rounds, from 1")
+    kind = models.CharField(max_length=10, choices=Kind.choices, default=Kind.ANALYSIS)
+    taken_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    verdict = models.CharField(max_length=15, choices=Verdict.choices)
+
+    class Meta:
+        ordering = ["-taken_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["rollout", "step", "number"], name="one_round_number")
+        ]
+
+    def __str__(self) -> str:
+        return f"step {self.step + 1} round {self.number}: {self.verdict}"
+
+
 class Measurement(models.Model):
-    """One analysis query, canary against baseline, with what it was judged against."""
+    """One analysis query, canary against baseline, with what it was judged against; part of
+    its round."""
 
     rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="measurements")
+    round = models.ForeignKey(
+        Round, null=True, on_delete=models.CASCADE, related_name="measurements"
+    )
     step = models.PositiveIntegerField()
     taken_at = models.DateTimeField(auto_now_add=True)
     metric = models.CharField(max_length=120)

@@ -20,11 +20,11 @@ from apps.rollouts.transitions import (
     Member,
     State,
     all_serve,
-    begin_abort,
     changed_steps,
     drop_node_deployments,
     members,
     pool_deployments,
+    roll_back,
     serves,
     transition,
 )
@@ -81,7 +81,7 @@ def promote(rollout: Rollout) -> None:
     if watched:
         verdict, detail = after_switch(rollout, spec, switched, timezone.now())
         if verdict == Verdict.FAILURE:
-            return begin_abort(rollout, f"rolled back by itself after the switch: {detail}")
+            return roll_back(rollout, f"rolled back by itself after the switch: {detail}")
         if verdict != Verdict.SUCCESS:
             return _said(rollout, detail)
     weights_reset(rollout.pool, ACTOR)

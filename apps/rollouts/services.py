@@ -258,7 +258,7 @@ def _abort(rollout: Rollout, why: str, actor: Actor) -> None:
     """A person's stop of `rollout`, refused in words (a 409, never a 500) only when what it
     goes back to cannot be served any more."""
     try:
-        transitions.begin_abort(rollout, why, actor=actor)
+        transitions.roll_back(rollout, why, actor=actor)
     except FleetError as exc:
         raise RolloutError(f"rollout #{rollout.pk} cannot go back: {exc}") from exc
 

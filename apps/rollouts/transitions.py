@@ -22,7 +22,7 @@ from apps.rollouts.analysis import ChangedStep, Result
 from apps.rollouts.gates import (
     ACTOR,
 )
-from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.models import Measurement, Rollout, Round
 from apps.rollouts.notify import notify
 from apps.rollouts.plans import Analysis
 
@@ -129,12 +129,13 @@ def pause(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
     transition(rollout, State.PAUSED, reason, actor=actor)
 
 
-def begin_abort(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
-    """Canary nodes back to the pool's deployment, the baseline, which they still serve: only a
-    narrowing. During a promotion the pool itself goes back to the baseline. On a pool whose
-    balancer weighs nodes, the canary nodes first get no traffic (where others can take it)
-    until the rollback is read back everywhere. A move back: never held for a second person on
-    a protected pool."""
+def roll_back(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
+    """The rollout rolled back: by itself (the controller's verdict, a failed gate or switch), or
+    as a person's abort asks. Canary nodes back to the pool's deployment, the baseline, which
+    they still serve: only a narrowing. During a promotion the pool itself goes back to the
+    baseline. On a pool whose balancer weighs nodes, the canary nodes first get no traffic
+    (where others can take it) until the rollback is read back everywhere. A move back: never
+    held for a second person on a protected pool."""
     # No request reaches the canary from now on, where other nodes can take them: a canary on
     # every node (a blue-green release's too) narrows in traffic instead.
     others = rollout.pool.nodes.exclude(name__in=rollout.canary_nodes).exists()
@@ -191,10 +192,18 @@ def stalled(
     return None
 
 
-def record(rollout: Rollout, results: list[Result]) -> None:
+def record(
+    rollout: Rollout, results: list[Result], verdict: str, kind: str = Round.Kind.ANALYSIS
+) -> Round:
+    """A round of the rollout's step, with its verdict, and its measurements."""
+    number = rollout.rounds.filter(step=rollout.step).count() + 1
+    judged = Round.objects.create(
+        rollout=rollout, step=rollout.step, number=number, kind=kind, verdict=verdict
+    )
     Measurement.objects.bulk_create(
         Measurement(
             rollout=rollout,
+            round=judged,
             step=rollout.step,
             metric=r.metric,
             query=r.query,
@@ -207,6 +216,7 @@ def record(rollout: Rollout, results: list[Result]) -> None:
         )
         for r in results
     )
+    return judged
 
 
 def changed_steps(member: Member) -> list[ChangedStep]:

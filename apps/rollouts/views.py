@@ -24,7 +24,7 @@ from apps.quality.selectors import run_rows, shown_rows
 from apps.registry.models import Model
 from apps.rollouts.analysis import Share, observed_share
 from apps.rollouts.forms import DEFAULT_PLAN, RolloutForm
-from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.models import Measurement, Rollout, Round
 from apps.rollouts.plans import Analysis, PlanError, parse_plan, preview
 from apps.rollouts.proposals import RolloutError, rollout_propose
 from apps.rollouts.selectors import last_good_versions
@@ -151,7 +151,7 @@ def quality_gate(rollout: Rollout) -> dict[str, Any] | None:
     measured = next(
         (
             m
-            for m in rollout.measurements.filter(metric="quality before traffic")[:5]
+            for m in rollout.measurements.filter(round__kind=Round.Kind.GATE)[:5]
             if m.evidence.get("run") == run.pk
         ),
         None,
@@ -183,7 +183,7 @@ def switch_evaluations(rollout: Rollout) -> dict[str, Any] | None:
     return {
         "runs": runs.order_by(F("score").asc(nulls_first=True), "node__name")[:SWITCH_RUNS],
         "spec": spec,
-        "measured": rollout.measurements.filter(metric__startswith="quality before the switch"),
+        "measured": rollout.measurements.filter(round__kind=Round.Kind.SWITCH),
         **counts,
     }
 

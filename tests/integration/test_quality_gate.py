@@ -76,6 +76,7 @@ def test_a_fast_but_wrong_release_is_rolled_back_before_any_request_reaches_it(
     )
     gate = Measurement.objects.get(rollout=rollout, metric="quality before traffic")
     assert (gate.verdict, gate.canary_value, gate.baseline_value) == ("failure", 0.0, 1.0)
+    assert (gate.round.kind, gate.round.number, gate.round.verdict) == ("gate", 1, "failure")
     wait_for("equal shares again", lambda: weights(haproxy) == equal(state))
 
 

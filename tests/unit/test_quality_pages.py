@@ -17,8 +17,10 @@ from apps.fleet.models import Node, NodePool
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.quality.services import evaluation_set_import
 from apps.registry.models import Model, ModelVersion
+from apps.rollouts.analysis import Result
 from apps.rollouts.forms import RolloutForm
-from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.models import Rollout, Round
+from apps.rollouts.transitions import record
 from apps.rollouts.verdicts import Verdict
 from apps.rollouts.views import chart_query
 from tests.support.quality import DEMO_SET, demo_faq, wrong_answers
@@ -64,29 +66,27 @@ def gated_rollout(run: EvaluationRun) -> Rollout:
         reason="quality gate failed before any traffic: canary scored 0% (0 of 30 cases)",
         finished_at=timezone.now(),
     )
-    Measurement.objects.create(
-        rollout=rollout,
-        step=0,
-        metric="quality before traffic",
-        query=f"evaluation run #{run.pk}: {run.evaluation_set}",
-        canary_value=0.0,
-        baseline_value=1.0,
-        threshold=0.9,
-        verdict=Verdict.FAILURE,
-        detail="canary scored 0% (0 of 30 cases), below 90%; failing: orders-track-1",
-        evidence={"run": run.pk, "passed": 0, "failed": 30},
+    gate = Result(
+        "quality before traffic",
+        f"evaluation run #{run.pk}: {run.evaluation_set}",
+        0.0,
+        1.0,
+        0.9,
+        Verdict.FAILURE,
+        "canary scored 0% (0 of 30 cases), below 90%; failing: orders-track-1",
+        {"run": run.pk, "passed": 0, "failed": 30},
     )
-    Measurement.objects.create(
-        rollout=rollout,
-        step=0,
-        metric="custom: helpful",
-        query='sum(rate(helpful_total{node=~"trio-1"}[1m]))\n# canary',
-        canary_value=0.61,
-        baseline_value=0.83,
-        threshold=0.7885,
-        verdict=Verdict.FAILURE,
-        detail="canary 0.61 is worse than the baseline's 0.83 by more than 5%",
+    record(rollout, [gate], Verdict.FAILURE, Round.Kind.GATE)
+    helpful = Result(
+        "custom: helpful",
+        'sum(rate(helpful_total{node=~"trio-1"}[1m]))\n# canary',
+        0.61,
+        0.83,
+        0.7885,
+        Verdict.FAILURE,
+        "canary 0.61 is worse than the baseline's 0.83 by more than 5%",
     )
+    record(rollout, [helpful], Verdict.FAILURE)
     return rollout
 
 

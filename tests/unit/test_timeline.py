@@ -6,6 +6,8 @@ from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
 from django.test import Client
 from django.utils import timezone
 
@@ -14,7 +16,9 @@ from apps.audit.services import audit_record
 from apps.fleet.models import Node, NodePool, Operation
 from apps.incidents import timeline, views
 from apps.registry.models import Model
-from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.analysis import Result
+from apps.rollouts.models import Measurement, Rollout, Round
+from apps.rollouts.transitions import record
 from tests.support.users import bearer
 
 pytestmark = pytest.mark.django_db
@@ -80,26 +84,29 @@ def test_a_rollouts_verdicts_read_as_one_line_per_change(
         started_by="ops",
     )
     began = timezone.now() - timedelta(minutes=3)
-    rounds = [["success", "success"], ["success", "success"], ["success", "failure"]]
-    for number, verdicts in enumerate(rounds):
-        for metric, verdict in zip(["error_ratio", "p99"], verdicts, strict=True):
-            row = Measurement.objects.create(
-                rollout=rollout,
-                step=0,
-                metric=metric,
-                query="q",
-                canary_value=312.0 if verdict == "failure" else 20.0,
-                threshold=250.0,
-                verdict=verdict,
-            )
-            at = began + timedelta(seconds=10 * number, microseconds=len(metric))
-            Measurement.objects.filter(pk=row.pk).update(taken_at=at)
+    rounds = [
+        ("success", ["success", "success"]),
+        ("success", ["success", "success"]),
+        ("marginal", ["success", "marginal"]),  # the round's own verdict, whatever its parts
+        ("failure", ["success", "failure"]),
+    ]
+    for number, (overall, verdicts) in enumerate(rounds):
+        results = [
+            Result(metric, "q", 312.0 if verdict == "failure" else 20.0, None, 250.0, verdict, "")
+            for metric, verdict in zip(["error_ratio", "p99"], verdicts, strict=True)
+        ]
+        made = record(rollout, results, overall)
+        Round.objects.filter(pk=made.pk).update(taken_at=began + timedelta(seconds=10 * number))
     client.force_login(viewer)
     page = client.get("/audit/timeline/", {"rollout": rollout.pk}).content.decode()
     lines = re.findall(
         r"<strong>rollout.verdict</strong>.*?<div class=\"small muted\">([^<]*)<", page
     )
-    assert lines == ["step 1: success", "step 1: failure; p99 312 (threshold 250)"]
+    assert lines == [
+        "step 1: success",
+        "step 1: marginal; p99 20 (threshold 250)",
+        "step 1: failure; p99 312 (threshold 250)",
+    ]
 
 
 @pytest.mark.parametrize("url", ["/audit/timeline/", "/audit/timeline/report.md"])
@@ -195,3 +202,45 @@ def test_a_busy_window_shows_its_first_events_and_links_the_rest(
     assert len(answer["events"]) == 3 and answer["more_from"]
     report = client.get("/audit/timeline/report.md?window=1h").content.decode()
     assert "More than 3 events: the rest of the window is at http" in report
+
+
+@pytest.mark.django_db(transaction=True)
+def test_measurements_from_before_rounds_were_rows_become_their_rounds() -> None:
+    """A round was its measurements written within one tick: the migration makes each a row,
+    numbered in its step, with its worst verdict and its kind."""
+    before, after = [("rollouts", "0017_rollouts_own_their_pools")], [("rollouts", "0018_rounds")]
+    executor = MigrationExecutor(connection)
+    executor.migrate(before)
+    old = executor.loader.project_state(before).apps
+    rollout = old.get_model("rollouts", "Rollout").objects.create(
+        model_id=Model.objects.create(name="rag").pk,
+        pool_id=NodePool.objects.create(name="gpu").pk,
+        baseline_version=1,
+        canary_version=2,
+        plan=[{"percent": 100}],
+    )
+    began = timezone.now() - timedelta(minutes=3)
+    rows = [  # (seconds after, step, metric, verdict)
+        (0.0, 0, "quality before traffic", "success"),
+        (10.0, 0, "p99", "success"),
+        (10.1, 0, "requests", "failure"),
+        (20.0, 0, "p99", "success"),
+        (30.0, 1, "p99", "inconclusive"),
+    ]
+    for seconds, step, metric, verdict in rows:
+        made = old.get_model("rollouts", "Measurement").objects.create(
+            rollout=rollout, step=step, metric=metric, verdict=verdict
+        )
+        old.get_model("rollouts", "Measurement").objects.filter(pk=made.pk).update(
+            taken_at=began + timedelta(seconds=seconds)
+        )
+    MigrationExecutor(connection).migrate(after)
+    found = Round.objects.filter(rollout_id=rollout.pk).order_by("taken_at")
+    assert [(r.step, r.number, r.kind, r.verdict) for r in found] == [
+        (0, 1, "gate", "success"),
+        (0, 2, "analysis", "failure"),
+        (0, 3, "analysis", "success"),
+        (1, 1, "analysis", "inconclusive"),
+    ]
+    assert not Measurement.objects.filter(rollout_id=rollout.pk, round=None).exists()
+    assert found[1].measurements.count() == 2
