@@ -179,6 +179,10 @@ def replace(listed: Listed, spares: list[str], rng: random.Random) -> list[str]:
             spare = spares.pop()
             listed[f"new-{spare.rsplit(':', 1)[1]}"] = (spare, pool)
         discovered(listed)
+    # A node departs on the pass after the one that first missed it (weight 0 meanwhile): the
+    # next pass, ROUND_S later, departs the last round's.
+    time.sleep(ROUND_S)
+    discovered(listed)
     return gone
 
 
