@@ -11,7 +11,9 @@ from apps.fleet.models import Deployment, Node, NodePool
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.quality.services import evaluation_set_import
 from apps.registry.models import Model
-from apps.rollouts.models import Measurement, Rollout
+from apps.rollouts.analysis import Result
+from apps.rollouts.models import Rollout, Round
+from apps.rollouts.transitions import record
 from apps.rollouts.verdicts import Verdict
 from tests.support import ROOT
 from tests.support.browser import screenshot, sign_in
@@ -99,17 +101,16 @@ def test_a_release_whose_index_failed_on_a_node_lists_every_nodes_evaluation(
             finished_at=timezone.now(),
         )
         rollout.gate_runs.add(run)
-    Measurement.objects.create(
-        rollout=rollout,
-        step=0,
-        metric="quality before the switch: retriever",
-        query="3 evaluation runs of retriever/faq v1, v4 against v1",
-        canary_value=0.27,
-        baseline_value=1.0,
-        threshold=0.9,
-        verdict=Verdict.FAILURE,
-        detail="trio-2: canary scored 27% (8 of 30 cases), below 90%",
+    switch = Result(
+        "quality before the switch: retriever",
+        "3 evaluation runs of retriever/faq v1, v4 against v1",
+        0.27,
+        1.0,
+        0.9,
+        Verdict.FAILURE,
+        "trio-2: canary scored 27% (8 of 30 cases), below 90%",
     )
+    record(rollout, [switch], Verdict.FAILURE, Round.Kind.SWITCH)
     page.goto(f"{signed_in}/rollouts/{rollout.pk}/")
     expect(page.locator("#rollout-state")).to_have_text("Rolled back")
     section = page.locator("#switch-evaluations")
