@@ -116,9 +116,10 @@ def node_detail(request: HtmxHttpRequest, name: str) -> HttpResponse:
     polling once no operation is open."""
     node = get_object_or_404(Node.objects.select_related("pool"), name=name)
     operations = node.operations.all()[:30]
+    desired = fleet_desired(pool_ids=[node.pool_id])  # once, for its rows and their readings
     context = {
         "node": node,
-        "rows": node_models(node, readings=nodes_read([node])),
+        "rows": node_models(node, desired, nodes_read([node], desired)),
         "operations": operations,
         "busy": any(op.status in Operation.OPEN for op in operations),
         "release_options": _release_options(),

@@ -209,8 +209,9 @@ def load_drive(*, load_id: int) -> None:
     def between() -> None:  # in this thread, which holds the database connection
         if time.monotonic() - saved[0] >= SAVE_EVERY_S:
             saved[0] = time.monotonic()
-            with lock:
-                SyntheticLoad.objects.filter(pk=load_id).update(**counts)
+            with lock:  # the counts as they stand; written with no answer kept waiting
+                now = dict(counts)
+            SyntheticLoad.objects.filter(pk=load_id).update(**now)
 
     asking.ask(
         clients,
