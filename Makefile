@@ -26,21 +26,19 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest -n 2 tests/unit
 
-# The integration tests mostly wait on real services: two files at a time, each worker with a
+# The integration tests mostly wait on real services: three files at a time, each worker with a
 # fleet, a Redis, a Celery worker and a database of its own; then those that measure the host.
 integration: $(STAMP) os-deps
-	$(BIN)/pytest -n 2 --dist loadfile -m "not alone" tests/integration
+	$(BIN)/pytest -n 3 --dist loadfile -m "not alone" tests/integration
 	$(BIN)/pytest -m alone tests/integration
 
 e2e: $(STAMP) os-deps
 	$(BIN)/pytest -n 2 --dist loadfile tests/e2e
 
-# One run per layer, each saying its time and its slowest tests.
+# One run per layer, each saying its time and its slowest tests; the browser tests beside the
+# integration tests, three files at a time (they mostly wait on their services): tests/layers.
 test: $(STAMP) os-deps lint
-	$(BIN)/pytest --durations=10 -n 2 tests/unit
-	$(BIN)/pytest --durations=10 -n 2 --dist loadfile -m "not alone" tests/integration
-	$(BIN)/pytest --durations=10 -m alone tests/integration
-	$(BIN)/pytest --durations=10 -n 2 --dist loadfile tests/e2e
+	tests/layers
 
 # The README's pictures, taken by the browser tests that check those pages (tests/support/browser.py).
 screenshots: $(STAMP) os-deps

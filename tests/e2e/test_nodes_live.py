@@ -26,12 +26,11 @@ def test_the_nodes_page_shows_live_states_and_a_load_from_the_page_ends_ready(
     screenshot(page, "nodes-live")
     page.get_by_role("link", name="trio-1").click()
     page.get_by_label("Model and version").select_option(label="rag_pipeline v2")
-    page.once(
-        "dialog",
-        lambda dialog: (dialog.message == "Load rag_pipeline v2 on trio-1?") and dialog.accept(),
-    )
+    asked: list[str] = []
+    page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.accept()))
     page.get_by_role("button", name="Load", exact=True).click()
     expect(page.locator(".flash")).to_contain_text("Loading rag_pipeline v2 on trio-1")
+    assert asked == ["Load rag_pipeline v2 on trio-1?"]
     row = page.locator("#model-rag_pipeline")
     expect(row).to_contain_text("v2 READY", timeout=90_000)
     expect(page.locator("#model-reranker")).to_contain_text("v2 READY")

@@ -7,12 +7,17 @@ from pathlib import Path
 
 import pytest
 from axe_playwright_python.sync_playwright import Axe
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page, expect, sync_playwright
 from playwright.sync_api import Error as PlaywrightError
 
 # Playwright's sync API runs an event loop in the test thread; Django's ORM calls in test bodies
 # stay synchronous and safe.
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+# What a page shows after a click waits on the server: a request, a redirect, the next page and
+# its accessibility check. make test runs the browser tests beside the integration tests, whose
+# fleets share the cores, and there 5 s (Playwright's default) is not always enough.
+expect.set_options(timeout=20_000)
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = [
