@@ -14,6 +14,7 @@ from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, WAITS, ApiError
 from apps.rollouts.models import Rollout
 from apps.rollouts.plans import PlanError
+from apps.rollouts.selectors import quality_gate, rollout_rounds, switch_evaluations
 from apps.rollouts.services import (
     RolloutError,
     release_fallback,
@@ -75,6 +76,7 @@ class ReasonIn(Schema):
 class MeasurementOut(Schema):
     step: int
     taken_at: datetime
+    kind: str  # requests, latency, errors, step, burn, custom, quality or prometheus
     metric: str
     query: str
     canary_value: float | None
@@ -105,6 +107,49 @@ class RolloutOut(Schema):
     measurements: list[MeasurementOut]
 
 
+class RoundOut(Schema):
+    """One judgement of a step: an analysis during it, the gate before traffic, or the
+    evaluation before a blue-green switch."""
+
+    step: int
+    number: int
+    kind: str
+    verdict: str
+    taken_at: datetime
+    measurements: list[MeasurementOut]
+
+
+class GateOut(Schema):
+    """The gate before traffic: its evaluation run, its scores and verdict once judged, and
+    its first failing cases."""
+
+    run: int
+    status: str
+    score: float | None
+    baseline_score: float | None
+    passed: int
+    failed: int
+    verdict: str | None
+    failing: list[str]
+
+
+class SwitchOut(Schema):
+    """A blue-green release's evaluation runs before its switch, one a node and changed step."""
+
+    total: int
+    done: int
+    passed: int
+    verdicts: list[str]
+
+
+class RolloutDetailOut(RolloutOut):
+    """A rollout with its last rounds (`measurements` holds theirs, newest first)."""
+
+    rounds: list[RoundOut]
+    gate: GateOut | None
+    switch: SwitchOut | None
+
+
 class ReleaseOut(Schema):
     model: str
     pool: str
@@ -117,12 +162,49 @@ FIELDS += ["analysis"]
 FIELDS += ["canary_nodes", "last_verdict", "reason", "started_by", "created_at", "finished_at"]
 
 
-def _rollout_out(rollout: Rollout, measurements: int = 200) -> dict[str, Any]:
-    return {
-        **{f: getattr(rollout, f) for f in FIELDS},
-        "model": rollout.model.name,
-        "pool": rollout.pool.name,
-        "measurements": list(rollout.measurements.order_by("-taken_at").values()[:measurements]),
+ROUNDS = 50  # a rollout's last rounds in its answer
+
+
+def _rollout_out(rollout: Rollout) -> dict[str, Any]:
+    fields = {f: getattr(rollout, f) for f in FIELDS}
+    return fields | {"model": rollout.model.name, "pool": rollout.pool.name, "measurements": []}
+
+
+def _rollout_detail(rollout: Rollout) -> dict[str, Any]:
+    """A rollout as its page reads it (apps/rollouts/selectors.py)."""
+    rounds = rollout_rounds(rollout, ROUNDS)
+    gate, switch = quality_gate(rollout), switch_evaluations(rollout)
+    return _rollout_out(rollout) | {
+        "measurements": [m for r in rounds for m in r.measurements.all()],
+        "rounds": [
+            {
+                "step": r.step,
+                "number": r.number,
+                "kind": r.kind,
+                "verdict": r.verdict,
+                "taken_at": r.taken_at,
+                "measurements": r.measurements.all(),
+            }
+            for r in rounds
+        ],
+        "gate": gate
+        and {
+            "run": gate.run.pk,
+            "status": gate.run.status,
+            "score": gate.run.score,
+            "baseline_score": gate.run.baseline_score,
+            "passed": gate.run.passed,
+            "failed": gate.run.failed,
+            "verdict": gate.measured.verdict if gate.measured else None,
+            "failing": [shown.row.case.name for shown in gate.failing],
+        },
+        "switch": switch
+        and {
+            "total": switch["total"],
+            "done": switch["done"],
+            "passed": switch["passed"],
+            "verdicts": [m.verdict for m in switch["measured"]],
+        },
     }
 
 
@@ -143,17 +225,17 @@ def list_rollouts(
     found = Rollout.objects.select_related("model", "pool")
     found = found.filter(model__name=model) if model else found
     found = found.filter(state=state) if state else found
-    return [_rollout_out(r, measurements=0) for r in found[: max(1, min(limit, 200))]]
+    return [_rollout_out(r) for r in found[: max(1, min(limit, 200))]]
 
 
-@router.get("/rollouts/{rollout_id}", response={200: RolloutOut, **ERRORS})
+@router.get("/rollouts/{rollout_id}", response={200: RolloutDetailOut, **ERRORS})
 def get_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
-    return _rollout_out(_found(rollout_id))
+    return _rollout_detail(_found(rollout_id))
 
 
 @router.post(
     "/rollouts",
-    response={201: RolloutOut, **WAITS, **ERRORS},
+    response={201: RolloutDetailOut, **WAITS, **ERRORS},
     auth=can("rollouts.add_rollout", "rollout.start"),
 )
 def start_rollout(request: HttpRequest, body: RolloutIn) -> Status[dict[str, Any]]:
@@ -174,7 +256,7 @@ def start_rollout(request: HttpRequest, body: RolloutIn) -> Status[dict[str, Any
         )
     except (RolloutError, PlanError) as exc:
         raise _refused(exc) from None
-    return Status(201, _rollout_out(_found(started.pk)))
+    return Status(201, _rollout_detail(_found(started.pk)))
 
 
 def _act(
@@ -185,21 +267,21 @@ def _act(
         acted = service(rollout_id=found.pk, actor=current_user(request), **extra)
     except (RolloutError, PlanError) as exc:
         raise _refused(exc) from None
-    return _rollout_out(_found(acted.pk))
+    return _rollout_detail(_found(acted.pk))
 
 
 CHANGE = ("rollouts.change_rollout", "rollout.act")
 
 
 @router.post(
-    "/rollouts/{rollout_id}/pause", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
+    "/rollouts/{rollout_id}/pause", response={200: RolloutDetailOut, **ERRORS}, auth=can(*CHANGE)
 )
 def pause_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
     return _act(request, rollout_id, rollout_pause)
 
 
 @router.post(
-    "/rollouts/{rollout_id}/resume", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
+    "/rollouts/{rollout_id}/resume", response={200: RolloutDetailOut, **ERRORS}, auth=can(*CHANGE)
 )
 def resume_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
     return _act(request, rollout_id, rollout_resume)
@@ -207,7 +289,7 @@ def resume_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:
 
 @router.post(
     "/rollouts/{rollout_id}/promote",
-    response={200: RolloutOut, **WAITS, **ERRORS},
+    response={200: RolloutDetailOut, **WAITS, **ERRORS},
     auth=can(*CHANGE),
 )
 def promote_rollout(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict[str, Any]:
@@ -216,7 +298,7 @@ def promote_rollout(request: HttpRequest, rollout_id: int, body: ReasonIn) -> di
 
 
 @router.post(
-    "/rollouts/{rollout_id}/abort", response={200: RolloutOut, **ERRORS}, auth=can(*CHANGE)
+    "/rollouts/{rollout_id}/abort", response={200: RolloutDetailOut, **ERRORS}, auth=can(*CHANGE)
 )
 def abort_rollout(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict[str, Any]:
     return _act(request, rollout_id, rollout_abort, reason=body.reason)
@@ -224,7 +306,7 @@ def abort_rollout(request: HttpRequest, rollout_id: int, body: ReasonIn) -> dict
 
 @router.post(
     "/rollouts/{rollout_id}/retry",
-    response={200: RolloutOut, **WAITS, **ERRORS},
+    response={200: RolloutDetailOut, **WAITS, **ERRORS},
     auth=can(*CHANGE),
 )
 def retry_rollout(request: HttpRequest, rollout_id: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from apps.fleet.models import Deployment, Node, NodePool, Operation, Release
 from apps.prometheus.catalog import canary_queries
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Measurement, Rollout, Round
+from apps.rollouts.results import Kind
 from apps.rollouts.verdicts import Verdict
 
 TENSOR = {"data_type": "TYPE_FP32", "dims": ["4"]}
@@ -186,6 +187,7 @@ def seed_fleet(*, size: Size, prefix: str = "") -> None:
             rollout=judged.rollout,
             round=judged,
             step=0,
+            kind=kind,
             metric=metric,
             query=canary_queries(
                 model=judged.rollout.model.name, pool=judged.rollout.pool.name, window_s=60
@@ -196,7 +198,11 @@ def seed_fleet(*, size: Size, prefix: str = "") -> None:
             verdict=Verdict.SUCCESS,
         )
         for judged in rounds
-        for metric in ("requests", "p99", "errors")
+        for kind, metric in [
+            (Kind.REQUESTS, "requests"),
+            (Kind.LATENCY, "p99"),
+            (Kind.ERRORS, "error_ratio"),
+        ]
     )
     _seed_events(size.events, [n.name for n in nodes], now)
 

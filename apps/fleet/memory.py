@@ -17,8 +17,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from apps.fleet.desired import DesiredStateError, FleetDesired, Wanted
-from apps.fleet.models import Footprint, Node
+from apps.fleet.desired import DesiredStateError, FleetDesired, Wanted, fleet_desired
+from apps.fleet.models import Footprint, Node, NodePool
 from apps.fleet.triton import (
     TritonClient,
     parse_cpu_memory_used,
@@ -321,13 +321,15 @@ def capacity(nodes: list[Node], desired: FleetDesired) -> list[Capacity]:
 
 
 def shortfalls(
-    nodes: list[Node], desired: FleetDesired, change: Wanted, *, new_only: bool = True
+    pool: NodePool, nodes: list[Node], change: Wanted, *, new_only: bool = True
 ) -> list[str]:
     """Where `change` (deployments, as desired states take them) would not fit, were it deployed
-    on each of `nodes`: each memory-aware node where what it still has to load, with the change,
-    does not fit in its room (less what a switch unloads first), and the change adds versions
-    to its desired state (`new_only`; else wherever the change leaves it short). A change that
-    cannot be resolved says why elsewhere."""
+    on each of `nodes` of `pool` beside the pool's desired state: each memory-aware node where
+    what it still has to load, with the change, does not fit in its room (less what a switch
+    unloads first), and the change adds versions to its desired state (`new_only`; else
+    wherever the change leaves it short). A change that cannot be resolved says why
+    elsewhere."""
+    desired = fleet_desired(pool_ids=[pool.pk])
     plans = [p for p in _plans([n for n in nodes if aware(n)], desired, change) if not p.error]
     headroom = 1 + settings.FLEET_MEMORY_HEADROOM
     short = []

@@ -253,7 +253,7 @@ def pool_fit(request: HttpRequest, pool: str) -> HttpResponse:
     short = []
     if version.isdigit():
         change: Wanted = {model: Want(int(version), None, f"{model} v{version}")}
-        short = shortfalls(list(nodes), fleet_desired(pool_ids=[found.pk]), change)
+        short = shortfalls(found, list(nodes), change)
     context = {"pool": found, "short": short[:FIT_SHOWN], "more": len(short) - FIT_SHOWN}
     return render(request, "fleet/partials/fit.html", context)
 

@@ -9,10 +9,9 @@ from typing import Any
 from apps.fleet.models import Deployment
 from apps.prometheus.catalog import bottleneck_query
 from apps.prometheus.client import PrometheusUnavailable, instant_query
-from apps.registry.codec import from_dict
-from apps.registry.ensembles import UnresolvedStep, pinned_steps
+from apps.registry.ensembles import UnresolvedStep
 from apps.registry.models import Model, ModelVersion
-from apps.registry.selectors import registry_resolver
+from apps.registry.selectors import stored_steps
 
 WINDOW_S = 300
 # Judgement needs evidence: under this many requests of a step in the window, nothing is named.
@@ -249,7 +248,7 @@ def bottleneck_in(ensemble: Model, pool: str) -> tuple[int, Bottleneck]:
     if version is None:
         raise BottleneckUnread(f"{ensemble.name} has no version deployed to {pool} or published.")
     try:
-        steps = pinned_steps(from_dict(version.config), registry_resolver())
+        steps = stored_steps(version.config)
         return version.version, bottleneck(steps, pool)
     except UnresolvedStep as exc:
         raise BottleneckUnread(f"{ensemble.name} v{version.version}: {exc}") from None

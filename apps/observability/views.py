@@ -12,10 +12,10 @@ from apps.observability.charts import Chart, metric_chart
 from apps.observability.tiles import fleet_tiles
 from apps.prometheus.catalog import METRICS
 from apps.prometheus.client import PrometheusUnavailable
-from apps.registry.codec import from_dict, step_names
-from apps.registry.ensembles import UnresolvedStep, pinned_steps
+from apps.registry.codec import step_names
+from apps.registry.ensembles import UnresolvedStep
 from apps.registry.models import Model, ModelVersion
-from apps.registry.selectors import registry_resolver
+from apps.registry.selectors import stored_steps
 from apps.web.htmx import HtmxHttpRequest
 
 RANGES = {
@@ -119,7 +119,7 @@ def breakdown(request: HttpRequest, name: str) -> HttpResponse:
         )
     budgets = dict(Model.objects.filter(name__in=models).values_list("name", "latency_budget_ms"))
     try:
-        steps = list(pinned_steps(from_dict(versions[number].config), registry_resolver()))
+        steps = list(stored_steps(versions[number].config))
     except UnresolvedStep as exc:
         error = f"{name} v{number}: {exc}"
         return render(request, "observability/partials/breakdown.html", {"error": error})

@@ -13,8 +13,8 @@ from apps.quality.evaluations import (
 
 # Claimed by a conditional update, so a redelivery after a lost worker is a no-op: the run then
 # stays "running" and whoever waits on it (a rollout's gate) gives up at its deadline, at most
-# the hard limit and a minute (apps.rollouts.gates.gate_deadline). Each case has its own timeout;
-# the limits bound a whole set of them, and the soft one fails the run, saying so.
+# the hard limit and a minute (apps.rollouts.gate.gate_deadline). Each case has its own
+# timeout; the limits bound a whole set of them, and the soft one fails the run, saying so.
 RUN_SOFT_LIMIT_S, RUN_TIME_LIMIT_S = 540, 570
 
 
@@ -40,7 +40,7 @@ def drive_load(load_id: int) -> None:
 
 # A run is sent once its transaction commits; with the broker away then, it stays queued. Sent
 # again here, each minute for its first minutes (a redelivered run is claimed once): past them,
-# whoever waited on it has given up (apps.rollouts.gates.gate_deadline).
+# whoever waited on it has given up (apps.rollouts.gate.gate_deadline).
 @shared_task(name="quality.resend_queued", acks_late=True, expires=60)
 def resend_queued() -> None:
     for run_id, queue in runs_unsent():

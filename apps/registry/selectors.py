@@ -3,7 +3,7 @@ from typing import Any
 from django.db.models import Count, Max, Q, QuerySet
 
 from apps.registry.codec import from_dict, step_names
-from apps.registry.ensembles import LATEST, Resolved, Resolver
+from apps.registry.ensembles import LATEST, Resolved, Resolver, pinned_steps
 from apps.registry.models import Model, ModelVersion
 
 
@@ -50,6 +50,12 @@ def registry_resolver(overrides: dict[str, dict[int, Any]] | None = None) -> Res
         return Resolved(None, reason=f"model '{name}' has no {wanted} (it has {known})")
 
     return resolve
+
+
+def stored_steps(config: dict[str, Any]) -> dict[tuple[str, int], Any]:
+    """(model, version) -> config of each step a stored ensemble config pins, resolved in the
+    registry (`pinned_steps`); empty for any other model. Raises UnresolvedStep."""
+    return pinned_steps(from_dict(config), registry_resolver())
 
 
 def ensembles_using(model_name: str) -> list[ModelVersion]:

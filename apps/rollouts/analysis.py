@@ -12,7 +12,7 @@ same tolerance, and to the step's budget)."""
 import math
 import re
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.utils import timezone
@@ -31,29 +31,11 @@ from apps.prometheus.client import (
     range_query,
 )
 from apps.rollouts.judge import compare, score
+from apps.rollouts.members import ChangedStep
 from apps.rollouts.plans import Analysis, CustomMetric
+from apps.rollouts.results import Kind, Result
 from apps.rollouts.slo import Objectives, burn_rate, gate, over_budget
 from apps.rollouts.verdicts import Verdict
-
-
-@dataclass(frozen=True)
-class Result:
-    metric: str
-    query: str
-    canary: float | None
-    baseline: float | None
-    threshold: float | None
-    verdict: Verdict
-    detail: str
-    evidence: dict[str, object] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ChangedStep:
-    model: str
-    canary: int  # the version the canary release pins
-    baseline: int  # the version the baseline release pins
-    budget_ms: int | None
 
 
 def _by(label: str, query: str) -> dict[str, float]:
@@ -117,6 +99,7 @@ def measure(
             if enough
             else f"{' and '.join(short)} requests in the last {spec.window_s} s; "
             f"at least {spec.min_requests} each are needed",
+            kind=Kind.REQUESTS,
         )
     ]
     if spec.judge == "statistical" and compare:
@@ -129,6 +112,7 @@ def measure(
         threshold = None if allowed is None else allowed + spec.error_delta
         results += [
             _judge(
+                Kind.LATENCY,
                 "p99",
                 f"{text['p99']}\n# {where}",
                 c_p99,
@@ -139,6 +123,7 @@ def measure(
                 compare,
             ),
             _judge(
+                Kind.ERRORS,
                 "error_ratio",
                 f"{text['failed']} / requests\n# {where}",
                 c_errors,
@@ -156,7 +141,9 @@ def measure(
         label = f"mean latency {step.model} v{step.canary} vs v{step.baseline}"
         limit = _p99_limit(b if compare else None, step.budget_ms, spec)
         results.append(
-            _judge(label, query, c, b if compare else None, limit, enough, " ms", compare)
+            _judge(
+                Kind.STEP, label, query, c, b if compare else None, limit, enough, " ms", compare
+            )
         )
     if spec.metrics and baseline_nodes is None:
         served = per_node["ok"].keys() | per_node["failed"].keys()
@@ -226,6 +213,7 @@ def _custom(
         threshold,
         verdict,
         "; ".join(why),
+        kind=Kind.CUSTOM,
     )
 
 
@@ -253,6 +241,7 @@ def _p99_limit(baseline: float | None, budget_ms: int | None, spec: Analysis) ->
 
 
 def _judge(
+    kind: Kind,
     metric: str,
     query: str,
     canary: float | None,
@@ -274,7 +263,7 @@ def _judge(
         detail = f"canary {canary:.4g}{unit} is above the threshold {threshold:.4g}{unit}"
     else:
         verdict, detail = Verdict.SUCCESS, ""
-    return Result(metric, query, canary, baseline, threshold, verdict, detail)
+    return Result(metric, query, canary, baseline, threshold, verdict, detail, kind=kind)
 
 
 def overall(results: list[Result], pass_score: float = 1.0) -> str:
@@ -318,6 +307,7 @@ def _sampled(model: str, pool: str, canary: set[str], spec: Analysis, enough: bo
                 verdict,
                 found.detail if enough else "too few requests to judge",
                 found.evidence(),
+                kind=Kind.LATENCY if metric == "latency" else Kind.ERRORS,
             )
         )
     return results
@@ -378,6 +368,7 @@ def _burn_rates(
                 spec.slo_burn_limit,
                 found.verdict if enough else Verdict.INCONCLUSIVE,
                 found.detail if enough else "too few requests to judge",
+                kind=Kind.BURN,
             )
         )
     return results

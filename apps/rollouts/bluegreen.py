@@ -8,27 +8,14 @@ from apps.fleet.models import Node
 from apps.fleet.services.deployments import deployment_set
 from apps.quality.errors import QualityError
 from apps.rollouts.analysis import overall
-from apps.rollouts.gates import (
-    ACTOR,
-    evaluate_everywhere,
-    everywhere_verdicts,
-    gate_deadline,
-)
+from apps.rollouts.ending import promote, roll_back
+from apps.rollouts.gate import evaluate_everywhere, everywhere_verdicts, gate_deadline
+from apps.rollouts.members import changed_steps, members, pool_deployments, pool_nodes
 from apps.rollouts.models import Rollout, Round
 from apps.rollouts.plans import Analysis
-from apps.rollouts.promotion import promote
-from apps.rollouts.transitions import (
-    State,
-    changed_steps,
-    members,
-    pause,
-    pool_deployments,
-    pool_nodes,
-    record,
-    roll_back,
-    stalled,
-    transition,
-)
+from apps.rollouts.results import record
+from apps.rollouts.steps import stalled
+from apps.rollouts.transitions import ACTOR, State, pause, transition
 from apps.rollouts.verdicts import Verdict
 
 
@@ -95,7 +82,7 @@ def blue_green(rollout: Rollout) -> None:
     results = everywhere_verdicts(runs, spec)
     verdict = overall(results)
     record(rollout, results, verdict, Round.Kind.SWITCH)
-    findings = "; ".join(f"{r.metric}: {r.detail}" for r in results if r.verdict == verdict)
+    findings = "; ".join(f"{r.name}: {r.detail}" for r in results if r.verdict == verdict)
     if verdict == Verdict.INCONCLUSIVE:
         rollout.gate_runs.clear()
         return pause(rollout, f"{findings}; resume to run it again")

@@ -213,13 +213,24 @@ class Measurement(models.Model):
     """One analysis query, canary against baseline, with what it was judged against; part of
     its round."""
 
+    class Kind(models.TextChoices):
+        REQUESTS = "requests"  # how many requests each side served: enough to judge?
+        LATENCY = "latency"  # P99, or latency samples
+        ERRORS = "errors"  # the share of requests that failed, or its samples
+        STEP = "step"  # a pipeline step's latency, at the version each release pins
+        BURN = "burn"  # an objective's burn rate
+        CUSTOM = "custom"  # a metric of the analysis's own
+        QUALITY = "quality"  # an evaluation run's score
+        PROMETHEUS = "prometheus"  # the measurement itself could not be taken
+
     rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="measurements")
     round = models.ForeignKey(
         Round, null=True, on_delete=models.CASCADE, related_name="measurements"
     )
     step = models.PositiveIntegerField()
     taken_at = models.DateTimeField(auto_now_add=True)
-    metric = models.CharField(max_length=120)
+    kind = models.CharField(max_length=12, choices=Kind.choices, help_text="what it measures")
+    metric = models.CharField(max_length=120, help_text="its name, as people read it")
     query = models.TextField(help_text="the PromQL as sent")
     canary_value = models.FloatField(null=True, blank=True)
     baseline_value = models.FloatField(null=True, blank=True)
@@ -239,8 +250,9 @@ class Measurement(models.Model):
     @property
     def custom_name(self) -> str:
         """The name of the analysis's own metric this measures; empty for the built-in ones."""
-        prefix = CustomMetric.PREFIX
-        return self.metric.removeprefix(prefix) if self.metric.startswith(prefix) else ""
+        return (
+            self.metric.removeprefix(CustomMetric.PREFIX) if self.kind == self.Kind.CUSTOM else ""
+        )
 
 
 class Notification(models.Model):

@@ -4,16 +4,15 @@ run that the form previews and the start carries out)."""
 from dataclasses import dataclass, field
 from typing import Any
 
-from apps.fleet.desired import Want, fleet_desired
+from apps.fleet.desired import Want
 from apps.fleet.memory import shortfalls
 from apps.fleet.models import Deployment, NodePool
 from apps.quality.models import EvaluationSet
 from apps.quality.selectors import latest_set
-from apps.registry.codec import from_dict
-from apps.registry.ensembles import UnresolvedStep, pinned_steps
+from apps.registry.ensembles import UnresolvedStep
 from apps.registry.models import Model, ModelVersion
-from apps.registry.selectors import registry_resolver
-from apps.rollouts import transitions
+from apps.registry.selectors import stored_steps
+from apps.rollouts.members import Member, changed_steps
 from apps.rollouts.models import AnalysisTemplate, Rollout
 from apps.rollouts.plans import Analysis, PlanError, PreviewStep, parse_plan, preview
 
@@ -87,11 +86,11 @@ def rollout_propose(
     if not nodes:
         raise RolloutError(f"pool {pool_name} has no nodes")
     model, baseline = _releasable(model_name, canary_version, pool)
-    releases = [transitions.Member(model, baseline, canary_version)]
+    releases = [Member(model, baseline, canary_version)]
     for name, version in lockstep or []:
         if any(m.model.name == name for m in releases):
             raise RolloutError(f"{name} is released twice in one rollout")
-        releases.append(transitions.Member(*_releasable(name, version, pool), version))
+        releases.append(Member(*_releasable(name, version, pool), version))
     steps = parse_plan(plan)
     counts = [s.canary_count(len(nodes)) for s in steps]
     shrinking = next((i for i in range(1, len(counts)) if counts[i] < counts[i - 1]), None)
@@ -130,7 +129,7 @@ def rollout_propose(
             m.model.name: Want(m.canary, m.beside, f"{m.model.name} v{m.canary}, a canary")
             for m in releases
         }
-    short = shortfalls(pool_nodes, fleet_desired(pool_ids=[pool.pk]), change)
+    short = shortfalls(pool, pool_nodes, change)
     return Proposal(
         model=model,
         pool=pool,
@@ -166,7 +165,7 @@ def _quality_sets(name: str, gated: list[Model], given: dict[str, int] | None) -
     return given
 
 
-def _blue_green_checks(releases: list[transitions.Member], analysis: Analysis) -> list[Model]:
+def _blue_green_checks(releases: list[Member], analysis: Analysis) -> list[Model]:
     """A blue-green release switches a pipeline's pins: its changed steps load beside the ones
     serving and are evaluated, each by its own evaluation set of the analysis's name, on every
     node, before the switch. Returns those steps' models."""
@@ -179,7 +178,7 @@ def _blue_green_checks(releases: list[transitions.Member], analysis: Analysis) -
             f"{name} is not a pipeline: blue-green switches a pipeline to the step versions it "
             "pins; release the pipeline version that pins the new one"
         )
-    changed = transitions.changed_steps(lead)
+    changed = changed_steps(lead)
     if not changed:
         raise RolloutError(
             f"{name} v{lead.canary} pins the same step versions as v{lead.baseline}: nothing "
@@ -237,7 +236,7 @@ def _releasable(model_name: str, canary_version: int, pool: NodePool) -> tuple[M
     if canary_version == deployed.version:
         raise RolloutError(f"pool {pool.name} already runs {model_name} v{canary_version}")
     try:
-        pinned_steps(from_dict(canary.config), registry_resolver())
+        stored_steps(canary.config)
     except UnresolvedStep as exc:
         raise RolloutError(f"{model_name} v{canary_version}: {exc}") from None
     return model, deployed.version

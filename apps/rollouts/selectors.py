@@ -1,8 +1,20 @@
-"""Reads of the rollouts app that more than one caller needs."""
+"""Reads of the rollouts app that more than one caller needs: the rollout page and the API read
+a rollout's rounds, its gate, its switch and the judge's evidence through the same functions."""
 
+from dataclasses import dataclass
+from typing import Any
+
+from django.db.models import Count, F, Prefetch, Q
+from django.utils import timezone
+
+from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, NodePool, Release
+from apps.quality.models import EvaluationRun
+from apps.quality.selectors import Shown, run_rows, shown_rows
 from apps.registry.models import Model
-from apps.rollouts.models import AnalysisTemplate, Rollout
+from apps.rollouts.analysis import Share, observed_share
+from apps.rollouts.models import AnalysisTemplate, Measurement, Rollout, Round
+from apps.rollouts.plans import Analysis
 
 State = Rollout.State
 
@@ -47,3 +59,94 @@ def last_good_versions(pairs: list[tuple[int, int]]) -> dict[tuple[int, int], in
             continue
         found[pair] = version
     return {pair: found[pair] for pair in pairs if pair in found}
+
+
+def rollout_rounds(rollout: Rollout, limit: int) -> list[Round]:
+    """The rollout's last `limit` rounds, newest first, each with its measurements (newest
+    first too): two queries."""
+    measurements = Prefetch("measurements", Measurement.objects.order_by("-taken_at", "-id"))
+    return list(rollout.rounds.prefetch_related(measurements)[:limit])
+
+
+GATE_CASES = 10  # failing cases named with a gate; its run's page has every one
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The gate before traffic: its run, what it was judged against, its round's measurement
+    once judged and, once finished, its first failing cases."""
+
+    run: EvaluationRun
+    spec: Analysis
+    measured: Measurement | None
+    failing: list[Shown]  # with their inputs and the checks that judged them
+
+
+def quality_gate(rollout: Rollout) -> Gate | None:
+    run = rollout.gate_run
+    if run is None:
+        return None
+    measured = next(
+        (
+            m
+            for m in rollout.measurements.filter(round__kind=Round.Kind.GATE)[:5]
+            if m.evidence.get("run") == run.pk
+        ),
+        None,
+    )
+    failing = run_rows(run, only="failing", limit=GATE_CASES) if run.finished else []
+    shown = shown_rows(failing, judged_only=True)
+    return Gate(run, Analysis.from_dict(rollout.analysis), measured, shown)
+
+
+SWITCH_RUNS = 20  # nodes' evaluation runs listed with a blue-green switch, worst first
+
+
+def switch_evaluations(rollout: Rollout) -> dict[str, Any] | None:
+    """A blue-green release's evaluation runs before its switch, worst first, and how many
+    have finished and passed: a bounded read, however many nodes."""
+    if rollout.strategy != Rollout.Strategy.BLUE_GREEN:
+        return None
+    runs = rollout.gate_runs.select_related("evaluation_set__model", "node")
+    spec = Analysis.from_dict(rollout.analysis)
+    counts = runs.aggregate(
+        total=Count("id"),
+        done=Count("id", filter=Q(finished_at__isnull=False)),
+        passed=Count("id", filter=Q(score__gte=spec.quality_min_score)),
+    )
+    return {
+        "runs": runs.order_by(F("score").asc(nulls_first=True), "node__name")[:SWITCH_RUNS],
+        "spec": spec,
+        "measured": rollout.measurements.filter(round__kind=Round.Kind.SWITCH),
+        **counts,
+    }
+
+
+def judge_evidence(rollout: Rollout) -> list[Measurement]:
+    """The statistical judge's latest samples of each metric, canary against baseline, by name."""
+    latest: dict[str, Measurement] = {}
+    for found in rollout.measurements.exclude(evidence={})[:20]:
+        if {"canary", "baseline", "p"} <= found.evidence.keys():  # not an evaluation's run
+            latest.setdefault(found.metric, found)
+    return sorted(latest.values(), key=lambda m: m.metric)
+
+
+def canary_share(rollout: Rollout) -> Share | None:
+    """The canary's share of requests, once the current step's canary is READY."""
+    if rollout.state != Rollout.State.PROGRESSING or rollout.step_ready_at is None:
+        return None
+    return observed_share(
+        model=rollout.model.name,
+        pool=rollout.pool.name,
+        canary_nodes=rollout.canary_nodes,
+        since_s=(timezone.now() - rollout.step_ready_at).total_seconds(),
+    )
+
+
+def rollout_events(rollout: Rollout) -> list[AuditEvent]:
+    """What happened to the rollout, oldest first: its trail's events."""
+    return list(
+        AuditEvent.objects.filter(target__startswith=f"rollout:{rollout.pk}:").order_by(
+            "created_at", "id"
+        )
+    )

@@ -12,12 +12,13 @@ from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, NodePool, Release
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model
-from apps.rollouts import transitions
+from apps.rollouts.ending import drop_node_deployments, roll_back
 from apps.rollouts.models import AnalysisTemplate, Rollout
 from apps.rollouts.notify import notify
 from apps.rollouts.plans import Analysis, PlanError
 from apps.rollouts.proposals import Proposal, RolloutError, rollout_propose
 from apps.rollouts.selectors import last_good_version
+from apps.rollouts.transitions import pause, pool_claim, transition
 
 State = Rollout.State
 LOCK_WAIT_S = 5
@@ -148,7 +149,7 @@ def rollout_start(
                 quality_sets=proposal.quality_sets,
                 started_by=actor_name(actor),
             )
-            if held := transitions.pool_claim(rollout, actor_name(actor)):
+            if held := pool_claim(rollout, actor_name(actor)):
                 raise RolloutError(held.why)  # another owner: on-call's pin on a tier
     except IntegrityError:
         raise RolloutError(f"another rollout of {model_name} on {pool_name} is active") from None
@@ -214,7 +215,7 @@ def _locked(rollout_id: int, action: str, allowed: list[State], actor: Actor | N
 @audited("rollout.pause", _rollout_target, (RolloutError, PlanError))
 def rollout_pause(*, rollout_id: int, actor: Actor) -> Rollout:
     rollout = _locked(rollout_id, "pause", [State.PENDING, State.PROGRESSING], actor)
-    transitions.pause(rollout, f"paused by {actor_name(actor)}", actor=actor)
+    pause(rollout, f"paused by {actor_name(actor)}", actor=actor)
     return rollout
 
 
@@ -223,7 +224,7 @@ def rollout_resume(*, rollout_id: int, actor: Actor) -> Rollout:
     rollout = _locked(rollout_id, "resume", [State.PAUSED], actor)
     # Judged afresh: what made it pause (too little data, a node down) may have passed.
     rollout.errors, rollout.last_verdict, rollout.last_measured_at = 0, "", None
-    transitions.transition(rollout, State.PROGRESSING, "", event="resume", actor=actor)
+    transition(rollout, State.PROGRESSING, "", event="resume", actor=actor)
     return rollout
 
 
@@ -237,9 +238,7 @@ def rollout_promote(*, rollout_id: int, reason: str, actor: Actor) -> Rollout:
     )
     params = {"rollout_id": rollout_id, "reason": reason}
     second_person(actor, rollout.pool, "rollout.promote", params)
-    transitions.transition(
-        rollout, State.PROMOTING, f"promoted by {actor_name(actor)}: {reason}", actor=actor
-    )
+    transition(rollout, State.PROMOTING, f"promoted by {actor_name(actor)}: {reason}", actor=actor)
     return rollout
 
 
@@ -258,7 +257,7 @@ def _abort(rollout: Rollout, why: str, actor: Actor) -> None:
     """A person's stop of `rollout`, refused in words (a 409, never a 500) only when what it
     goes back to cannot be served any more."""
     try:
-        transitions.roll_back(rollout, why, actor=actor)
+        roll_back(rollout, why, actor=actor)
     except FleetError as exc:
         raise RolloutError(f"rollout #{rollout.pk} cannot go back: {exc}") from exc
 
@@ -368,7 +367,7 @@ def _switch(
             why = f"pool switched to v{version} ({action}) by {actor_name(actor)}"
             rollout = _locked(running.pk, "abort", Rollout.ACTIVE, None)  # authorized above
             _abort(rollout, why, actor)
-        transitions.drop_node_deployments(model, pool, actor)
+        drop_node_deployments(model, pool, actor)
     audit_record(
         actor=actor,
         action=f"release.{action}",

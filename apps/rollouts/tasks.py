@@ -2,7 +2,6 @@
 
 from celery import shared_task
 
-from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Rollout
 from apps.rollouts.notify import (
     DELIVER,
@@ -10,6 +9,7 @@ from apps.rollouts.notify import (
     notification_deliver,
     notifications_lost,
 )
+from apps.rollouts.tick import rollout_advance
 
 
 @shared_task(name="rollouts.advance_all", acks_late=True, expires=10)

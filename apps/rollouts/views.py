@@ -5,7 +5,6 @@ from typing import Any
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import Count, F, Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.template.loader import render_to_string
@@ -20,14 +19,21 @@ from apps.audit.services import audit_record
 from apps.fleet.models import Deployment, NodePool
 from apps.observability.bottleneck import BottleneckUnread, bottleneck_in
 from apps.observability.charts import Chart, distributions
-from apps.quality.selectors import run_rows, shown_rows
 from apps.registry.models import Model
-from apps.rollouts.analysis import Share, observed_share
 from apps.rollouts.forms import DEFAULT_PLAN, RolloutForm
-from apps.rollouts.models import Measurement, Rollout, Round
-from apps.rollouts.plans import Analysis, PlanError, parse_plan, preview
+from apps.rollouts.models import Rollout
+from apps.rollouts.plans import PlanError, parse_plan, preview
 from apps.rollouts.proposals import RolloutError, rollout_propose
-from apps.rollouts.selectors import last_good_versions
+from apps.rollouts.results import Kind
+from apps.rollouts.selectors import (
+    canary_share,
+    judge_evidence,
+    last_good_versions,
+    quality_gate,
+    rollout_events,
+    rollout_rounds,
+    switch_evaluations,
+)
 from apps.rollouts.services import (
     release_fallback,
     release_rollback,
@@ -119,8 +125,8 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
         "rollout": rollout,
         "steps": steps,
         "current_step": steps[min(rollout.step, len(steps) - 1)],
-        "observed": _observed(rollout),
-        "measurements": rollout.measurements.all()[:60],
+        "observed": canary_share(rollout),
+        "measurements": [m for r in rollout_rounds(rollout, ROUNDS) for m in r.measurements.all()],
         "evidence": evidence_charts(rollout),
         "notifications": rollout.notifications.all()[:20],
         "events": events,
@@ -136,56 +142,11 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
     return render(request, "rollouts/rollout_detail.html", context)
 
 
-GATE_CASES = 10  # failing cases named on the rollout page; the run's page has every one
+ROUNDS = 20  # the rollout's last rounds on its page, with their measurements
 # The charts start before the rollout began, to show the baseline it was judged against: half
 # its age, a minute at least and five at most; they end a minute after it finished.
 LEAD_MIN, LEAD_MAX, AFTER = timedelta(minutes=1), timedelta(minutes=5), timedelta(minutes=1)
 MAX_SPAN = timedelta(days=30)  # what a chart's custom range allows (apps/observability/views.py)
-
-
-def quality_gate(rollout: Rollout) -> dict[str, Any] | None:
-    """The gate's run, what it was judged against and, once finished, its failing cases."""
-    run = rollout.gate_run
-    if run is None:
-        return None
-    measured = next(
-        (
-            m
-            for m in rollout.measurements.filter(round__kind=Round.Kind.GATE)[:5]
-            if m.evidence.get("run") == run.pk
-        ),
-        None,
-    )
-    failing = run_rows(run, only="failing", limit=GATE_CASES) if run.finished else []
-    return {
-        "run": run,
-        "spec": Analysis.from_dict(rollout.analysis),
-        "measured": measured,
-        "failing": shown_rows(failing, judged_only=True),
-    }
-
-
-SWITCH_RUNS = 20  # nodes' evaluation runs listed on a blue-green rollout's page, worst first
-
-
-def switch_evaluations(rollout: Rollout) -> dict[str, Any] | None:
-    """A blue-green release's evaluation runs before its switch, worst first, and how many
-    have finished and passed: a bounded read, however many nodes."""
-    if rollout.strategy != Rollout.Strategy.BLUE_GREEN:
-        return None
-    runs = rollout.gate_runs.select_related("evaluation_set__model", "node")
-    spec = Analysis.from_dict(rollout.analysis)
-    counts = runs.aggregate(
-        total=Count("id"),
-        done=Count("id", filter=Q(finished_at__isnull=False)),
-        passed=Count("id", filter=Q(score__gte=spec.quality_min_score)),
-    )
-    return {
-        "runs": runs.order_by(F("score").asc(nulls_first=True), "node__name")[:SWITCH_RUNS],
-        "spec": spec,
-        "measured": rollout.measurements.filter(round__kind=Round.Kind.SWITCH),
-        **counts,
-    }
 
 
 def chart_query(
@@ -210,34 +171,18 @@ def chart_query(
     )
 
 
-def _observed(rollout: Rollout) -> Share | None:
-    """The canary's share of requests, once the current step's canary is READY."""
-    if rollout.state != Rollout.State.PROGRESSING or rollout.step_ready_at is None:
-        return None
-    return observed_share(
-        model=rollout.model.name,
-        pool=rollout.pool.name,
-        canary_nodes=rollout.canary_nodes,
-        since_s=(timezone.now() - rollout.step_ready_at).total_seconds(),
-    )
-
-
 def evidence_charts(rollout: Rollout) -> list[tuple[str, Chart]]:
-    """The statistical judge's latest samples of each metric, canary against baseline, each
-    with its element id."""
-    latest: dict[str, Measurement] = {}
-    for found in rollout.measurements.exclude(evidence={})[:20]:
-        if {"canary", "baseline", "p"} <= found.evidence.keys():  # not an evaluation's run
-            latest.setdefault(found.metric, found)
+    """The statistical judge's latest samples of each metric as charts, each with its element
+    id."""
     charts: list[tuple[str, Chart]] = []
-    for found in sorted(latest.values(), key=lambda m: m.metric):
+    for found in judge_evidence(rollout):
         evidence = found.evidence
         test = "" if evidence["p"] is None else f"U = {evidence['u']:g}, p = {evidence['p']:.3g}, "
         effect = evidence["effect"]
         size = "" if effect is None else f"effect {effect:+.3g}, "
         note = f"{test}{size}step {found.step + 1} at {found.taken_at:%H:%M:%S} UTC"
         sides = {"canary": evidence["canary"], "baseline": evidence["baseline"]}
-        unit = "ms" if "latency" in found.metric else "ratio"
+        unit = "ms" if found.kind == Kind.LATENCY else "ratio"
         chart = distributions(f"{found.metric}: {found.verdict}", sides, unit=unit, note=note)
         charts.append((f"evidence-{len(charts)}", chart))
     return charts
@@ -250,14 +195,6 @@ def tuning(rollout: Rollout, events: list[AuditEvent], now: datetime) -> dict[st
     if found is None:
         return None
     return found | {"cost_query": chart_query(rollout, now, metric="cost", model=found["step"])}
-
-
-def rollout_events(rollout: Rollout) -> list[AuditEvent]:
-    return list(
-        AuditEvent.objects.filter(target__startswith=f"rollout:{rollout.pk}:").order_by(
-            "created_at", "id"
-        )
-    )
 
 
 ACTIONS: dict[str, Callable[..., Rollout]] = {

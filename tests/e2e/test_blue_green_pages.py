@@ -11,9 +11,8 @@ from apps.fleet.models import Deployment, Node, NodePool
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.quality.services import evaluation_set_import
 from apps.registry.models import Model
-from apps.rollouts.analysis import Result
 from apps.rollouts.models import Rollout, Round
-from apps.rollouts.transitions import record
+from apps.rollouts.results import Kind, Result, record
 from apps.rollouts.verdicts import Verdict
 from tests.support import ROOT
 from tests.support.browser import screenshot, sign_in
@@ -109,6 +108,7 @@ def test_a_release_whose_index_failed_on_a_node_lists_every_nodes_evaluation(
         0.9,
         Verdict.FAILURE,
         "trio-2: canary scored 27% (8 of 30 cases), below 90%",
+        kind=Kind.QUALITY,
     )
     record(rollout, [switch], Verdict.FAILURE, Round.Kind.SWITCH)
     page.goto(f"{signed_in}/rollouts/{rollout.pk}/")

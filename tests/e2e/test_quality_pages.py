@@ -11,9 +11,10 @@ from apps.accounts.roles import Role
 from apps.fleet.models import Node, NodePool
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.registry.models import Model, ModelVersion
-from apps.rollouts.analysis import Result
+from apps.rollouts.gate import gate_measured
 from apps.rollouts.models import Rollout, Round
-from apps.rollouts.transitions import record
+from apps.rollouts.plans import Analysis
+from apps.rollouts.results import record
 from apps.rollouts.verdicts import Verdict
 from tests.support.browser import screenshot, sign_in
 from tests.support.quality import demo_faq, wrong_answers
@@ -176,16 +177,7 @@ def test_a_rollout_rolled_back_by_its_quality_gate_lists_the_failing_cases(
         "orders-change-address-1, shipping-time-1, ...",
         finished_at=timezone.now(),
     )
-    gate = Result(
-        "quality before traffic",
-        f"evaluation run #{run.pk}: {faq}",
-        run.score,
-        1.0,
-        0.9,
-        Verdict.FAILURE,
-        "canary scored 3% (1 of 30 cases), below 90%; failing: orders-track-1, ...",
-        {"run": run.pk, "passed": 1, "failed": 29},
-    )
+    gate = gate_measured(run, Analysis.from_dict(rollout.analysis))
     record(rollout, [gate], Verdict.FAILURE, Round.Kind.GATE)
     page.goto(f"{signed_in}/rollouts/{rollout.pk}/")
     expect(page.locator("#rollout-state")).to_have_text("Rolled back")

@@ -11,7 +11,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from apps.fleet import memory
-from apps.fleet.desired import Want, fleet_desired
+from apps.fleet.desired import Want
 from apps.fleet.models import Node, NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model, ModelVersion
@@ -84,9 +84,9 @@ def test_a_deployment_that_will_not_fit_a_gpu_node_is_warned_of_before_and_after
     gpus: NodePool, client: Client, viewer: User
 ) -> None:
     # Before: what the deploy form and the rollout preview warn of, from the same readings.
-    nodes, desired = list(gpus.nodes.order_by("name")), fleet_desired(pool_ids=[gpus.pk])
-    assert memory.shortfalls(nodes, desired, {"llm": Want(3, None, "llm v3")}) == []
-    assert memory.shortfalls(nodes, desired, {"llm": Want(2, None, "llm v2")}) == [
+    nodes = list(gpus.nodes.order_by("name"))
+    assert memory.shortfalls(gpus, nodes, {"llm": Want(3, None, "llm v3")}) == []
+    assert memory.shortfalls(gpus, nodes, {"llm": Want(2, None, "llm v2")}) == [
         "gpu-1 needs 67584 MiB with headroom for llm v2; GPU GPU-5f3a0c4e-bbbb of 81920 MiB"
         " has 61440 MiB free"
     ]

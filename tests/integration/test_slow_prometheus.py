@@ -15,7 +15,6 @@ from apps.accounts.roles import Role
 from apps.fleet.models import Node, NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import ModelVersion
-from apps.rollouts import controller
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.services import rollout_abort
 from tests.support.registry import import_demo
@@ -104,7 +103,7 @@ def test_an_abort_never_waits_behind_a_slow_prometheus(
 
         def tick() -> None:
             try:
-                controller.rollout_advance(rollout_id=rollout.pk)
+                tick.rollout_advance(rollout_id=rollout.pk)
             finally:
                 connection.close()
 

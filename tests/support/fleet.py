@@ -20,8 +20,8 @@ from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.traffic.haproxy import Runtime
 from apps.fleet.triton import TritonClient, TritonError, sample_inputs
 from apps.prometheus.client import active_targets
-from apps.rollouts.controller import rollout_advance
 from apps.rollouts.models import Rollout
+from apps.rollouts.tick import rollout_advance
 
 
 @dataclass

@@ -2,9 +2,11 @@
 
 import socket
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
 from django.urls import get_resolver
 
 from apps.audit.models import AuditEvent
@@ -87,3 +89,12 @@ def node(db: None) -> Node:
     return node_register(
         name="n1", pool="p", http_url="http://127.0.0.1:1", actor="system:test", **urls
     )
+
+
+@pytest.fixture
+def migrator() -> Iterator[MigrationExecutor]:
+    """For a test of a data migration, which takes the schema back to before it: every app's
+    latest migration again afterwards, for the tests after it on the same database."""
+    yield MigrationExecutor(connection)
+    executor = MigrationExecutor(connection)
+    executor.migrate(executor.loader.graph.leaf_nodes())

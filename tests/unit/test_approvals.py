@@ -7,7 +7,6 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -37,7 +36,8 @@ from apps.incidents.services import incident_rollback
 from apps.quality.services import evaluation_set_import
 from apps.registry.models import Model, ModelVersion
 from apps.registry.services import version_set_status
-from apps.rollouts import gates, transitions
+from apps.rollouts import gate, transitions
+from apps.rollouts.members import scope
 from apps.rollouts.models import Notification, Rollout
 from apps.rollouts.plans import Analysis
 from apps.rollouts.services import (
@@ -412,9 +412,9 @@ def test_an_approved_rollout_runs_the_evaluation_set_and_template_it_showed(
     approval_approve(approval_id=approval.pk, actor=bob)
     rollout = Rollout.objects.select_related("template").get()
     assert (rollout.quality_sets, rollout.template.version) == ({"rag_pipeline": faq.pk}, 1)
-    lead = SimpleNamespace(canary=2, baseline=1, beside=None)
-    spec = Analysis.from_dict(rollout.analysis)
-    run = gates.evaluate(rollout, spec, lead=lead, canary=[node], nodes=[node], when="gate")
+    where = scope(rollout)
+    assert where.canary == [node]
+    run = gate.evaluate(rollout, Analysis.from_dict(rollout.analysis), where, when="gate")
     assert run.evaluation_set_id == faq.pk
 
 

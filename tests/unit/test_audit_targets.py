@@ -49,11 +49,11 @@ def _insert(target: str) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_migration_takes_apart_the_events_already_written_and_the_trail_stays_append_only() -> (
-    None
-):
+def test_the_migration_takes_apart_the_events_already_written_and_the_trail_stays_append_only(
+    migrator: MigrationExecutor,
+) -> None:
     before, after = [("audit", "0006_append_only_on_sqlite")], [("audit", "0007_target_parts")]
-    MigrationExecutor(connection).migrate(before)
+    migrator.migrate(before)
     for target, _ in CASES:
         _insert(target)
     MigrationExecutor(connection).migrate(after)

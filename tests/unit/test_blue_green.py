@@ -19,11 +19,12 @@ from apps.fleet.services.deployments import deployment_set
 from apps.quality.models import EvaluationRun
 from apps.quality.services import evaluation_set_import
 from apps.registry.models import ModelVersion
-from apps.rollouts import controller, promotion
+from apps.rollouts import ending
 from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.proposals import RolloutError, rollout_propose
 from apps.rollouts.services import rollout_abort, rollout_start
+from apps.rollouts.tick import rollout_advance
 from tests.support import ROOT
 from tests.support.registry import import_demo
 from tests.support.users import bearer, make_user
@@ -70,7 +71,7 @@ def users(monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
         name = "failed" if "failure" in query else "p99" if "summary" in query else "ok"
         return [({}, said[name])]
 
-    monkeypatch.setattr(promotion, "instant_query", instant_query)
+    monkeypatch.setattr(ending, "instant_query", instant_query)
     return said
 
 
@@ -106,7 +107,7 @@ def start(version: int = 8, **analysis: Any) -> Rollout:
 
 
 def tick(rollout: Rollout) -> Rollout:
-    controller.rollout_advance(rollout_id=rollout.pk)
+    rollout_advance(rollout_id=rollout.pk)
     return Rollout.objects.get(pk=rollout.pk)
 
 

@@ -65,7 +65,9 @@ def test_every_series_reports_exact_values_from_the_database(
         model=m1, pool=eu, baseline_version=1, canary_version=2, plan=plan, state="rolled_back"
     )
     for verdict in ["success", "success", "failure"]:
-        Measurement.objects.create(rollout=live, step=0, metric="p99", query="q", verdict=verdict)
+        Measurement.objects.create(
+            rollout=live, step=0, kind="latency", metric="p99", query="q", verdict=verdict
+        )
     for status in ["sent", "failed", "failed"]:
         Notification.objects.create(rollout=live, event="started", payload={}, status=status)
 
@@ -281,7 +283,7 @@ def history(pool: NodePool, n: int) -> None:
             plan=[{"percent": 100}],
             state="succeeded",
         )
-        Measurement.objects.create(rollout=rollout, step=0, metric="p99", query="q")
+        Measurement.objects.create(rollout=rollout, step=0, kind="latency", metric="p99", query="q")
         Notification.objects.create(rollout=rollout, event="started", payload={}, status="sent")
 
 

@@ -141,7 +141,7 @@ def test_a_node_is_warmed_with_its_models_own_cases_and_not_while_it_gets_no_tra
 
 
 def test_the_gate_passes_only_a_score_at_the_minimum_and_near_the_baseline() -> None:
-    from apps.rollouts.gates import evaluation_verdict
+    from apps.rollouts.gate import evaluation_verdict
     from apps.rollouts.plans import Analysis
 
     import_demo()
@@ -182,7 +182,7 @@ def test_a_run_stopped_at_its_time_limit_fails_saying_so_and_is_never_waited_on_
     from celery.exceptions import SoftTimeLimitExceeded
 
     from apps.quality import tasks
-    from apps.rollouts.gates import gate_deadline
+    from apps.rollouts.gate import gate_deadline
     from apps.rollouts.plans import Analysis
 
     import_demo()
@@ -248,7 +248,7 @@ def test_a_gates_verdict_names_the_failing_cases_without_reading_any_answer() ->
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from apps.rollouts.gates import evaluation_verdict
+    from apps.rollouts.gate import evaluation_verdict
     from apps.rollouts.plans import Analysis
     from tests.support.quality import demo_faq, wrong_answers
 

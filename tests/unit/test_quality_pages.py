@@ -17,10 +17,11 @@ from apps.fleet.models import Node, NodePool
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.quality.services import evaluation_set_import
 from apps.registry.models import Model, ModelVersion
-from apps.rollouts.analysis import Result
 from apps.rollouts.forms import RolloutForm
+from apps.rollouts.gate import gate_measured
 from apps.rollouts.models import Rollout, Round
-from apps.rollouts.transitions import record
+from apps.rollouts.plans import Analysis
+from apps.rollouts.results import Kind, Result, record
 from apps.rollouts.verdicts import Verdict
 from apps.rollouts.views import chart_query
 from tests.support.quality import DEMO_SET, demo_faq, wrong_answers
@@ -66,16 +67,7 @@ def gated_rollout(run: EvaluationRun) -> Rollout:
         reason="quality gate failed before any traffic: canary scored 0% (0 of 30 cases)",
         finished_at=timezone.now(),
     )
-    gate = Result(
-        "quality before traffic",
-        f"evaluation run #{run.pk}: {run.evaluation_set}",
-        0.0,
-        1.0,
-        0.9,
-        Verdict.FAILURE,
-        "canary scored 0% (0 of 30 cases), below 90%; failing: orders-track-1",
-        {"run": run.pk, "passed": 0, "failed": 30},
-    )
+    gate = gate_measured(run, Analysis.from_dict(rollout.analysis))
     record(rollout, [gate], Verdict.FAILURE, Round.Kind.GATE)
     helpful = Result(
         "custom: helpful",
@@ -85,6 +77,7 @@ def gated_rollout(run: EvaluationRun) -> Rollout:
         0.7885,
         Verdict.FAILURE,
         "canary 0.61 is worse than the baseline's 0.83 by more than 5%",
+        kind=Kind.CUSTOM,
     )
     record(rollout, [helpful], Verdict.FAILURE)
     return rollout

@@ -52,7 +52,7 @@ def _rollout(model: Model, pool: NodePool, state: str) -> Rollout:
     )
     for taken_at in (OLD, RECENT):
         measurement = Measurement.objects.create(
-            rollout=rollout, step=0, metric="p99", query="q", verdict="success"
+            rollout=rollout, step=0, kind="latency", metric="p99", query="q", verdict="success"
         )
         Measurement.objects.filter(pk=measurement.pk).update(taken_at=taken_at)
     return rollout

@@ -29,11 +29,11 @@ from apps.fleet.traffic import balancer as balancing
 from apps.fleet.traffic.balancer import Synced
 from apps.prometheus.client import PrometheusUnavailable
 from apps.registry.models import Model, ModelVersion
-from apps.rollouts import analysis, controller, transitions
-from apps.rollouts.analysis import Result
+from apps.rollouts import analysis, rounds, transitions
 from apps.rollouts.models import AnalysisTemplate, Measurement, Rollout
 from apps.rollouts.plans import Analysis, PlanError, Step, parse_plan, preview
 from apps.rollouts.proposals import rollout_propose
+from apps.rollouts.results import Kind, Result
 from apps.rollouts.selectors import last_good_version
 from apps.rollouts.services import (
     RolloutError,
@@ -48,6 +48,7 @@ from apps.rollouts.services import (
     rollout_start,
     template_save,
 )
+from apps.rollouts.tick import HANDLERS, TICK_ERROR_LIMIT, rollout_advance
 from tests.support.audit import ROLLOUT_SERVICES, Case, assert_one_event_each
 from tests.support.users import make_user
 
@@ -152,8 +153,10 @@ class Fleet:
         verdict = "failure" if kwargs["model"] in self.failing else self.verdict
         values = {"success": 100.0, "failure": 900.0, "inconclusive": None}[verdict]
         return [
-            Result("requests", "q1", 50, 50, 20, "success", ""),
-            Result("p99", "q2", values, 100.0, 120.0, verdict, f"{verdict} detail"),
+            Result("requests", "q1", 50, 50, 20, "success", "", kind=Kind.REQUESTS),
+            Result(
+                "p99", "q2", values, 100.0, 120.0, verdict, f"{verdict} detail", kind=Kind.LATENCY
+            ),
         ]
 
 
@@ -174,7 +177,7 @@ def fleet(db: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
     simulated = Fleet(pool)
     simulated.converge()
     monkeypatch.setattr(selectors, "observed_many", simulated.observed)
-    monkeypatch.setattr(controller, "measure", simulated.measure)
+    monkeypatch.setattr(rounds, "measure", simulated.measure)
     monkeypatch.setattr(analysis, "instant_query", simulated.instant_query)
     yield simulated
 
@@ -208,7 +211,7 @@ def tick(rollout: Rollout, *, later_s: float = 2) -> Rollout:
     Rollout.objects.filter(pk=rollout.pk, step_ready_at__isnull=False).update(
         step_ready_at=F("step_ready_at") - earlier
     )
-    controller.rollout_advance(rollout_id=rollout.pk)
+    rollout_advance(rollout_id=rollout.pk)
     return Rollout.objects.get(pk=rollout.pk)
 
 
@@ -664,14 +667,14 @@ def test_a_tick_that_keeps_failing_is_shown_and_pauses_the_rollout(
 ) -> None:
     rollout = start()
 
-    def bug(rollout: Rollout, reading: controller.Round | None) -> None:
+    def bug(rollout: Rollout, reading: rounds.Measured | None) -> None:
         raise KeyError("plan")
 
     with monkeypatch.context() as patched:
-        patched.setitem(controller.HANDLERS, State.PENDING, bug)
-        for _ in range(controller.TICK_ERROR_LIMIT):
+        patched.setitem(HANDLERS, State.PENDING, bug)
+        for _ in range(TICK_ERROR_LIMIT):
             with pytest.raises(KeyError):
-                controller.rollout_advance(rollout_id=rollout.pk)
+                rollout_advance(rollout_id=rollout.pk)
     rollout.refresh_from_db()
     assert (rollout.state, rollout.tick_errors) == (State.PAUSED, 3)
     assert "the controller failed 3 ticks in a row (KeyError: 'plan')" in rollout.reason
@@ -1119,6 +1122,7 @@ def test_the_rollout_page_draws_the_statistical_judges_latest_samples(
         Measurement.objects.create(
             rollout=rollout,
             step=0,
+            kind=Kind.LATENCY,
             metric="latency (samples)",
             query="q",
             verdict=verdict,

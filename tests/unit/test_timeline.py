@@ -16,9 +16,8 @@ from apps.audit.services import audit_record
 from apps.fleet.models import Node, NodePool, Operation
 from apps.incidents import timeline, views
 from apps.registry.models import Model
-from apps.rollouts.analysis import Result
 from apps.rollouts.models import Measurement, Rollout, Round
-from apps.rollouts.transitions import record
+from apps.rollouts.results import Kind, Result, record
 from tests.support.users import bearer
 
 pytestmark = pytest.mark.django_db
@@ -90,10 +89,20 @@ def test_a_rollouts_verdicts_read_as_one_line_per_change(
         ("marginal", ["success", "marginal"]),  # the round's own verdict, whatever its parts
         ("failure", ["success", "failure"]),
     ]
+    kinds = [(Kind.ERRORS, "error_ratio"), (Kind.LATENCY, "p99")]
     for number, (overall, verdicts) in enumerate(rounds):
         results = [
-            Result(metric, "q", 312.0 if verdict == "failure" else 20.0, None, 250.0, verdict, "")
-            for metric, verdict in zip(["error_ratio", "p99"], verdicts, strict=True)
+            Result(
+                metric,
+                "q",
+                312.0 if verdict == "failure" else 20.0,
+                None,
+                250.0,
+                verdict,
+                "",
+                kind=kind,
+            )
+            for (kind, metric), verdict in zip(kinds, verdicts, strict=True)
         ]
         made = record(rollout, results, overall)
         Round.objects.filter(pk=made.pk).update(taken_at=began + timedelta(seconds=10 * number))
@@ -205,11 +214,13 @@ def test_a_busy_window_shows_its_first_events_and_links_the_rest(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_measurements_from_before_rounds_were_rows_become_their_rounds() -> None:
+def test_measurements_from_before_rounds_were_rows_become_their_rounds(
+    migrator: MigrationExecutor,
+) -> None:
     """A round was its measurements written within one tick: the migration makes each a row,
     numbered in its step, with its worst verdict and its kind."""
     before, after = [("rollouts", "0017_rollouts_own_their_pools")], [("rollouts", "0018_rounds")]
-    executor = MigrationExecutor(connection)
+    executor = migrator
     executor.migrate(before)
     old = executor.loader.project_state(before).apps
     rollout = old.get_model("rollouts", "Rollout").objects.create(
@@ -244,3 +255,41 @@ def test_measurements_from_before_rounds_were_rows_become_their_rounds() -> None
     ]
     assert not Measurement.objects.filter(rollout_id=rollout.pk, round=None).exists()
     assert found[1].measurements.count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_measurements_get_their_kind_from_the_names_rounds_gave_them(
+    migrator: MigrationExecutor,
+) -> None:
+    before, after = [("rollouts", "0018_rounds")], [("rollouts", "0019_measurement_kinds")]
+    migrator.migrate(before)
+    old = migrator.loader.project_state(before).apps
+    rollout = old.get_model("rollouts", "Rollout").objects.create(
+        model_id=Model.objects.create(name="rag").pk,
+        pool_id=NodePool.objects.create(name="gpu").pk,
+        baseline_version=1,
+        canary_version=2,
+        plan=[{"percent": 100}],
+    )
+    kinds = {
+        "requests": "requests",
+        "embedder: requests": "requests",  # a lockstep member's
+        "custom: requests": "custom",  # a custom metric may be named anything
+        "p99": "latency",
+        "latency (samples)": "latency",
+        "error_ratio": "errors",
+        "embedder: error_ratio (samples)": "errors",
+        "mean latency reranker v2 vs v1": "step",
+        "availability burn rate": "burn",
+        "quality before traffic": "quality",
+        "quality before the switch: retriever": "quality",
+        "quality (evaluation)": "quality",
+        "prometheus": "prometheus",
+    }
+    for metric in kinds:
+        old.get_model("rollouts", "Measurement").objects.create(
+            rollout=rollout, step=0, metric=metric, verdict="success"
+        )
+    MigrationExecutor(connection).migrate(after)
+    found = Measurement.objects.filter(rollout_id=rollout.pk).values_list("metric", "kind")
+    assert dict(found) == kinds

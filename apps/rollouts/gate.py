@@ -1,41 +1,136 @@
-"""What a rollout learns of its canary's answers, and the evidence it makes: the quality gate's
-and the steps' evaluation runs and their verdicts, and synthetic requests where a side of the
-comparison has too few of its own. The controller decides what to do with them."""
+"""A rollout's evaluation runs and the gates they make: the gate before traffic (once the first
+step's canary is READY, before any user request reaches it, the rollout's evaluation set runs
+against canary and baseline, case by case, each version asked by number: it passes, and the
+step's share goes out, or the rollout is rolled back before a single user request reached the
+canary), the set again during the steps, and each changed step's set on every node before a
+blue-green switch; when a run is given up, and the verdict of a run."""
 
-import logging
-from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import Protocol
 
 from django.utils import timezone
 
 from apps.fleet.models import Node
 from apps.quality.errors import QualityError
-from apps.quality.models import EvaluationRun, EvaluationSet, SyntheticLoad
+from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.quality.selectors import failing_cases
-from apps.quality.services import evaluation_start, synthetic_load_start
+from apps.quality.services import evaluation_start
 from apps.quality.tasks import RUN_TIME_LIMIT_S
 from apps.registry.models import Model
-from apps.rollouts.analysis import ChangedStep, Result
-from apps.rollouts.models import Rollout
+from apps.rollouts.ending import roll_back
+from apps.rollouts.members import ChangedStep, Scope
+from apps.rollouts.models import Rollout, Round
 from apps.rollouts.plans import Analysis
+from apps.rollouts.results import Kind, Result, record
+from apps.rollouts.transitions import ACTOR, pause
 from apps.rollouts.verdicts import Verdict
 
-log = logging.getLogger(__name__)
-ACTOR = "system:rollouts"  # the controller's name in the trail, and its gates'
+
+def gate_pending(rollout: Rollout) -> bool:
+    """Whether the canary still has its quality gate to pass before any traffic."""
+    spec = Analysis.from_dict(rollout.analysis)
+    return bool(spec.quality_set) and rollout.step == 0 and rollout.gate_passed_at is None
 
 
-class Release(Protocol):
-    """The model a rollout releases: its canary, its baseline, and whether that is kept beside."""
+def gate(rollout: Rollout, where: Scope, spec: Analysis, now: datetime) -> bool:
+    """Whether the gate passed now; until then its run starts, is waited on (paused when it did
+    not finish in time), and is judged: a failure rolls back, too little evidence pauses."""
+    run = rollout.gate_run
+    if run is None:
+        try:
+            rollout.gate_run = evaluate(rollout, spec, where, when="before traffic")
+        except QualityError as exc:
+            pause(rollout, f"quality gate: {exc}")
+            return False
+        rollout.save()
+        return False
+    if not run.finished:
+        if now > gate_deadline(run, spec):
+            rollout.gate_run = None  # a resume starts a new run
+            pause(
+                rollout,
+                f"quality gate: evaluation run #{run.pk} did not finish in time (its worker may "
+                "have been lost); resume to run it again",
+            )
+        return False
+    found = gate_measured(run, spec)
+    verdict, detail = found.verdict, found.detail
+    record(rollout, [found], verdict, Round.Kind.GATE)
+    if verdict == Verdict.INCONCLUSIVE:
+        rollout.gate_run = None  # a resume runs it again
+        pause(rollout, f"quality gate: {detail}; resume to run it again")
+        return False
+    if verdict != Verdict.SUCCESS:
+        rollout.first_failure_at = rollout.first_failure_at or now
+        roll_back(rollout, f"quality gate failed before any traffic: {detail}")
+        return False
+    rollout.gate_passed_at = now
+    return True
 
-    @property
-    def canary(self) -> int: ...
 
-    @property
-    def baseline(self) -> int: ...
+def gate_measured(run: EvaluationRun, spec: Analysis) -> Result:
+    """The gate's one measurement: the run's scores against the minimum, and its verdict."""
+    verdict, detail = evaluation_verdict(run, spec)
+    return Result(
+        "quality before traffic",
+        f"evaluation run #{run.pk}: {run.evaluation_set}",
+        run.score,
+        run.baseline_score,
+        spec.quality_min_score,
+        verdict,
+        detail,
+        {"run": run.pk, "passed": run.passed, "failed": run.failed},
+        kind=Kind.QUALITY,
+    )
 
-    @property
-    def beside(self) -> int | None: ...
+
+def evaluated(rollout: Rollout, spec: Analysis, where: Scope) -> list[Result]:
+    """During a step, the evaluation set again every `quality_every` rounds: a finished run's
+    verdict joins the round that finds it, and the next run starts when one is due. One that
+    has not finished by its deadline is inconclusive: never a pass on missing answers."""
+    if not (spec.quality_set and spec.quality_every):
+        return []
+    found: list[Result] = []
+    run = rollout.quality_run
+    now = timezone.now()
+    if run is not None and (run.finished or now > gate_deadline(run, spec)):
+        verdict, detail = (
+            evaluation_verdict(run, spec)
+            if run.finished
+            else (Verdict.INCONCLUSIVE, f"evaluation run #{run.pk} did not finish in time")
+        )
+        found.append(
+            Result(
+                "quality (evaluation)",
+                f"evaluation run #{run.pk}: {run.evaluation_set}",
+                run.score,
+                run.baseline_score,
+                spec.quality_min_score,
+                verdict,
+                "" if verdict == Verdict.SUCCESS else detail,
+                {"run": run.pk, "passed": run.passed, "failed": run.failed},
+                kind=Kind.QUALITY,
+            )
+        )
+        run = rollout.quality_run = None
+    measured = rollout.rounds.filter(step=rollout.step, kind=Round.Kind.ANALYSIS)
+    rounds = measured.exclude(verdict=Verdict.ERROR).count() + 1  # this one among them
+    if run is None and rounds % spec.quality_every == 0:
+        try:
+            rollout.quality_run = evaluate(rollout, spec, where, when=f"step {rollout.step + 1}")
+        except QualityError as exc:
+            found.append(
+                Result(
+                    "quality (evaluation)",
+                    "",
+                    None,
+                    None,
+                    None,
+                    Verdict.INCONCLUSIVE,
+                    str(exc),
+                    kind=Kind.QUALITY,
+                )
+            )
+    return found
 
 
 def pinned_set(rollout: Rollout, model: str) -> EvaluationSet | None:
@@ -45,17 +140,10 @@ def pinned_set(rollout: Rollout, model: str) -> EvaluationSet | None:
     return EvaluationSet.objects.filter(pk=pk).first() if pk else None
 
 
-def evaluate(
-    rollout: Rollout,
-    spec: Analysis,
-    *,
-    lead: Release,
-    canary: list[Node],
-    nodes: list[Node],
-    when: str,
-) -> EvaluationRun:
+def evaluate(rollout: Rollout, spec: Analysis, where: Scope, *, when: str) -> EvaluationRun:
     """Queue the rollout's evaluation set against the canary, on a canary node, and against the
     baseline where a node serves it. Raises QualityError."""
+    lead, canary, nodes = where.lead, where.canary, where.nodes
     found = pinned_set(rollout, rollout.model.name)
     if found is None:
         raise QualityError(
@@ -140,56 +228,9 @@ def everywhere_verdicts(runs: list[EvaluationRun], spec: Analysis) -> list[Resul
                 verdict,
                 detail or f"every node passed: {judged[0][2]} on {judged[0][0].node}",
                 {"runs": {str(run.node): run.pk for run in each}},
+                kind=Kind.QUALITY,
             )
         )
-    return found
-
-
-def evaluated(
-    rollout: Rollout, spec: Analysis, *, lead: Release, canary: list[Node], nodes: list[Node]
-) -> list[Result]:
-    """During a step, the evaluation set again every `quality_every` rounds: a finished run's
-    verdict joins the round that finds it, and the next run starts when one is due. One that
-    has not finished by its deadline is inconclusive: never a pass on missing answers."""
-    if not (spec.quality_set and spec.quality_every):
-        return []
-    found: list[Result] = []
-    run = rollout.quality_run
-    now = timezone.now()
-    if run is not None and (run.finished or now > gate_deadline(run, spec)):
-        verdict, detail = (
-            evaluation_verdict(run, spec)
-            if run.finished
-            else (Verdict.INCONCLUSIVE, f"evaluation run #{run.pk} did not finish in time")
-        )
-        found.append(
-            Result(
-                "quality (evaluation)",
-                f"evaluation run #{run.pk}: {run.evaluation_set}",
-                run.score,
-                run.baseline_score,
-                spec.quality_min_score,
-                verdict,
-                "" if verdict == Verdict.SUCCESS else detail,
-                {"run": run.pk, "passed": run.passed, "failed": run.failed},
-            )
-        )
-        run = rollout.quality_run = None
-    rounds = rollout.measurements.filter(step=rollout.step, metric="requests").count() + 1
-    if run is None and rounds % spec.quality_every == 0:
-        try:
-            rollout.quality_run = evaluate(
-                rollout,
-                spec,
-                lead=lead,
-                canary=canary,
-                nodes=nodes,
-                when=f"step {rollout.step + 1}",
-            )
-        except QualityError as exc:
-            found.append(
-                Result("quality (evaluation)", "", None, None, None, Verdict.INCONCLUSIVE, str(exc))
-            )
     return found
 
 
@@ -224,97 +265,3 @@ def evaluation_verdict(run: EvaluationRun, spec: Analysis) -> tuple[Verdict, str
     return Verdict.SUCCESS, score + (
         f", the baseline {run.baseline_score:.0%}" if run.baseline_score is not None else ""
     )
-
-
-def drive_evidence(
-    rollout: Rollout, spec: Analysis, canary: list[Node], nodes: list[Node], now: datetime
-) -> None:
-    """Once a round finds a side with fewer requests than the judge needs, the evaluation set's
-    inputs go to that side's nodes at `synthetic_rps`, a window and two intervals at a time,
-    for the rest of the step: the judge gets its evidence instead of guessing, and the step's
-    measurements say which requests were made (`labelled`)."""
-    load = rollout.synthetic_load
-    if not spec.synthetic_rps or (load is not None and _covers(load, now, spec.interval_s)):
-        return
-    names = load.nodes if load is not None else _short_sides(rollout, spec, canary, nodes)
-    if not names:
-        return
-    found = pinned_set(rollout, rollout.model.name)
-    if found is None:
-        return  # its absence pauses the gate, and rounds say why they are inconclusive
-    seconds = spec.window_s + 2 * spec.interval_s
-    try:
-        rollout.synthetic_load = synthetic_load_start(
-            set_id=found.pk,
-            nodes=[n for n in nodes if n.name in names],
-            rps=spec.synthetic_rps,
-            seconds=seconds,
-            purpose=f"rollout #{rollout.pk}, step {rollout.step + 1}: too few requests to judge",
-            actor=ACTOR,
-        )
-    except QualityError as exc:
-        log.warning("rollout #%s: no synthetic requests: %s", rollout.pk, exc)
-        return
-    rollout.save()
-
-
-def _covers(load: SyntheticLoad, now: datetime, margin_s: int) -> bool:
-    return load.created_at + timedelta(seconds=load.seconds - margin_s) > now
-
-
-def _short_sides(
-    rollout: Rollout, spec: Analysis, canary: list[Node], nodes: list[Node]
-) -> list[str]:
-    """The nodes of each side that served fewer than `min_requests` in the last round."""
-    last = (
-        rollout.measurements.filter(step=rollout.step, metric="requests")
-        .order_by("-taken_at", "-id")
-        .first()
-    )
-    if last is None:
-        return []
-    short = []
-    if last.canary_value is not None and last.canary_value < spec.min_requests:
-        short += [n.name for n in canary]
-    if last.baseline_value is not None and last.baseline_value < spec.min_requests:
-        short += [n.name for n in nodes if n not in canary]
-    return short
-
-
-def filling(rollout: Rollout, spec: Analysis, now: datetime) -> bool:
-    """Whether synthetic requests began less than a window (and a round) ago: the window the
-    judge reads is not full of them yet."""
-    load = rollout.synthetic_load
-    if load is None:
-        return False
-    began = (
-        rollout.measurements.filter(
-            step=rollout.step, metric="requests", evidence__has_key="synthetic"
-        )
-        .order_by("taken_at", "id")
-        .values_list("taken_at", flat=True)
-        .first()
-    ) or load.created_at
-    return (now - began).total_seconds() < spec.window_s + spec.interval_s
-
-
-def labelled(rollout: Rollout, results: list[Result]) -> list[Result]:
-    """The round's request counts, saying which of them the rollout made."""
-    load = rollout.synthetic_load
-    if load is None:
-        return results
-    note = (
-        f"{load.rps:g} synthetic requests/s from {load.evaluation_set} to "
-        f"{', '.join(load.nodes)} since {load.created_at:%H:%M:%S}"
-    )
-    made = {"load": load.pk, "rps": load.rps, "nodes": load.nodes, "sent": load.sent}
-    return [
-        replace(
-            r,
-            detail="; ".join(filter(None, [r.detail, note])),
-            evidence=r.evidence | {"synthetic": made},
-        )
-        if r.metric == "requests"
-        else r
-        for r in results
-    ]

@@ -1,33 +1,33 @@
-"""The ends of a release: promotion to the whole pool, and the rollback of its canary nodes,
-each done once every node is read back serving what it must."""
+"""The ends of a release: promotion to the whole pool, the rollback of its canary nodes (by
+itself, on a verdict, or as a person's abort asks), and the wait until every node is read back
+serving what it must."""
 
 from datetime import datetime, timedelta
 
 from django.utils import timezone
 
-from apps.audit.services import audit_record
+from apps.accounts.permissions import moving_back
+from apps.audit.services import Actor, actor_name, audit_record
 from apps.fleet.desired import Want, Wanted, fleet_desired
 from apps.fleet.errors import FleetError
 from apps.fleet.memory import shortfalls
-from apps.fleet.services.deployments import deployment_set
-from apps.fleet.traffic.balancer import weights_reset
+from apps.fleet.models import Deployment, NodePool
+from apps.fleet.services.deployments import deployment_remove, deployment_set
+from apps.fleet.traffic.balancer import weights_reset, weights_set
 from apps.prometheus.catalog import budget_queries
 from apps.prometheus.client import PrometheusUnavailable, instant_query
-from apps.rollouts.gates import ACTOR
-from apps.rollouts.models import Rollout
-from apps.rollouts.plans import Analysis
-from apps.rollouts.transitions import (
+from apps.registry.models import Model
+from apps.rollouts.members import (
     Member,
-    State,
     all_serve,
     changed_steps,
-    drop_node_deployments,
     members,
     pool_deployments,
-    roll_back,
     serves,
-    transition,
 )
+from apps.rollouts.models import Rollout
+from apps.rollouts.plans import Analysis
+from apps.rollouts.transitions import ACTOR, State, transition
 from apps.rollouts.verdicts import Verdict
 from apps.web.clock import database_now
 
@@ -148,7 +148,7 @@ def _no_room_beside(rollout: Rollout, moving: list[Member]) -> list[str]:
     if not change:
         return []
     nodes = list(rollout.pool.nodes.serving())
-    return shortfalls(nodes, fleet_desired(pool_ids=[rollout.pool.pk]), change, new_only=False)
+    return shortfalls(rollout.pool, nodes, change, new_only=False)
 
 
 def aborting(rollout: Rollout) -> None:
@@ -171,3 +171,41 @@ def aborting(rollout: Rollout) -> None:
         rollout.rolled_back_at = done_at
         weights_reset(rollout.pool, ACTOR)
         transition(rollout, State.ROLLED_BACK)
+
+
+def roll_back(rollout: Rollout, reason: str, actor: Actor = ACTOR) -> None:
+    """The rollout rolled back: by itself (the controller's verdict, a failed gate or switch), or
+    as a person's abort asks. Canary nodes back to the pool's deployment, the baseline, which
+    they still serve: only a narrowing. During a promotion the pool itself goes back to the
+    baseline. On a pool whose balancer weighs nodes, the canary nodes first get no traffic
+    (where others can take it) until the rollback is read back everywhere. A move back: never
+    held for a second person on a protected pool."""
+    # No request reaches the canary from now on, where other nodes can take them: a canary on
+    # every node (a blue-green release's too) narrows in traffic instead.
+    others = rollout.pool.nodes.exclude(name__in=rollout.canary_nodes).exists()
+    if rollout.pool.traffic and others:
+        weights_set(rollout.pool, dict.fromkeys(rollout.canary_nodes, 0), actor_name(actor))
+    released = members(rollout)
+    pooled = pool_deployments(rollout, released)
+    with moving_back():
+        for member in reversed(released):  # pipelines first, then what they pin
+            pool = pooled.get(member.model.name)
+            if pool is not None and (pool.version == member.canary or pool.standby_version):
+                # A blue-green release not switched yet: its standby goes, the rest stays.
+                kept = pool.version != member.canary
+                deployment_set(
+                    model_name=member.model.name,
+                    version=member.baseline,
+                    pool=rollout.pool,
+                    actor=actor,
+                    baseline=pool.baseline_version if kept else None,
+                    baseline_until=pool.baseline_until if kept else None,
+                )
+            drop_node_deployments(member.model, rollout.pool, actor)
+    transition(rollout, State.ABORTING, reason, actor=actor)
+
+
+def drop_node_deployments(model: Model, pool: NodePool, actor: Actor) -> None:
+    """Every node of the pool back to the pool's own deployment of `model`."""
+    for deployment in Deployment.objects.filter(model=model, node__pool=pool):
+        deployment_remove(deployment_id=deployment.pk, actor=actor)
