@@ -25,6 +25,9 @@ def test_the_nodes_page_shows_live_states_and_a_load_from_the_page_ends_ready(
         expect(page.locator(f"#node-{node.name}")).to_contain_text("Ready", timeout=30_000)
     screenshot(page, "nodes-live")
     page.get_by_role("link", name="trio-1").click()
+    # Its form asks for a confirmation once htmx is bound to it: at the page's load.
+    page.wait_for_url(f"{live_server}/nodes/trio-1/")
+    page.wait_for_load_state()
     page.get_by_label("Model and version").select_option(label="rag_pipeline v2")
     asked: list[str] = []
     page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.accept()))

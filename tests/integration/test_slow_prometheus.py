@@ -17,6 +17,7 @@ from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import ModelVersion
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.services import rollout_abort
+from apps.rollouts.tick import rollout_advance
 from tests.support.registry import import_demo
 from tests.support.services import Celery
 from tests.support.users import make_user
@@ -103,7 +104,7 @@ def test_an_abort_never_waits_behind_a_slow_prometheus(
 
         def tick() -> None:
             try:
-                tick.rollout_advance(rollout_id=rollout.pk)
+                rollout_advance(rollout_id=rollout.pk)
             finally:
                 connection.close()
 

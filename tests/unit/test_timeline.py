@@ -3,6 +3,7 @@ in one, its charts and its Markdown report."""
 
 import re
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
@@ -223,13 +224,7 @@ def test_measurements_from_before_rounds_were_rows_become_their_rounds(
     executor = migrator
     executor.migrate(before)
     old = executor.loader.project_state(before).apps
-    rollout = old.get_model("rollouts", "Rollout").objects.create(
-        model_id=Model.objects.create(name="rag").pk,
-        pool_id=NodePool.objects.create(name="gpu").pk,
-        baseline_version=1,
-        canary_version=2,
-        plan=[{"percent": 100}],
-    )
+    rollout = _rollout_then(old)
     began = timezone.now() - timedelta(minutes=3)
     rows = [  # (seconds after, step, metric, verdict)
         (0.0, 0, "quality before traffic", "success"),
@@ -264,13 +259,7 @@ def test_measurements_get_their_kind_from_the_names_rounds_gave_them(
     before, after = [("rollouts", "0018_rounds")], [("rollouts", "0019_measurement_kinds")]
     migrator.migrate(before)
     old = migrator.loader.project_state(before).apps
-    rollout = old.get_model("rollouts", "Rollout").objects.create(
-        model_id=Model.objects.create(name="rag").pk,
-        pool_id=NodePool.objects.create(name="gpu").pk,
-        baseline_version=1,
-        canary_version=2,
-        plan=[{"percent": 100}],
-    )
+    rollout = _rollout_then(old)
     kinds = {
         "requests": "requests",
         "embedder: requests": "requests",  # a lockstep member's
@@ -293,3 +282,14 @@ def test_measurements_get_their_kind_from_the_names_rounds_gave_them(
     MigrationExecutor(connection).migrate(after)
     found = Measurement.objects.filter(rollout_id=rollout.pk).values_list("metric", "kind")
     assert dict(found) == kinds
+
+
+def _rollout_then(old: Any) -> Any:
+    """A rollout as the rollouts' tables were at an earlier migration (`old`: its apps)."""
+    return old.get_model("rollouts", "Rollout").objects.create(
+        model_id=Model.objects.create(name="rag").pk,
+        pool_id=NodePool.objects.create(name="gpu").pk,
+        baseline_version=1,
+        canary_version=2,
+        plan=[{"percent": 100}],
+    )
