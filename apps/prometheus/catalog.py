@@ -3,8 +3,11 @@ overview's tiles, the step breakdown, a rollout's analysis and the GPUs' room fo
 imports no other app: every app may use it, as it may the Prometheus client."""
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
+from apps.prometheus import llm
 from apps.prometheus.client import escape_label
 
 
@@ -16,6 +19,15 @@ class Metric:
     template: str  # {selector} is the label matcher, {window} the rate window
 
 
+def _llm(build: Callable[..., str]) -> str:
+    """An LLM meaning's query (apps/prometheus/llm.py) as a template, {selector} and {window}
+    left to fill."""
+    query = build(selector="\0s", window="\0w")
+    braces = query.replace("{", "{{").replace("}", "}}")
+    return braces.replace("\0s", "{selector}").replace("\0w", "{window}")
+
+
+VERSIONS = "model, version"
 METRICS = {
     m.key: m
     for m in [
@@ -87,6 +99,57 @@ METRICS = {
             "CPU memory used",
             "GiB",
             "sum by (node) (nv_cpu_memory_used_bytes{{{selector}}}) / 1073741824",
+        ),
+        # An LLM step, as users feel it and as it costs, whatever backend serves it.
+        Metric(
+            "ttft_p99",
+            "Time to first token, P99",
+            "ms",
+            _llm(partial(llm.quantile, llm.TTFT, 0.99, by=VERSIONS)),
+        ),
+        Metric(
+            "ttft_p50",
+            "Time to first token, P50",
+            "ms",
+            _llm(partial(llm.quantile, llm.TTFT, 0.5, by=VERSIONS)),
+        ),
+        Metric(
+            "ttft_nodes",
+            "Time to first token, P99 per node",
+            "ms",
+            _llm(partial(llm.quantile, llm.TTFT, 0.99, by="node")),
+        ),
+        Metric(
+            "tpot",
+            "Time per output token",
+            "ms",
+            _llm(partial(llm.mean, llm.TPOT, by=VERSIONS)),
+        ),
+        Metric(
+            "output_tokens",
+            "Output tokens per second",
+            "tokens/s",
+            _llm(partial(llm.per_second, llm.OUTPUT, by=VERSIONS)),
+        ),
+        Metric(
+            "answer_tokens",
+            "Output tokens per request",
+            "tokens",
+            _llm(partial(llm.per_second, llm.OUTPUT, by=VERSIONS)) + " / sum by (model, version) "
+            "(rate(nv_inference_request_success{{{selector}}}[{window}]))",
+        ),
+        Metric(
+            "llm_waiting",
+            "Requests waiting for the LLM",
+            "requests",
+            _llm(lambda selector, window: llm.now(llm.WAITING, selector=selector, by="node")),
+        ),
+        Metric(
+            "kv_cache",
+            "KV-cache use",
+            "%",
+            _llm(lambda selector, window: llm.now(llm.KV_CACHE, selector=selector, by="node"))
+            + " * 100",
         ),
     ]
 }

@@ -82,3 +82,11 @@ def stored_steps(config: dict[str, Any]) -> list[tuple[str, int]]:
     ensemble (JSON writes int64 as a string)."""
     steps = config.get("ensemble_scheduling", {}).get("step", [])
     return [(s.get("model_name", ""), int(s.get("model_version", -1))) for s in steps]
+
+
+def int_parameter(config: Any, key: str) -> int | None:
+    """A config's `parameters` entry `key` as a whole number, if it has one that is."""
+    if key not in config.parameters:
+        return None
+    value = config.parameters[key].string_value.strip()
+    return int(value) if value.isdecimal() else None

@@ -97,6 +97,13 @@ class RolloutForm(forms.Form):
         label="Dry run",
         help_text="Measure and record every verdict, never act on one.",
     )
+    strict_budget = forms.BooleanField(
+        required=False,
+        label="Strict LLM budget",
+        help_text="Refuse a release whose LLM step's first token and longest answer (max_tokens "
+        "at the time per token measured on the pool) would not fit its budget; otherwise it is "
+        "only warned of.",
+    )
     quality_set = forms.ChoiceField(
         required=False,
         label="Evaluation set",
@@ -129,6 +136,7 @@ class RolloutForm(forms.Form):
         "failure_limit",
         "judge",
         "dry_run",
+        "strict_budget",
         *QUALITY,
     ]
 

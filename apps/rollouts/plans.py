@@ -219,6 +219,9 @@ class Analysis:
     slo_short_s: int = 15
     # Measure and record every verdict, never act on one: to tune the analysis on a live release.
     dry_run: bool = False
+    # An LLM step's first token and longest answer (`max_tokens` at the measured time per token)
+    # must fit its budget: always warned of before it starts; refused as well when strict.
+    strict_budget: bool = False
     # After a blue-green switch: for this long the release before stays loaded and users'
     # requests are watched (errors within error_delta, the P99 within the model's budget, with
     # min_requests at least) before the release succeeds; it rolls back by itself otherwise.
@@ -262,9 +265,9 @@ class Analysis:
             if name == "metrics":
                 values[name] = _metrics(raw_value)
                 continue
-            if name == "dry_run":
+            if name in ("dry_run", "strict_budget"):
                 if raw_value not in (True, False, "true", "false"):
-                    raise PlanError(f"analysis.dry_run: {raw_value!r} is not true or false")
+                    raise PlanError(f"analysis.{name}: {raw_value!r} is not true or false")
                 values[name] = raw_value in (True, "true")
                 continue
             try:
@@ -335,6 +338,7 @@ LOOSER_WHEN_HIGHER = {
     "quality_min_score": False,
     "quality_tolerance": True,
     "switch_hold_s": False,
+    "strict_budget": False,
 }
 
 

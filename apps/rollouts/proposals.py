@@ -7,6 +7,7 @@ from typing import Any
 from apps.fleet.desired import Want
 from apps.fleet.memory import shortfalls
 from apps.fleet.models import Deployment, NodePool
+from apps.observability.llm import Fit, release_fits
 from apps.quality.models import EvaluationSet
 from apps.quality.selectors import latest_set
 from apps.registry.ensembles import UnresolvedStep
@@ -33,8 +34,14 @@ class Proposal:
     template: AnalysisTemplate | None = None
     lockstep: list[dict[str, Any]] = field(default_factory=list)  # as Rollout.lockstep
     memory: list[str] = field(default_factory=list)  # nodes where it would not fit, and why
+    budgets: list[Fit] = field(default_factory=list)  # each LLM step against its budget
     strategy: str = Rollout.Strategy.CANARY
     quality_sets: dict[str, int] = field(default_factory=dict)  # as Rollout.quality_sets
+
+    @property
+    def unfit(self) -> list[Fit]:
+        """The LLM steps not shown to fit their budget: over it, or not measured."""
+        return [fit for fit in self.budgets if not fit.fits]
 
 
 def _template(name: str, version: int | None, model: Model, pool: NodePool) -> AnalysisTemplate:
@@ -130,6 +137,9 @@ def rollout_propose(
             for m in releases
         }
     short = shortfalls(pool, pool_nodes, change)
+    budgets = release_fits([(m.model, m.canary) for m in releases], pool.name)
+    if judged.strict_budget and (unfit := [f for f in budgets if not f.fits]):
+        raise RolloutError("strict LLM budget: " + "; ".join(str(f) for f in unfit))
     return Proposal(
         model=model,
         pool=pool,
@@ -144,6 +154,7 @@ def rollout_propose(
             for m in releases[1:]
         ],
         memory=short,
+        budgets=budgets,
         strategy=strategy,
         quality_sets=_quality_sets(judged.quality_set, gated, quality_sets),
     )

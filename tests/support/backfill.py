@@ -9,6 +9,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+Row = tuple[str, str, float, bool]  # name, labels, per second (a counter) or its value
+
 
 def gpu_memory(readings: dict[tuple[str, str], tuple[int, int, range]]) -> str:
     """Triton's GPU memory series in OpenMetrics, for `backfilled_prometheus`: for each (node,
@@ -37,7 +39,7 @@ PIPELINE_STEPS = {
 def pipeline_steps(times: range) -> str:
     """rag_pipeline's steps' counters on nodes gpu-1 and gpu-2 of pool gpu, as PIPELINE_STEPS
     says, at each of `times`, for `backfilled_prometheus`: the reranker queues."""
-    rows: list[tuple[str, str, float, bool]] = []  # name, labels, per second (or gauge), counter
+    rows: list[Row] = []
     for node in ("gpu-1", "gpu-2"):
         rows.append(
             ("nv_gpu_utilization", f'gpu_uuid="{node}-0",node="{node}",pool="gpu"', 0.3, False)
@@ -54,6 +56,11 @@ def pipeline_steps(times: range) -> str:
                 ("nv_inference_compute_output_duration_us", labels, 0, True),
                 ("nv_inference_pending_request_count", labels, pending, False),
             ]
+    return _openmetrics(rows, times)
+
+
+def _openmetrics(rows: list[Row], times: range) -> str:
+    """Each row at each of `times`: a counter grown by its rate since the first."""
     lines = []
     for name in dict.fromkeys(name for name, *_ in rows):
         lines += [f"# HELP {name} backfilled", f"# TYPE {name} gauge"]
@@ -105,3 +112,41 @@ def backfilled_prometheus(root: Path, openmetrics: str | Iterable[str]) -> Itera
     finally:
         server.terminate()
         server.wait(20)
+
+
+# Per node and second, on pool gpu: requests, and each one's first token, tokens and time per
+# token. "generator" v3 exports the vLLM backend's names; "trtllm" v1 is TensorRT-LLM's, its first
+# token in Triton's own histogram.
+LLM_REQUESTS = 10
+TTFT_S, TPOT_S, GENERATOR_TOKENS = 0.2, 0.02, 100  # generator: first tokens all in (0.1, 0.25]
+TRT_TTFT_MS, TRT_TOKENS = 300, 200  # trtllm: first tokens all in (100, 500]
+
+
+def llm_series(times: range) -> str:
+    """LLM series of two backends in OpenMetrics, for `backfilled_prometheus`."""
+    rows: list[Row] = []
+
+    def histogram(name: str, labels: str, buckets: list[float], value: float) -> None:
+        for le in [*buckets, "+Inf"]:
+            inside = le == "+Inf" or value <= float(le)
+            rows.append((f"{name}_bucket", f'{labels},le="{le}"', LLM_REQUESTS * inside, True))
+        rows.append((f"{name}_sum", labels, LLM_REQUESTS * value, True))
+        rows.append((f"{name}_count", labels, LLM_REQUESTS, True))
+
+    for node in ("gpu-1", "gpu-2"):
+        where = f'node="{node}",pool="gpu"'
+        vllm = f'model="generator",{where},version="3"'
+        histogram("vllm:time_to_first_token_seconds", vllm, [0.1, 0.25, 0.5, 1.0], TTFT_S)
+        histogram("vllm:time_per_output_token_seconds", vllm, [0.01, 0.025, 0.05], TPOT_S)
+        rows.append(("vllm:generation_tokens_total", vllm, LLM_REQUESTS * GENERATOR_TOKENS, True))
+        rows.append(("nv_inference_request_success", vllm, LLM_REQUESTS, True))
+        trt = f'model="trtllm",{where},version="1"'
+        histogram("nv_inference_first_response_histogram_ms", trt, [100, 500, 2000], TRT_TTFT_MS)
+        tokens = f'{trt},response_metric_type="total_output_tokens"'
+        histogram("nv_llm_output_token_len", tokens, [10, 50, 100, 500], TRT_TOKENS)
+        rows.append(("nv_inference_request_success", trt, LLM_REQUESTS, True))
+        rows.append(("nv_trt_llm_request_metrics", f'{trt},request_type="waiting"', 3, False))
+        for kind, blocks in (("used", 600), ("max", 1000)):
+            labels = f'kv_cache_block_type="{kind}",{trt}'
+            rows.append(("nv_trt_llm_kv_cache_block_metrics", labels, blocks, False))
+    return _openmetrics(rows, times)
