@@ -338,6 +338,12 @@ def sample_queries(*, model: str, pool: str, step_s: int) -> dict[str, str]:
     }
 
 
+def llm_sample_queries(*, model: str, pool: str, step_s: int) -> dict[str, str]:
+    """An LLM step's samples by node, as `sample_queries` (apps/prometheus/llm.py): its first
+    token, each token after it and its answers' length, whatever backend serves it."""
+    return llm.sample_queries(selector=_selector(model=model, pool=pool), window=f"{step_s}s")
+
+
 # An incident's suspects: the series each change is judged by ----------------------------------
 
 

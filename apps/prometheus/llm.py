@@ -128,3 +128,16 @@ def _kv_used(*, selector: str, by: str) -> str:
         f'max by ({by}) ({blocks}{{kv_cache_block_type="used",{selector}}} / ignoring '
         f'(kv_cache_block_type) {blocks}{{kv_cache_block_type="max",{selector}}})'
     )
+
+
+def sample_queries(*, selector: str, window: str) -> dict[str, str]:
+    """Per node, one sample every `window`: the mean time to first token and per output token
+    (ms), and output tokens per request."""
+    requests = f"sum by (node) (rate(nv_inference_request_success{{{selector}}}[{window}]))"
+    return {
+        "time to first token": mean(TTFT, selector=selector, window=window, by="node"),
+        "time per output token": mean(TPOT, selector=selector, window=window, by="node"),
+        "output tokens per request": (
+            f"{per_second(OUTPUT, selector=selector, window=window, by='node')} / {requests}"
+        ),
+    }

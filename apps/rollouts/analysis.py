@@ -12,6 +12,7 @@ same tolerance, and to the step's budget)."""
 import math
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,6 +21,7 @@ from django.utils import timezone
 from apps.prometheus.catalog import (
     canary_queries,
     custom_query,
+    llm_sample_queries,
     quantiles_query,
     sample_queries,
     step_mean_latency_query,
@@ -277,24 +279,29 @@ def overall(results: list[Result], pass_score: float = 1.0) -> str:
 
 def _sampled(model: str, pool: str, canary: set[str], spec: Analysis, enough: bool) -> list[Result]:
     """The statistical judge's metrics: each node's per-interval samples over the window, the
-    canary nodes' against the others'."""
+    canary nodes' against the others'. An LLM step's first token, time per token and answer
+    length as well, where its backend exports them (a model with none of them is no LLM)."""
     end = timezone.now()
     start = end - timedelta(seconds=spec.window_s)
-    tolerance = {"latency": spec.latency_tolerance, "error_ratio": spec.error_tolerance}
+    llm = llm_sample_queries(model=model, pool=pool, step_s=spec.sample_s)
+    queries = sample_queries(model=model, pool=pool, step_s=spec.sample_s) | llm
     results = []
-    for metric, query in sample_queries(model=model, pool=pool, step_s=spec.sample_s).items():
+    for metric, query in queries.items():
         series = range_query(query, start=start, end=end, step_s=spec.sample_s)
         sides: dict[bool, list[float]] = {True: [], False: []}
         for each in series:
             values = [v for v in each.values if v is not None]
             sides[each.labels.get("node") in canary] += values
+        if metric in llm and not (sides[True] or sides[False]):
+            continue
+        kind, tolerance, margin = JUDGED[metric](spec)
         found = compare(
             sides[True],
             sides[False],
             confidence=spec.confidence,
-            tolerance=tolerance[metric],
-            relative=metric == "latency",
-            margin=spec.latency_margin_ms,
+            tolerance=tolerance,
+            relative=kind != Kind.ERRORS,
+            margin=margin,
         )
         verdict = found.verdict if enough else Verdict.INCONCLUSIVE
         results.append(
@@ -303,14 +310,24 @@ def _sampled(model: str, pool: str, canary: set[str], spec: Analysis, enough: bo
                 f"{query}\n# every {spec.sample_s} s over the last {spec.window_s} s, by node",
                 statistics.median(found.canary) if found.canary else None,
                 statistics.median(found.baseline) if found.baseline else None,
-                tolerance[metric],
+                tolerance,
                 verdict,
                 found.detail if enough else "too few requests to judge",
                 found.evidence(),
-                kind=Kind.LATENCY if metric == "latency" else Kind.ERRORS,
+                kind=kind,
             )
         )
     return results
+
+
+# Each sampled metric's kind, tolerance and margin (in its unit, relative effects only).
+JUDGED: dict[str, Callable[[Analysis], tuple[Kind, float, float]]] = {
+    "latency": lambda spec: (Kind.LATENCY, spec.latency_tolerance, spec.latency_margin_ms),
+    "error_ratio": lambda spec: (Kind.ERRORS, spec.error_tolerance, 0.0),
+    "time to first token": lambda spec: (Kind.TTFT, spec.llm_tolerance, spec.latency_margin_ms),
+    "time per output token": lambda spec: (Kind.TPOT, spec.llm_tolerance, 0.0),
+    "output tokens per request": lambda spec: (Kind.TOKENS, spec.llm_tolerance, 0.0),
+}
 
 
 def _burn_rates(

@@ -211,6 +211,8 @@ class Analysis:
     latency_tolerance: float = 0.1  # the canary's median latency may be this much higher...
     latency_margin_ms: float = 5.0  # ...or this many ms: 10 % of 3 ms is noise
     error_tolerance: float = 0.01  # ...and its mean error ratio this much higher
+    # ...and an LLM step's median time to first token, per output token and answer length
+    llm_tolerance: float = 0.2
     pass_score: float = 0.75  # the weighted share of metrics that pass, for a success
     # The SLO burn-rate gate, for models that declare objectives (apps/rollouts/slo.py): a step
     # fails when the canary spends its error budget faster than this many times the sustainable
@@ -333,6 +335,7 @@ LOOSER_WHEN_HIGHER = {
     "latency_tolerance": True,
     "latency_margin_ms": True,
     "error_tolerance": True,
+    "llm_tolerance": True,
     "pass_score": False,
     "slo_burn_limit": True,
     "quality_min_score": False,

@@ -171,6 +171,14 @@ def chart_query(
     )
 
 
+UNITS: dict[str, str] = {
+    Kind.LATENCY: "ms",
+    Kind.TTFT: "ms",
+    Kind.TPOT: "ms",
+    Kind.TOKENS: "tokens",
+}
+
+
 def evidence_charts(rollout: Rollout) -> list[tuple[str, Chart]]:
     """The statistical judge's latest samples of each metric as charts, each with its element
     id."""
@@ -182,7 +190,7 @@ def evidence_charts(rollout: Rollout) -> list[tuple[str, Chart]]:
         size = "" if effect is None else f"effect {effect:+.3g}, "
         note = f"{test}{size}step {found.step + 1} at {found.taken_at:%H:%M:%S} UTC"
         sides = {"canary": evidence["canary"], "baseline": evidence["baseline"]}
-        unit = "ms" if found.kind == Kind.LATENCY else "ratio"
+        unit = UNITS.get(found.kind, "ratio")
         chart = distributions(f"{found.metric}: {found.verdict}", sides, unit=unit, note=note)
         charts.append((f"evidence-{len(charts)}", chart))
     return charts

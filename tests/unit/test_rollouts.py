@@ -843,6 +843,8 @@ def test_the_statistical_judge_compares_each_nodes_samples_and_keeps_them(
 
     def samples(query: str, *, start: object, end: object, step_s: int) -> list[Series]:
         asked.append((query, step_s))
+        if "vllm:" in query:  # rag is no LLM: no backend exports an LLM's series of it
+            return []
         if "duration" in query:
             return [Series({"node": n}, [], list(v)) for n, v in latency.items()]
         return [Series({"node": n}, [], [0.0, None, 0.0, 0.0]) for n in latency]
@@ -861,7 +863,7 @@ def test_the_statistical_judge_compares_each_nodes_samples_and_keeps_them(
     assert slow.detail == "canary +102.5% against the baseline (tolerance 0.1, margin 5), p=0.00418"
     assert found["error_ratio (samples)"].verdict == "success"
     assert found["error_ratio (samples)"].evidence["canary"] == [0.0, 0.0, 0.0]  # a gap is none
-    assert [step for _, step in asked] == [5, 5]
+    assert [step for _, step in asked] == [5] * 5  # latency, errors, and three an LLM's
     assert analysis.overall(results, spec.pass_score) == "failure"
     latency["a"] = [x * 1.05 for x in latency["b"]]  # 5 % slower on every sample: within tolerance
     results = analysis.measure(
@@ -869,6 +871,57 @@ def test_the_statistical_judge_compares_each_nodes_samples_and_keeps_them(
     )
     assert [r.verdict for r in results] == ["success", "marginal", "success"]
     assert analysis.overall(results, spec.pass_score) == "marginal"
+
+
+@pytest.mark.parametrize(
+    ("canary", "failed"),
+    [
+        ({}, None),
+        ({"time to first token": 2.0}, "time to first token (samples)"),
+        ({"output tokens per request": 2.0}, "output tokens per request (samples)"),
+        ({"time per output token": 1.5}, "time per output token (samples)"),
+    ],
+)
+def test_an_llm_canary_is_judged_on_its_first_token_its_tokens_and_its_answers_length(
+    monkeypatch: pytest.MonkeyPatch, canary: dict[str, float], failed: str | None
+) -> None:
+    """Each node's samples, whatever backend: the canary node "a" is `canary` times the
+    baseline's on each named sample (the same whole-request latency)."""
+    from apps.prometheus import llm
+    from apps.prometheus.client import Series
+
+    baseline = {"time to first token": 300.0, "time per output token": 20.0}
+    baseline |= {"output tokens per request": 100.0, "latency": 2300.0, "error_ratio": 0.0}
+    queries = analysis.llm_sample_queries(model="generator", pool="gpu", step_s=5)
+    queries |= analysis.sample_queries(model="generator", pool="gpu", step_s=5)
+    by_query = {query: name for name, query in queries.items()}
+    assert llm.SERIES[llm.TTFT][1].series in queries["time to first token"]  # vLLM's as well
+
+    def samples(query: str, *, start: object, end: object, step_s: int) -> list[Series]:
+        name = by_query[query]
+        value = baseline[name]
+        return [
+            Series({"node": n}, [], [value * (canary.get(name, 1) if n == "a" else 1) + i % 2])
+            for n in ("a", "b", "c")
+            for i in range(4)
+        ]
+
+    def counts(query: str) -> list[tuple[dict[str, str], float]]:
+        served = "summary" not in query and "failure" not in query
+        return [({"node": n}, 40.0) for n in ("a", "b", "c")] if served else []
+
+    monkeypatch.setattr(analysis, "instant_query", counts)
+    monkeypatch.setattr(analysis, "range_query", samples)
+    spec = Analysis(judge="statistical", sample_s=5, window_s=20, min_requests=20)
+    results = analysis.measure(
+        model="generator", pool="gpu", canary_nodes=["a"], spec=spec, budget_ms=None, steps=[]
+    )
+    verdicts = {r.metric: r.verdict for r in results}
+    kinds = {r.metric: r.kind for r in results}
+    assert kinds["time to first token (samples)"] == "ttft"
+    assert kinds["output tokens per request (samples)"] == "tokens"
+    assert [m for m, v in verdicts.items() if v == "failure"] == ([failed] if failed else [])
+    assert analysis.overall(results, spec.pass_score) == ("failure" if failed else "success")
 
 
 # Pages and permissions -----------------------------------------------------------------------------
