@@ -138,6 +138,18 @@ METRICS = {
             _llm(partial(llm.per_second, llm.OUTPUT, by=VERSIONS)) + " / sum by (model, version) "
             "(rate(nv_inference_request_success{{{selector}}}[{window}]))",
         ),
+        # What an LLM step's answers cost its GPUs per 1,000 tokens, as "cost" per request.
+        Metric(
+            "cost_tokens",
+            "Compute per 1,000 output tokens",
+            "GPU-seconds",
+            "sum by (model, version) "
+            "(rate(nv_inference_compute_infer_duration_us{{{selector}}}[{window}])) / 1e6"
+            " * sum by (model, version) (rate(nv_inference_exec_count{{{selector}}}[{window}]))"
+            " / sum by (model, version) (rate(nv_inference_count{{{selector}}}[{window}])) / "
+            + _llm(partial(llm.per_second, llm.OUTPUT, by=VERSIONS))
+            + " * 1000",
+        ),
         Metric(
             "llm_waiting",
             "Requests waiting for the LLM",

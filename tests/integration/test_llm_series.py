@@ -65,6 +65,8 @@ def test_time_per_token_waiting_requests_and_kv_cache_where_a_backend_exports_th
 ) -> None:
     settings.PROMETHEUS_URL = llm_prometheus  # type: ignore[attr-defined]
     assert drawn("tpot", "generator") == pytest.approx({"generator v3": 20.0})
+    # 0.5 GPU-seconds a request of 100 tokens: 5 for 1,000 tokens.
+    assert drawn("cost_tokens", "generator") == pytest.approx({"generator v3": 5.0})
     assert drawn("tpot", "trtllm") == "No data in this range."  # TensorRT-LLM has none
     assert drawn("llm_waiting", "trtllm") == pytest.approx({"gpu-1": 3.0, "gpu-2": 3.0})
     assert drawn("kv_cache", "trtllm") == pytest.approx({"gpu-1": 60.0, "gpu-2": 60.0})

@@ -119,6 +119,7 @@ def backfilled_prometheus(root: Path, openmetrics: str | Iterable[str]) -> Itera
 # token in Triton's own histogram.
 LLM_REQUESTS = 10
 TTFT_S, TPOT_S, GENERATOR_TOKENS = 0.2, 0.02, 100  # generator: first tokens all in (0.1, 0.25]
+GENERATOR_COMPUTE_S = 0.5  # a request's compute, its batch's counted on each
 TRT_TTFT_MS, TRT_TOKENS = 300, 200  # trtllm: first tokens all in (100, 500]
 
 
@@ -140,6 +141,10 @@ def llm_series(times: range) -> str:
         histogram("vllm:time_per_output_token_seconds", vllm, [0.01, 0.025, 0.05], TPOT_S)
         rows.append(("vllm:generation_tokens_total", vllm, LLM_REQUESTS * GENERATOR_TOKENS, True))
         rows.append(("nv_inference_request_success", vllm, LLM_REQUESTS, True))
+        rows.append(("nv_inference_count", vllm, LLM_REQUESTS, True))
+        rows.append(("nv_inference_exec_count", vllm, LLM_REQUESTS, True))
+        compute_us = LLM_REQUESTS * GENERATOR_COMPUTE_S * 1e6
+        rows.append(("nv_inference_compute_infer_duration_us", vllm, compute_us, True))
         trt = f'model="trtllm",{where},version="1"'
         histogram("nv_inference_first_response_histogram_ms", trt, [100, 500, 2000], TRT_TTFT_MS)
         tokens = f'{trt},response_metric_type="total_output_tokens"'
