@@ -227,6 +227,12 @@ def _check_order(config: Any, error: Callable[[str, str], None]) -> None:
         )
 
 
+def streams(config: Any, resolve: Resolver) -> bool:
+    """Whether the model answers a request with a stream of responses (decoupled), as Triton
+    decides it for an ensemble: from its steps."""
+    return _decoupled(config, resolve, ())
+
+
 def _decoupled(model: Any, resolve: Resolver, path: tuple[str, ...]) -> bool:
     """Triton sets an ensemble's model_transaction_policy from its steps (ValidateEnsembleConfig),
     whatever its config says: an ensemble over a decoupled step is a decoupled step."""

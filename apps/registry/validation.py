@@ -85,6 +85,13 @@ def validate_config(config: Any, *, expected_name: str = "") -> list[Problem]:
     _check_instance_groups(config, out)
     _check_batching(config, out)
     _check_version_policy(config, out)
+    if config.response_cache.enable and config.model_transaction_policy.decoupled:
+        # Triton core, model_config_utils.cc: a cached response is one, a stream is many.
+        out.error(
+            "response_cache",
+            "Response Cache does not currently support a model with 'decoupled' transaction "
+            "policy; disable the response cache",
+        )
     return out.problems
 
 

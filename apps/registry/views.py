@@ -8,10 +8,16 @@ from django.views.decorators.http import require_GET, require_POST
 
 from apps.accounts.permissions import current_user, require
 from apps.registry.archives import ArchiveError, release_archive
-from apps.registry.codec import ensemble_steps, from_dict, to_pbtxt, without_version_policy
+from apps.registry.codec import (
+    ensemble_steps,
+    from_dict,
+    int_parameter,
+    to_pbtxt,
+    without_version_policy,
+)
 from apps.registry.dag import ensemble_graph
 from apps.registry.diff import config_diff
-from apps.registry.ensembles import UnresolvedStep, pinned_steps
+from apps.registry.ensembles import UnresolvedStep, pinned_steps, streams
 from apps.registry.forms import ImportForm, VersionForm
 from apps.registry.highlight import highlight_pbtxt
 from apps.registry.imports import archive_import
@@ -74,6 +80,8 @@ def version_detail(request: HttpRequest, name: str, version: int) -> HttpRespons
         "pbtxt": highlight_pbtxt(to_pbtxt(config)),
         "problems": config_problems(config, expected_name=name),
         "others": found.model.versions.exclude(pk=found.pk).values_list("version", flat=True),
+        "streams": streams(config, registry_resolver()),
+        "max_tokens": int_parameter(config, "max_tokens"),
     }
     if found.model.kind == Model.Kind.ENSEMBLE:
         context["graph"] = ensemble_graph(config, _budgets(config))

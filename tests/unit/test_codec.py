@@ -73,7 +73,7 @@ def pytriton_configs(tmp_path: Path) -> list[str]:
 
     specs = [
         TritonModelConfig(
-            model_name="decoupled_cached",
+            model_name="decoupled",
             max_batch_size=16,
             batcher=DynamicBatcher(preferred_batch_size=[4, 8], max_queue_delay_microseconds=100),
             instance_group={DeviceKind.KIND_CPU: 2},
@@ -84,7 +84,6 @@ def pytriton_configs(tmp_path: Path) -> list[str]:
                 TensorSpec("TEXT", (1,), object, optional=True),
             ],
             outputs=[TensorSpec("OUT", (-1, 3), np.int64)],
-            response_cache=ResponseCache(enable=True),
         ),
         TritonModelConfig(
             model_name="unbatched",
@@ -96,6 +95,7 @@ def pytriton_configs(tmp_path: Path) -> list[str]:
         TritonModelConfig(
             model_name="gpu_pair",
             max_batch_size=64,
+            response_cache=ResponseCache(enable=True),  # Triton refuses one to a decoupled model
             instance_group={DeviceKind.KIND_GPU: 2},
             inputs=[TensorSpec("A", (8,), np.int32), TensorSpec("B", (8,), np.bool_)],
             outputs=[TensorSpec("SUM", (8,), np.float64)],

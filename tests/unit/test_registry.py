@@ -387,3 +387,42 @@ def test_a_release_download_past_its_cap_is_refused_before_anything_is_sent(
     refused = client.get("/models/rag_pipeline/v2/repository.zip", follow=True)
     assert refused.redirect_chain == [("/models/rag_pipeline/v2/", 302)]
     assert "a download may: copy them from the repository" in refused.content.decode()
+
+
+STREAMING = """
+    name: "llm" backend: "python" max_batch_size: 8
+    model_transaction_policy { decoupled: true }
+    input [{ name: "PROMPT" data_type: TYPE_STRING dims: [1] }]
+    output [{ name: "TOKEN" data_type: TYPE_STRING dims: [1] }]
+    parameters [{ key: "max_tokens" value: { string_value: "256" } }]"""
+
+
+def test_a_streaming_model_says_so_and_a_response_cache_on_it_is_refused(
+    client: Client, viewer: User
+) -> None:
+    """Triton refuses a decoupled model a response cache (core, model_config_utils.cc); the
+    version page says a model streams, an ensemble over one too (Triton decides it from the
+    steps), and how long its answers may be."""
+    cached = parse_pbtxt(STREAMING + "\nresponse_cache { enable: true }")
+    with pytest.raises(RegistryError, match="response_cache: Response Cache does not currently"):
+        version_create(model_name="llm", config=cached, actor="ops")
+    assert not ModelVersion.objects.filter(model__name="llm").exists()
+    version_create(model_name="llm", config=parse_pbtxt(STREAMING), actor="ops")
+    chain = parse_pbtxt(
+        """name: "chat" platform: "ensemble" max_batch_size: 8
+        input [{ name: "PROMPT" data_type: TYPE_STRING dims: [1] }]
+        output [{ name: "TOKEN" data_type: TYPE_STRING dims: [1] }]
+        ensemble_scheduling { step [{ model_name: "llm" model_version: 1
+            input_map { key: "PROMPT" value: "PROMPT" } output_map { key: "TOKEN" value: "TOKEN" }
+        }] }"""
+    )
+    version_create(model_name="chat", config=chain, actor="ops")
+    import_demo()
+    client.force_login(viewer)
+    llm = client.get("/models/llm/v1/").content.decode()
+    assert "Decoupled: it answers a request with a stream of responses" in llm
+    assert "Its answers: 256 tokens at most" in llm
+    chat = client.get("/models/chat/v1/").content.decode()
+    assert "as its decoupled steps make it" in chat
+    plain = client.get("/models/embedder/v1/").content.decode()
+    assert "It answers each request with one response." in plain
