@@ -5,6 +5,7 @@ question of a pool whatever its nodes run: Triton's own first-response histogram
 backend, TensorRT-LLM, or a Python model that exports vLLM's names through Triton's custom
 metrics (with `model` and `version` labels of its own: Triton adds none to custom metrics)."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -69,57 +70,47 @@ def _either(parts: list[str]) -> str:
     return "(" + " or ".join(f"({part})" for part in parts) + ")"
 
 
-def _scaled(query: str, scale: float) -> str:
-    return query if scale == 1 else f"{query} * {scale:g}"
+def _each(meaning: str, query: Callable[[Source], str], more: list[str] | None = None) -> str:
+    """`query` of each backend's series of `meaning`, scaled to its unit, as one expression."""
+    parts = [
+        q if s.scale == 1 else f"{q} * {s.scale:g}" for s in SERIES[meaning] if (q := query(s))
+    ]
+    return _either(parts + (more or []))
 
 
 def quantile(meaning: str, q: float, *, selector: str, window: str, by: str) -> str:
     """The `q` quantile of a histogram meaning (ms), over the window, by `by`."""
-    return _either(
-        [
-            _scaled(
-                f"histogram_quantile({q:g}, sum by (le, {by}) "
-                f"(rate({s.series}_bucket{{{s.match}{selector}}}[{window}])))",
-                s.scale,
-            )
-            for s in SERIES[meaning]
-        ]
+    return _each(
+        meaning,
+        lambda s: (
+            f"histogram_quantile({q:g}, sum by (le, {by}) "
+            f"(rate({s.series}_bucket{{{s.match}{selector}}}[{window}])))"
+        ),
     )
 
 
 def mean(meaning: str, *, selector: str, window: str, by: str) -> str:
     """A histogram meaning's mean (ms) over the window, by `by`."""
-    return _either(
-        [
-            _scaled(
-                f"sum by ({by}) (rate({s.series}_sum{{{s.match}{selector}}}[{window}])) / "
-                f"sum by ({by}) (rate({s.series}_count{{{s.match}{selector}}}[{window}]))",
-                s.scale,
-            )
-            for s in SERIES[meaning]
-        ]
+    return _each(
+        meaning,
+        lambda s: (
+            f"sum by ({by}) (rate({s.series}_sum{{{s.match}{selector}}}[{window}])) / "
+            f"sum by ({by}) (rate({s.series}_count{{{s.match}{selector}}}[{window}]))"
+        ),
     )
 
 
 def per_second(meaning: str, *, selector: str, window: str, by: str) -> str:
     """A counter meaning's rate, by `by`."""
-    return _either(
-        [
-            _scaled(f"sum by ({by}) (rate({s.series}{{{s.match}{selector}}}[{window}]))", s.scale)
-            for s in SERIES[meaning]
-        ]
+    return _each(
+        meaning, lambda s: f"sum by ({by}) (rate({s.series}{{{s.match}{selector}}}[{window}]))"
     )
 
 
 def now(meaning: str, *, selector: str, by: str) -> str:
     """A gauge meaning, its highest by `by`; the KV cache from TensorRT-LLM's blocks as well."""
-    parts = [
-        _scaled(f"max by ({by}) ({s.series}{{{s.match}{selector}}})", s.scale)
-        for s in SERIES[meaning]
-    ]
-    if meaning == KV_CACHE:
-        parts.append(_kv_used(selector=selector, by=by))
-    return _either(parts)
+    more = [_kv_used(selector=selector, by=by)] if meaning == KV_CACHE else []
+    return _each(meaning, lambda s: f"max by ({by}) ({s.series}{{{s.match}{selector}}})", more)
 
 
 def _kv_used(*, selector: str, by: str) -> str:
