@@ -23,14 +23,14 @@ class Fit:
     max_tokens: int
     budget_ms: int
     ttft_ms: float | None  # the first token's P99 on the pool
-    tpot_ms: float | None  # the mean time per output token on the pool
+    itl_ms: float | None  # the mean time per output token on the pool
     unread: str = ""  # why the pool's figures could not be read
 
     @property
     def worst_ms(self) -> float | None:
-        if self.ttft_ms is None or self.tpot_ms is None:
+        if self.ttft_ms is None or self.itl_ms is None:
             return None
-        return self.ttft_ms + self.max_tokens * self.tpot_ms
+        return self.ttft_ms + self.max_tokens * self.itl_ms
 
     @property
     def fits(self) -> bool | None:
@@ -42,14 +42,14 @@ class Fit:
         if self.worst_ms is None:
             missing = self.unread or "no " + " nor ".join(
                 name
-                for name, value in [("first token", self.ttft_ms), ("tokens", self.tpot_ms)]
+                for name, value in [("first token", self.ttft_ms), ("tokens", self.itl_ms)]
                 if value is None
             )
             return f"{what}: its budget of {self.budget_ms} ms cannot be checked ({missing})"
-        assert self.ttft_ms is not None and self.tpot_ms is not None
+        assert self.ttft_ms is not None and self.itl_ms is not None
         sum_ = (
             f"first token {self.ttft_ms:.0f} ms (P99) + {self.max_tokens} tokens x "
-            f"{self.tpot_ms:.1f} ms = {self.worst_ms:.0f} ms"
+            f"{self.itl_ms:.1f} ms = {self.worst_ms:.0f} ms"
         )
         verdict = "within" if self.fits else "over"
         return f"{what}: {sum_}, {verdict} its budget of {self.budget_ms} ms"
@@ -103,10 +103,10 @@ def fits(steps: list[Step], pool: str) -> list[Fit]:
     selector = f'model=~"{names}",pool="{escape_label(pool)}"'
     try:
         ttft = _by_model(llm.quantile(llm.TTFT, 0.99, selector=selector, window=WINDOW, by="model"))
-        tpot = _by_model(llm.mean(llm.TPOT, selector=selector, window=WINDOW, by="model"))
+        itl = _by_model(llm.mean(llm.ITL, selector=selector, window=WINDOW, by="model"))
         unread = ""
     except PrometheusUnavailable as exc:
-        ttft, tpot, unread = {}, {}, str(exc)
+        ttft, itl, unread = {}, {}, str(exc)
     return [
         Fit(
             s.model,
@@ -114,7 +114,7 @@ def fits(steps: list[Step], pool: str) -> list[Fit]:
             s.max_tokens,
             s.budget_ms,
             ttft.get(s.model),
-            tpot.get(s.model),
+            itl.get(s.model),
             unread,
         )
         for s in steps

@@ -120,10 +120,10 @@ METRICS = {
             _llm(partial(llm.quantile, llm.TTFT, 0.99, by="node")),
         ),
         Metric(
-            "tpot",
-            "Time per output token",
+            "itl",
+            "Time per output token (ITL)",
             "ms",
-            _llm(partial(llm.mean, llm.TPOT, by=VERSIONS)),
+            _llm(partial(llm.mean, llm.ITL, by=VERSIONS)),
         ),
         Metric(
             "output_tokens",

@@ -17,9 +17,9 @@ class Source:
     match: str = ""  # label matchers of its own, before the chart's
 
 
-TTFT, TPOT, OUTPUT, PROMPT, WAITING, KV_CACHE = (
+TTFT, ITL, OUTPUT, PROMPT, WAITING, KV_CACHE = (
     "ttft",
-    "tpot",
+    "itl",
     "output_tokens",
     "prompt_tokens",
     "waiting",
@@ -39,7 +39,7 @@ SERIES: dict[str, list[Source]] = {
         Source("triton", "nv_inference_first_response_histogram_ms"),
         Source("vllm", "vllm:time_to_first_token_seconds", 1000),
     ],
-    TPOT: [Source("vllm", "vllm:time_per_output_token_seconds", 1000)],
+    ITL: [Source("vllm", "vllm:time_per_output_token_seconds", 1000)],
     OUTPUT: [
         Source("vllm", "vllm:generation_tokens_total"),
         Source(
@@ -127,7 +127,7 @@ def sample_queries(*, selector: str, window: str) -> dict[str, str]:
     requests = f"sum by (node) (rate(nv_inference_request_success{{{selector}}}[{window}]))"
     return {
         "time to first token": mean(TTFT, selector=selector, window=window, by="node"),
-        "time per output token": mean(TPOT, selector=selector, window=window, by="node"),
+        "time per output token": mean(ITL, selector=selector, window=window, by="node"),
         "output tokens per request": (
             f"{per_second(OUTPUT, selector=selector, window=window, by='node')} / {requests}"
         ),

@@ -325,7 +325,7 @@ JUDGED: dict[str, Callable[[Analysis], tuple[Kind, float, float]]] = {
     "latency": lambda spec: (Kind.LATENCY, spec.latency_tolerance, spec.latency_margin_ms),
     "error_ratio": lambda spec: (Kind.ERRORS, spec.error_tolerance, 0.0),
     "time to first token": lambda spec: (Kind.TTFT, spec.llm_tolerance, spec.latency_margin_ms),
-    "time per output token": lambda spec: (Kind.TPOT, spec.llm_tolerance, 0.0),
+    "time per output token": lambda spec: (Kind.ITL, spec.llm_tolerance, 0.0),
     "output tokens per request": lambda spec: (Kind.TOKENS, spec.llm_tolerance, 0.0),
 }
 

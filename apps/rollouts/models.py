@@ -220,7 +220,7 @@ class Measurement(models.Model):
         STEP = "step"  # a pipeline step's latency, at the version each release pins
         BURN = "burn"  # an objective's burn rate
         TTFT = "ttft"  # an LLM step's time to first token
-        TPOT = "tpot"  # an LLM step's time per output token
+        ITL = "itl"  # an LLM step's time per output token
         TOKENS = "tokens"  # an LLM step's output tokens per request: its answers' length
         CUSTOM = "custom"  # a metric of the analysis's own
         QUALITY = "quality"  # an evaluation run's score

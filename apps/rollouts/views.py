@@ -174,7 +174,7 @@ def chart_query(
 UNITS: dict[str, str] = {
     Kind.LATENCY: "ms",
     Kind.TTFT: "ms",
-    Kind.TPOT: "ms",
+    Kind.ITL: "ms",
     Kind.TOKENS: "tokens",
 }
 

@@ -64,10 +64,10 @@ def test_time_per_token_waiting_requests_and_kv_cache_where_a_backend_exports_th
     llm_prometheus: str, settings: object
 ) -> None:
     settings.PROMETHEUS_URL = llm_prometheus  # type: ignore[attr-defined]
-    assert drawn("tpot", "generator") == pytest.approx({"generator v3": 20.0})
+    assert drawn("itl", "generator") == pytest.approx({"generator v3": 20.0})
     # 0.5 GPU-seconds a request of 100 tokens: 5 for 1,000 tokens.
     assert drawn("cost_tokens", "generator") == pytest.approx({"generator v3": 5.0})
-    assert drawn("tpot", "trtllm") == "No data in this range."  # TensorRT-LLM has none
+    assert drawn("itl", "trtllm") == "No data in this range."  # TensorRT-LLM has none
     assert drawn("llm_waiting", "trtllm") == pytest.approx({"gpu-1": 3.0, "gpu-2": 3.0})
     assert drawn("kv_cache", "trtllm") == pytest.approx({"gpu-1": 60.0, "gpu-2": 60.0})
 
@@ -84,7 +84,7 @@ def test_a_longest_answer_is_held_to_its_budget_on_the_measured_figures(
         ],
         "gpu",
     )
-    assert (over.ttft_ms, over.tpot_ms) == pytest.approx((248.5, 20.0))
+    assert (over.ttft_ms, over.itl_ms) == pytest.approx((248.5, 20.0))
     assert over.fits is False and within.fits is True
     assert str(over) == (
         "generator v4 (max_tokens 100): first token 248 ms (P99) + 100 tokens x 20.0 ms = "

@@ -40,7 +40,7 @@ class Migration(migrations.Migration):
                     ("step", "Step"),
                     ("burn", "Burn"),
                     ("ttft", "Ttft"),
-                    ("tpot", "Tpot"),
+                    ("itl", "Itl"),
                     ("tokens", "Tokens"),
                     ("custom", "Custom"),
                     ("quality", "Quality"),
