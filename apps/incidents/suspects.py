@@ -1,8 +1,8 @@
 """Suspect changes: for an incident, every change in the hour before its onset, ranked by how
 likely it caused the symptom. A change scores for its scope (the incident's model, its pool),
-for how shortly it came before the onset, and for how much the model's P99 and error ratio moved
-across it; each suspect carries that evidence, and the pool and model a rollback would switch
-back."""
+for how shortly it came before the onset, and for how much the model's P99, error ratio and (an
+LLM's) time to first token moved across it; each suspect carries that evidence, and the pool and
+model a rollback would switch back."""
 
 import math
 from dataclasses import dataclass, field
@@ -37,6 +37,7 @@ class Suspect:
     evidence: list[str] = field(default_factory=list)
     p99: tuple[float, float] | None = None  # P99 (ms) before and after the change
     errors: tuple[float, float] | None = None  # error ratio before and after it
+    ttft: tuple[float, float] | None = None  # an LLM's first token's P99 (ms) before and after
     parts: list[str] = field(default_factory=list)  # the changes folded into this one
     rollout: int = 0  # the rollout it is, if it is one
 
@@ -114,8 +115,9 @@ def _number(name: str) -> int:
 
 
 def _measure(found: list[Suspect], onset: datetime) -> None:
-    """Each suspect's model P99 and error ratio (in its pool) just before and just after it: two
-    range queries per model and pool, whatever the number of suspects."""
+    """Each suspect's model P99, error ratio and time to first token (in its pool) just before
+    and just after it: three range queries per model and pool, whatever the number of
+    suspects."""
     if not found:
         return
     start = min(s.at for s in found) - AROUND
@@ -170,11 +172,12 @@ def _score(suspect: Suspect, onset: datetime, model: str, pool: str) -> None:
     if pool and suspect.pool == pool:
         evidence.append(f"in pool {pool}, where it alerts")
     evidence.append(f"{_duration(lead)} before the onset")
-    if suspect.p99 is not None:
-        before, after = suspect.p99
-        ratio = after / before if before > 0 else 1.0
-        shift = 1 + max(0.0, math.log2(max(ratio, 1e-9)))
-        evidence.append(f"P99 {before:.0f} ms → {after:.0f} ms across it (x{ratio:.2f})")
+    for name, moved in (("P99", suspect.p99), ("time to first token P99", suspect.ttft)):
+        if moved is not None:  # each doubling counts once more
+            before, after = moved
+            ratio = after / before if before > 0 else 1.0
+            shift *= 1 + max(0.0, math.log2(max(ratio, 1e-9)))
+            evidence.append(f"{name} {before:.0f} ms → {after:.0f} ms across it (x{ratio:.2f})")
     if suspect.errors is not None:
         before, after = suspect.errors
         shift *= 1 + 20 * max(0.0, after - before)  # 5 more failures in 100 count as a doubling

@@ -360,13 +360,15 @@ def llm_sample_queries(*, model: str, pool: str, step_s: int) -> dict[str, str]:
 
 
 def suspect_queries(*, model: str, pool: str) -> dict[str, str]:
-    """A model's worst P99 (ms) and its error ratio (failed / all requests), in a pool."""
+    """A model's worst P99 (ms), its error ratio (failed / all requests) and, an LLM's, its time
+    to first token's P99 (ms, whatever backend), in a pool."""
     selector = _selector(model=model, pool=pool)
     failed = f"sum(rate(nv_inference_request_failure{{{selector}}}[30s]))"
     served = f"sum(rate(nv_inference_request_success{{{selector}}}[30s]))"
     return {
         "p99": f'max(nv_inference_request_summary_us{{quantile="0.99",{selector}}}) / 1000',
         "errors": f"{failed} / ({served} + {failed})",
+        "ttft": llm.quantile(llm.TTFT, 0.99, selector=selector, window="30s", by="model"),
     }
 
 

@@ -21,7 +21,7 @@ from apps.fleet.services.nodes import node_register
 from apps.incidents import suspects as suspects_module
 from apps.incidents.models import Incident
 from apps.incidents.services import incident_open, incident_rollback
-from apps.incidents.suspects import suspects
+from apps.incidents.suspects import Suspect, _score, suspects
 from apps.prometheus.client import Series
 from apps.registry.imports import repository_import
 from apps.registry.models import Model
@@ -153,8 +153,10 @@ def test_the_rollout_step_before_the_onset_is_ranked_first_on_its_evidence(
 
     def range_query(query: str, *, start: datetime, end: datetime, step_s: int) -> list[Series]:
         """rag_pipeline: P99 40 ms and no errors, then 300 ms and 10% failing from the rollout's
-        step on; others flat."""
+        step on; others flat. No model here is an LLM: no first token."""
         queried.append(query)
+        if "first_token" in query:
+            return []
         times = [start.timestamp() + s for s in range(0, int((end - start).total_seconds()), 5)]
         worse = "rag_pipeline" in query
         normal, bad = (0.0, 0.1) if "failure" in query else (40.0, 300.0)
@@ -180,13 +182,29 @@ def test_the_rollout_step_before_the_onset_is_ranked_first_on_its_evidence(
     )
     assert first.rollback and (first.model, first.pool) == ("rag_pipeline", "demo")
     assert len(ranked) == 4 and ranked[-1].title == "deployment.set pool:other:embedder"
-    assert len(queried) == 6  # two per model and pool (rag_pipeline's twice), not per change
+    assert len(queried) == 9  # three per model and pool (rag_pipeline's twice), not per change
 
     # Prometheus down: still ranked, by scope and time, and the page says why.
     settings.PROMETHEUS_URL = "http://127.0.0.1:1"  # type: ignore[attr-defined]
     monkeypatch.undo()
     ranked, problem = suspects(incident)
     assert "did not answer" in problem and ranked[0].title.startswith(f"rollout #{rollout.pk}")
+
+
+def test_an_llms_first_token_moving_across_a_change_ranks_it() -> None:
+    """A release of the LLM step whose first token got 4x slower, its whole requests as before,
+    outranks one that moved nothing, with the evidence said."""
+    onset = timezone.now()
+    slow, flat = (
+        Suspect(onset - timedelta(minutes=5), "deployment.set", t, "generator", "demo", t)
+        for t in ("slow", "flat")
+    )
+    slow.p99 = flat.p99 = (2300.0, 2300.0)
+    slow.ttft, flat.ttft = (200.0, 800.0), (200.0, 200.0)
+    for suspect in (slow, flat):
+        _score(suspect, onset, "generator", "demo")
+    assert slow.score == 3 * flat.score  # a doubling counts once more: twice
+    assert "time to first token P99 200 ms → 800 ms across it (x4.00)" in slow.evidence
 
 
 def test_a_suspects_rollback_is_recorded_under_its_incident(
