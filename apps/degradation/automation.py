@@ -26,7 +26,7 @@ from apps.incidents.services import incident_open, incident_update
 from apps.prometheus.catalog import budget_queries
 from apps.prometheus.client import PrometheusUnavailable, instant_query
 from apps.registry.codec import step_names
-from apps.registry.models import ModelVersion
+from apps.registry.models import Model, ModelVersion
 from apps.rollouts.notify import notify_pool
 
 ACTOR = "system:degradation"
@@ -59,13 +59,15 @@ def tick(tiers: Tiers) -> str:
         return f"{where} {what}, none of its tiers: a person moved it"
     serving = deployment.version
     model = tiers.model
+    steps = _steps(tiers, serving)
+    objectives = Model.objects.filter(name__in=[model.name, *steps], slo_ttft_ms__isnull=False)
     limits = Limits(
         budget_ms=model.latency_budget_ms,
         max_error_ratio=None if model.slo_availability is None else 1 - model.slo_availability,
         min_requests=settings.DEGRADATION_MIN_REQUESTS,
         max_queue_ratio=settings.DEGRADATION_MAX_QUEUE_RATIO,
+        ttft_ms={m.name: m.slo_ttft_ms for m in objectives if m.slo_ttft_ms},
     )
-    steps = _steps(tiers, serving)
     nodes = list(Node.objects.filter(pool=tiers.pool).in_traffic().values_list("name", flat=True))
     try:
         short, long = (
@@ -113,6 +115,9 @@ def _window(tiers: Tiers, steps: list[str], nodes: list[str], window_s: int) -> 
         rejected=value["rejected"],
         queue_us=value["queue_us"],
         compute_us=value["compute_us"],
+        ttft_ms={
+            labels["model"]: v for labels, v in found["ttft"] if "model" in labels and v == v
+        },  # v == v: a quantile of no request is NaN
     )
 
 

@@ -1,10 +1,10 @@
-"""When a pool's pipeline has broken its latency budget or its error objective, or is
-saturated (its requests rejected, a queue full; or waiting in queues far longer than they
-compute), judged from Triton's own series over a short and a long window, burn-rate style: both
-must agree, so that one slow scrape never decides, and each needs a minimum of requests. Missing
-data decides nothing: it is said, and the pool stays where it is."""
+"""When a pool's pipeline has broken its latency budget, its error objective or an LLM step's
+first-token objective, or is saturated (its requests rejected, a queue full; or waiting in queues
+far longer than they compute), judged from Triton's own series over a short and a long window,
+burn-rate style: both must agree, so that one slow scrape never decides, and each needs a
+minimum of requests. Missing data decides nothing: it is said, and the pool stays where it is."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class Window:
     rejected: float | None = None  # requests Triton turned away, its queue full
     queue_us: float | None = None  # time the pipeline's requests waited in queues, its steps'
     compute_us: float | None = None  # ... and computed
+    ttft_ms: dict[str, float] = field(default_factory=dict)  # an LLM's first tokens' P99, by model
 
     @property
     def queue_ratio(self) -> float | None:
@@ -41,6 +42,7 @@ class Limits:
     max_error_ratio: float | None  # 1 - its availability objective
     min_requests: int
     max_queue_ratio: float | None = None  # saturated past this much queue time per compute time
+    ttft_ms: dict[str, int] = field(default_factory=dict)  # first-token objectives, by model
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ def judge(short: Window, long: Window, limits: Limits) -> Finding:
             f"{long.window_s} s, objective at most {limits.max_error_ratio:.2%}"
         )
     found += _saturated(short, long, limits)
+    found += _first_tokens(short, long, limits)
     if found:
         return Finding(True, "; ".join(found))
     return Finding(
@@ -107,3 +110,14 @@ def _saturated(short: Window, long: Window, limits: Limits) -> list[str]:
             f"{long.window_s} s, at most {limit:g}x"
         )
     return found
+
+
+def _first_tokens(short: Window, long: Window, limits: Limits) -> list[str]:
+    """An LLM step whose first tokens' P99 is over its objective in both windows, in words; one
+    with no first token read in a window decides nothing."""
+    return [
+        f"{model}'s first token P99 {short.ttft_ms[model]:.0f} ms over {short.window_s} s and "
+        f"{long.ttft_ms[model]:.0f} ms over {long.window_s} s, objective {limit} ms"
+        for model, limit in sorted(limits.ttft_ms.items())
+        if min(short.ttft_ms.get(model, 0), long.ttft_ms.get(model, 0)) > limit
+    ]

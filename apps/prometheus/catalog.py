@@ -252,10 +252,11 @@ def budget_queries(
 ) -> dict[str, str]:
     """What a degradation trigger judges, one window at a time: the pool's requests of the model
     in the window, those that failed and those Triton rejected (a queue full), its worst node's
-    P99 (ms) averaged over the window, and the time its requests and its `steps`' waited in
-    queues and computed (us). Every version of the model at once: Triton labels all of an
-    ensemble's versions alike. Only `nodes`, those that serve the pool's users: a cold, drained
-    or quarantined node, or a stray target labelled with the pool, is not what users feel."""
+    P99 (ms) averaged over the window, the time its requests and its `steps`' waited in queues
+    and computed (us), and each one's first tokens' P99 (ms: an LLM's, whatever backend). Every
+    version of the model at once: Triton labels all of an ensemble's versions alike. Only
+    `nodes`, those that serve the pool's users: a cold, drained or quarantined node, or a stray
+    target labelled with the pool, is not what users feel."""
     window = f"{window_s}s"
     serving = "|".join(re.escape(name) for name in sorted(nodes))
     where = f'{_selector(pool=pool)},node=~"{escape_label(serving)}"'
@@ -271,6 +272,7 @@ def budget_queries(
         f'{{{selector},reason="REJECTED"}}[{window}]))',
         "queue_us": f"sum(increase(nv_inference_queue_duration_us{{{chain}}}[{window}]))",
         "compute_us": f"sum(increase(nv_inference_compute_infer_duration_us{{{chain}}}[{window}]))",
+        "ttft": llm.quantile(llm.TTFT, 0.99, selector=chain, window=window, by="model"),
     }
 
 

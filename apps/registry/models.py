@@ -30,6 +30,14 @@ class Model(models.Model):
         blank=True,
         help_text="the share of requests answered within the budget, e.g. 0.99",
     )
+    # An LLM's objective on what its users feel first: this share of first tokens within
+    # `slo_ttft_ms` (`set_slo --ttft 0.99@800`); degradation steps down when it breaks.
+    slo_ttft = models.FloatField(
+        null=True, blank=True, help_text="the share of first tokens within slo_ttft_ms, e.g. 0.99"
+    )
+    slo_ttft_ms = models.PositiveIntegerField(
+        null=True, blank=True, help_text="the time to first token they must come within"
+    )
     fallback_version = models.PositiveIntegerField(
         null=True,
         blank=True,
@@ -55,6 +63,8 @@ class Model(models.Model):
             found.append(f"{_percent(self.slo_availability)} of requests succeed")
         if self.slo_latency is not None and self.latency_budget_ms:
             found.append(f"{_percent(self.slo_latency)} within {self.latency_budget_ms} ms")
+        if self.slo_ttft is not None:
+            found.append(f"{_percent(self.slo_ttft)} of first tokens within {self.slo_ttft_ms} ms")
         return ", ".join(found)
 
 

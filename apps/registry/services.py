@@ -191,22 +191,34 @@ def model_set_fallback(*, model_name: str, version: int | None, actor: Actor) ->
 
 @audited("model.set_slo", _model_target, (RegistryError,))
 def model_set_slo(
-    *, model_name: str, availability: float | None, latency: float | None, actor: Actor
+    *,
+    model_name: str,
+    availability: float | None,
+    latency: float | None,
+    actor: Actor,
+    ttft: tuple[float, int] | None = None,
 ) -> Model:
     """The model's service level objectives, each a share of requests between 0 and 1 (None: no
-    objective); a latency objective is held to the model's latency budget, so it needs one."""
+    objective); a latency objective is held to the model's latency budget, so it needs one; a
+    first-token objective (an LLM's) is a share and the milliseconds its first tokens must come
+    within."""
     model = _model_locked(model_name)
+    share, within_ms = ttft or (None, None)
     problems = [
         Problem("error", model_name, f"slo_{name}", f"{value!r} is not a share between 0 and 1")
-        for name, value in [("availability", availability), ("latency", latency)]
+        for name, value in [("availability", availability), ("latency", latency), ("ttft", share)]
         if value is not None and not 0 < value < 1
     ]
     if latency is not None and model.latency_budget_ms is None:
         why = "a latency objective needs a latency budget (set_budgets) to be held to"
         problems.append(Problem("error", model_name, "slo_latency", why))
+    if within_ms is not None and within_ms < 1:
+        why = f"{within_ms!r} ms is no time to first token"
+        problems.append(Problem("error", model_name, "slo_ttft_ms", why))
     if problems:
         raise RegistryError(problems)
     values = {"slo_availability": availability, "slo_latency": latency}
+    values |= {"slo_ttft": share, "slo_ttft_ms": within_ms}
     fields_set(model, values, actor=actor, target=f"model:{model_name}")
     return model
 

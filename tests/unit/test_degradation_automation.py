@@ -183,6 +183,36 @@ def test_a_saturated_pipeline_in_both_windows_steps_down_too(
     assert 'model=~"embedder|rag_pipeline"' in " ".join(queries)  # its steps' queues are its own
 
 
+@pytest.mark.parametrize(
+    ("ttft", "tier"), [({30: 1600.0, 120: 1200.0}, 4), ({30: 1600.0, 120: 700.0}, 1)]
+)
+def test_an_llm_steps_first_token_over_its_objective_in_both_windows_steps_down(
+    pool: NodePool, monkeypatch: pytest.MonkeyPatch, ttft: dict[int, float], tier: int
+) -> None:
+    """Whole requests within budget, but the generator's first tokens (its P99 per window, from
+    whichever backend) over its objective of 800 ms."""
+    model_set_slo(
+        model_name="generator", availability=None, latency=None, ttft=(0.99, 800), actor="sre"
+    )
+
+    def instant_query(query: str) -> list[tuple[dict[str, str], float]]:
+        window = next(w for w in ttft if f"[{w}s]" in query)
+        if "first_token" in query:
+            return [({"model": "generator"}, ttft[window])]
+        if "summary" in query:
+            return [({}, 800.0)]
+        return [({}, 100.0)] if "success" in query else []
+
+    monkeypatch.setattr(automation, "instant_query", instant_query)
+    said = tick()
+    assert serving(pool) == tier
+    if tier == 4:
+        assert said.endswith(
+            "v1 → v4: generator's first token P99 1600 ms over 30 s and 1200 ms over 120 s, "
+            "objective 800 ms"
+        )
+
+
 def test_saturation_in_one_window_decides_nothing(
     pool: NodePool, prometheus: Callable[[Figures], None]
 ) -> None:

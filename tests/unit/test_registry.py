@@ -426,3 +426,23 @@ def test_a_streaming_model_says_so_and_a_response_cache_on_it_is_refused(
     assert "as its decoupled steps make it" in chat
     plain = client.get("/models/embedder/v1/").content.decode()
     assert "It answers each request with one response." in plain
+
+
+def test_an_llms_first_token_objective_is_set_shown_and_checked(
+    client: Client, viewer: User
+) -> None:
+    import_demo()
+    out = io.StringIO()
+    call_command("set_slo", "generator", "--ttft", "0.99@800", stdout=out)
+    assert out.getvalue().strip() == "generator: 99% of first tokens within 800 ms"
+    client.force_login(viewer)
+    assert (
+        "SLO: 99% of first tokens within 800 ms"
+        in client.get("/models/generator/").content.decode()
+    )
+    with pytest.raises(CommandError, match="is not SHARE@MS"):
+        call_command("set_slo", "generator", "--ttft", "0.99")
+    with pytest.raises(CommandError, match=r"slo_ttft: 1\.5 is not a share between 0 and 1"):
+        call_command("set_slo", "generator", "--ttft", "1.5@800")
+    call_command("set_slo", "generator", stdout=out)  # none given: none kept
+    assert Model.objects.get(name="generator").slo == ""
