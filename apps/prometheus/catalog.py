@@ -352,6 +352,12 @@ def sample_queries(*, model: str, pool: str, step_s: int) -> dict[str, str]:
     }
 
 
+def first_token_buckets(*, model: str, pool: str, window_s: int) -> list[tuple[llm.Source, str]]:
+    """A model's first tokens by node and bucket over the window, a query per backend."""
+    selector = _selector(model=model, pool=pool)
+    return llm.buckets(llm.TTFT, selector=selector, window=f"{window_s}s")
+
+
 def llm_sample_queries(*, model: str, pool: str, step_s: int) -> dict[str, str]:
     """An LLM step's samples by node, as `sample_queries` (apps/prometheus/llm.py): its first
     token, each token after it and its answers' length, whatever backend serves it."""

@@ -132,3 +132,12 @@ def sample_queries(*, selector: str, window: str) -> dict[str, str]:
             f"{per_second(OUTPUT, selector=selector, window=window, by='node')} / {requests}"
         ),
     }
+
+
+def buckets(meaning: str, *, selector: str, window: str) -> list[tuple[Source, str]]:
+    """Each backend's histogram of `meaning` by node and bucket, its rate over the window: one
+    query a backend, as their buckets' bounds are in their own units (`Source.scale` to ms)."""
+    return [
+        (s, f"sum by (node, le) (rate({s.series}_bucket{{{s.match}{selector}}}[{window}]))")
+        for s in SERIES[meaning]
+    ]

@@ -21,6 +21,7 @@ from django.utils import timezone
 from apps.prometheus.catalog import (
     canary_queries,
     custom_query,
+    first_token_buckets,
     llm_sample_queries,
     quantiles_query,
     sample_queries,
@@ -36,7 +37,7 @@ from apps.rollouts.judge import compare, score
 from apps.rollouts.members import ChangedStep
 from apps.rollouts.plans import Analysis, CustomMetric
 from apps.rollouts.results import Kind, Result
-from apps.rollouts.slo import Objectives, burn_rate, gate, over_budget
+from apps.rollouts.slo import Objectives, burn_rate, gate, over_budget, over_threshold
 from apps.rollouts.verdicts import Verdict
 
 
@@ -361,6 +362,10 @@ def _burn_rates(
                 n for n in ok.keys() | failed.keys() | quantiles.keys() if (n in canary) == side
             }
             bad[window, side] = _bad_shares(nodes, ok, failed, quantiles, slo.budget_ms)
+        if slo.ttft is not None and slo.ttft_ms:
+            slow = _slow_first_tokens(model, pool, window, slo.ttft_ms, canary)
+            for side in (True, False):
+                bad[window, side]["first token"] = slow[side]
     long = windows[-1]
     what = " and ".join(f"{w} s" for w in windows)
     where = f"# canary nodes over {what}; the pool's other nodes over {long} s beside them"
@@ -369,9 +374,18 @@ def _burn_rates(
         "availability": f"{text['failed']} / ({text['ok']} + {text['failed']})",
         "latency": f"{quantiles_query(model=model, pool=pool, window_s=long)}\n"
         f"# the share above {slo.budget_ms} ms, interpolated",
+        "first token": "\n".join(
+            q for _, q in first_token_buckets(model=model, pool=pool, window_s=long)
+        )
+        + f"\n# the share of first tokens above {slo.ttft_ms} ms, interpolated",
     }
     results = []
-    for name, objective in [("availability", slo.availability), ("latency", slo.latency)]:
+    objectives = [
+        ("availability", slo.availability),
+        ("latency", slo.latency),
+        ("first token", slo.ttft),
+    ]
+    for name, objective in objectives:
         if objective is None:
             continue
         burns = {w: burn_rate(bad[w, True][name], objective) for w in windows}
@@ -411,6 +425,28 @@ def _bad_shares(
         "availability": failures / (served + failures) if served + failures else None,
         "latency": slow / weight if weight else None,
     }
+
+
+def _slow_first_tokens(
+    model: str, pool: str, window_s: int, threshold_ms: int, canary: set[str]
+) -> dict[bool, float | None]:
+    """Of each side's first tokens in the window (canary: True), the share slower than
+    `threshold_ms`, over every backend that counts them (each in its own buckets' units)."""
+    slow: dict[bool, float] = {True: 0.0, False: 0.0}
+    total: dict[bool, float] = {True: 0.0, False: 0.0}
+    for source, query in first_token_buckets(model=model, pool=pool, window_s=window_s):
+        sides: dict[bool, dict[float, float]] = {True: {}, False: {}}
+        for labels, value in instant_query(query):
+            if "node" in labels and "le" in labels and not math.isnan(value):
+                bound = float(labels["le"]) * source.scale
+                bins = sides[labels["node"] in canary]
+                bins[bound] = bins.get(bound, 0.0) + value
+        for side, found in sides.items():
+            share = over_threshold(found, threshold_ms)
+            if share is not None:
+                slow[side] += share * found[math.inf]
+                total[side] += found[math.inf]
+    return {side: slow[side] / total[side] if total[side] else None for side in (True, False)}
 
 
 @dataclass(frozen=True)

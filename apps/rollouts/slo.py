@@ -22,13 +22,21 @@ class Objectives:
     availability: float | None  # 0.999: 99.9 % of requests succeed
     latency: float | None  # 0.99: 99 % are answered within budget_ms
     budget_ms: int | None
+    ttft: float | None = None  # an LLM's: 0.99: 99 % of first tokens within ttft_ms
+    ttft_ms: int | None = None
 
     @classmethod
     def of(cls, model: Model) -> "Objectives | None":
-        if model.slo_availability is None and model.slo_latency is None:
+        if model.slo_availability is None and model.slo_latency is None and not model.slo_ttft:
             return None
         latency = model.slo_latency if model.latency_budget_ms else None  # nothing to hold it to
-        return cls(model.slo_availability, latency, model.latency_budget_ms)
+        return cls(
+            model.slo_availability,
+            latency,
+            model.latency_budget_ms,
+            model.slo_ttft,
+            model.slo_ttft_ms,
+        )
 
 
 def over_budget(quantiles: dict[float, float], budget: float) -> float | None:
@@ -47,6 +55,24 @@ def over_budget(quantiles: dict[float, float], budget: float) -> float | None:
         return 0.0
     (q1, v1), (q2, v2) = points[i], points[i + 1]
     return 1 - (q1 + (q2 - q1) * (budget - v1) / (v2 - v1))
+
+
+def over_threshold(buckets: dict[float, float], threshold: float) -> float | None:
+    """The share of observations above `threshold`, from a histogram's cumulative {bound: count}
+    (+Inf the total): linear within the bucket that holds the threshold, as histogram_quantile
+    is. None without any observation."""
+    total = buckets.get(math.inf, 0.0)
+    if total <= 0:
+        return None
+    below, below_count = 0.0, 0.0
+    for bound, count in sorted(buckets.items()):
+        if bound >= threshold:
+            if math.isinf(bound):
+                return 1 - below_count / total  # past the last bound: none known within
+            within = below_count + (count - below_count) * (threshold - below) / (bound - below)
+            return 1 - within / total
+        below, below_count = bound, count
+    return 1 - below_count / total
 
 
 def burn_rate(bad: float | None, objective: float) -> float | None:

@@ -13,6 +13,9 @@ from django.utils import timezone
 
 from apps.observability.charts import metric_chart
 from apps.observability.llm import Step, fits
+from apps.rollouts.analysis import measure
+from apps.rollouts.plans import Analysis
+from apps.rollouts.slo import Objectives
 from tests.support.backfill import backfilled_prometheus, llm_series
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
@@ -94,3 +97,23 @@ def test_a_longest_answer_is_held_to_its_budget_on_the_measured_figures(
     assert str(unmeasured) == (
         "trtllm v2 (max_tokens 100): its budget of 2000 ms cannot be checked (no tokens)"
     )
+
+
+def test_a_first_token_objective_is_read_from_the_buckets_of_whichever_backend(
+    llm_prometheus: str, settings: object
+) -> None:
+    """Every first token at 200 ms, in vLLM's buckets of seconds (0.1, 0.25]: two in three over
+    150 ms, interpolated; the objective allows 1 in 100."""
+    settings.PROMETHEUS_URL = llm_prometheus  # type: ignore[attr-defined]
+    results = measure(
+        model="generator",
+        pool="gpu",
+        canary_nodes=["gpu-1"],
+        spec=Analysis(judge="threshold", window_s=60, slo_short_s=30),
+        budget_ms=None,
+        steps=[],
+        slo=Objectives(None, None, None, ttft=0.99, ttft_ms=150),
+    )
+    found = {r.metric: r for r in results}["first token burn rate"]
+    assert (found.canary, found.baseline) == pytest.approx((66.7, 66.7), rel=0.01)
+    assert found.verdict == "failure"

@@ -148,3 +148,52 @@ def test_without_enough_requests_the_gate_does_not_decide(monkeypatch: pytest.Mo
     found = {r.metric: r for r in results}
     assert "latency burn rate" not in found
     assert found["availability burn rate"].verdict == "inconclusive"
+
+
+def test_the_share_of_first_tokens_over_a_threshold_is_read_from_buckets() -> None:
+    from apps.rollouts.slo import over_threshold
+
+    buckets = {100.0: 0.0, 500.0: 10.0, 2000.0: 10.0, math.inf: 10.0}
+    assert over_threshold(buckets, 300) == pytest.approx(0.5)  # linear in (100, 500]
+    assert over_threshold(buckets, 500) == 0.0
+    assert over_threshold(buckets, 5000) == 0.0
+    assert over_threshold({100.0: 2.0, math.inf: 10.0}, 200) == pytest.approx(0.8)  # past it
+    assert over_threshold({math.inf: 0.0}, 800) is None  # no first token: no share
+
+
+def test_an_llms_first_token_objective_gates_the_canary_on_its_burn_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Canary node a's first tokens all between 500 and 2,000 ms, the others' under 500 ms,
+    in Triton's histogram; the objective 99 % within 800 ms."""
+
+    def answer(query: str) -> list[tuple[dict[str, str], float]]:
+        if "vllm:" in query:
+            return []
+        if "first_response_histogram_ms_bucket" in query:
+            slow = {"100": 0.0, "500": 0.0, "2000": 10.0, "+Inf": 10.0}
+            fast = {"100": 0.0, "500": 10.0, "2000": 10.0, "+Inf": 10.0}
+            return [
+                ({"node": node, "le": le}, value)
+                for node, bins in [("a", slow), ("b", fast), ("c", fast)]
+                for le, value in bins.items()
+            ]
+        if "nv_inference_request_failure" in query:
+            return []
+        return [({"node": n}, 100.0) for n in ("a", "b", "c")]
+
+    monkeypatch.setattr(analysis, "instant_query", answer)
+    results = analysis.measure(
+        model="generator",
+        pool="gpu",
+        canary_nodes=["a"],
+        spec=Analysis(judge="threshold", window_s=60, slo_short_s=15, min_requests=20),
+        budget_ms=None,
+        steps=[],
+        slo=Objectives(availability=None, latency=None, budget_ms=None, ttft=0.99, ttft_ms=800),
+    )
+    found = {r.metric: r for r in results}["first token burn rate"]
+    # 80 % of the canary's first tokens over 800 ms: 80 times the 1 % the objective allows.
+    assert (found.canary, found.baseline, found.verdict) == (pytest.approx(80), 0.0, "failure")
+    assert "first token burn rate 80x over 15 s and 80x over 60 s" in found.detail
+    assert "the share of first tokens above 800 ms" in found.query
