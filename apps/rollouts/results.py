@@ -58,9 +58,10 @@ def record(
 
 
 def last_round_details(rollout: Rollout) -> str:
-    """What the step's last analysis round found, once per distinct finding."""
+    """What the step's last analysis round found, once per distinct finding, in the order it
+    measured them (its request counts first)."""
     last = rollout.rounds.filter(step=rollout.step, kind=Round.Kind.ANALYSIS).first()
-    found = last.measurements.exclude(verdict=Verdict.SUCCESS) if last else []
+    found = last.measurements.exclude(verdict=Verdict.SUCCESS).order_by("id") if last else []
     details = dict.fromkeys(m.detail for m in found if m.detail)
     return "; ".join(details) or "no data"
 

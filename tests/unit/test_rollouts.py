@@ -153,7 +153,11 @@ class Fleet:
         verdict = "failure" if kwargs["model"] in self.failing else self.verdict
         values = {"success": 100.0, "failure": 900.0, "inconclusive": None}[verdict]
         return [
-            Result("requests", "q1", 50, 50, 20, "success", "", kind=Kind.REQUESTS),
+            Result("requests", "q1", 50, 50, 20, "success", "", kind=Kind.REQUESTS)
+            if verdict != "inconclusive"
+            else Result(
+                "requests", "q1", 3, 50, 20, verdict, "canary served 3", kind=Kind.REQUESTS
+            ),
             Result(
                 "p99", "q2", values, 100.0, 120.0, verdict, f"{verdict} detail", kind=Kind.LATENCY
             ),
@@ -451,7 +455,7 @@ def test_too_little_data_pauses_and_says_why(fleet: Fleet) -> None:
     fleet.verdict = "inconclusive"
     rollout = tick(tick(rollout))
     assert rollout.state == State.PAUSED
-    assert rollout.reason == "inconclusive: inconclusive detail"
+    assert rollout.reason == "inconclusive: canary served 3; inconclusive detail"  # as measured
     fleet.verdict = "success"
     rollout = tick(rollout_resume(rollout_id=rollout.pk, actor="ops"))
     assert (rollout.state, rollout.step) == (State.PROGRESSING, 1)
