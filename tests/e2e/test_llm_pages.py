@@ -53,8 +53,8 @@ def test_time_to_first_token_is_charted_and_a_longest_answer_over_budget_is_warn
         budget = page.locator("#llm-budget")
         expect(budget).to_contain_text("LLM budget not shown to fit")
         expect(budget).to_contain_text(
-            "generator v4 (max_tokens 400): first token 248 ms (P99) + 400 tokens x 20.0 ms = "
-            "8248 ms, over its budget of 2000 ms"
+            "generator v4 (max_tokens 400): first token 298 ms (P99) + 400 tokens x 20.0 ms = "
+            "8298 ms, over its budget of 2000 ms"
         )
         screenshot(page, "rollout-llm-budget")
     assert page.console_errors == []  # type: ignore[attr-defined]

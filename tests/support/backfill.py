@@ -118,7 +118,7 @@ def backfilled_prometheus(root: Path, openmetrics: str | Iterable[str]) -> Itera
 # token. "generator" v3 exports the vLLM backend's names; "trtllm" v1 is TensorRT-LLM's, its first
 # token in Triton's own histogram.
 LLM_REQUESTS = 10
-TTFT_S, ITL_S, GENERATOR_TOKENS = 0.2, 0.02, 100  # generator: first tokens all in (0.1, 0.25]
+TTFT_S, ITL_S, GENERATOR_TOKENS = 0.2, 0.02, 100  # generator: first tokens all in (0.1, 0.3]
 GENERATOR_COMPUTE_S = 0.5  # a request's compute, its batch's counted on each
 TRT_TTFT_MS, TRT_TOKENS = 300, 200  # trtllm: first tokens all in (100, 500]
 
@@ -137,7 +137,7 @@ def llm_series(times: range) -> str:
     for node in ("gpu-1", "gpu-2"):
         where = f'node="{node}",pool="gpu"'
         vllm = f'model="generator",{where},version="3"'
-        histogram("vllm:time_to_first_token_seconds", vllm, [0.1, 0.25, 0.5, 1.0], TTFT_S)
+        histogram("vllm:time_to_first_token_seconds", vllm, [0.1, 0.3, 0.5, 1.0], TTFT_S)
         histogram("vllm:time_per_output_token_seconds", vllm, [0.01, 0.025, 0.05], ITL_S)
         rows.append(("vllm:generation_tokens_total", vllm, LLM_REQUESTS * GENERATOR_TOKENS, True))
         rows.append(("nv_inference_request_success", vllm, LLM_REQUESTS, True))
