@@ -229,9 +229,12 @@ def test_a_lockstep_release_rolls_back_both_models_when_one_fails(
     assert {("embedder", 2), ("rag_pipeline", 3)} <= {
         (op.model_name, max(op.versions)) for op in loaded
     }
-    assert not rollout.measurements.filter(
-        metric__in=["requests", "p99", "error_ratio"], verdict="failure"
-    ).exists()  # the embedder itself passed
+    # The pipeline's failure decided it. (The embedder's own P99 is no verdict to hold here:
+    # a fresh canary's first requests stay in Triton's P99 summary for its age window, and on a
+    # busy machine they can fail the embedder's few milliseconds too.)
+    assert rollout.measurements.filter(
+        metric__startswith="rag_pipeline: ", verdict="failure"
+    ).exists()
     wait_for("v1 alone everywhere", converged(serving_v1, STEPS_V1), timeout=60)
 
     client.force_login(make_user(Role.VIEWER))
