@@ -28,6 +28,16 @@ def _llm(build: Callable[..., str]) -> str:
 
 
 VERSIONS = "model, version"
+REQUESTS = "sum by (model, version) (rate(nv_inference_request_success{{{selector}}}[{window}]))"
+# GPU-seconds a second of a model's compute: compute per execution (Triton counts a batch's time
+# on each of its requests: x executions / inferences).
+COMPUTE = (
+    "sum by (model, version) "
+    "(rate(nv_inference_compute_infer_duration_us{{{selector}}}[{window}])) / 1e6"
+    " * sum by (model, version) (rate(nv_inference_exec_count{{{selector}}}[{window}]))"
+    " / sum by (model, version) (rate(nv_inference_count{{{selector}}}[{window}]))"
+)
+OUTPUT_TOKENS = _llm(partial(llm.per_second, llm.OUTPUT, by=VERSIONS))
 METRICS = {
     m.key: m
     for m in [
@@ -68,19 +78,13 @@ METRICS = {
             "sum by (model, version, reason) "
             "(rate(nv_inference_request_failure{{{selector}}}[{window}]))",
         ),
-        # What a model's requests cost its GPUs: compute time per execution (Triton counts a
-        # batch's time on each of its requests: x executions / inferences) per 1,000 requests.
-        # A tuning release shows here what it saved.
+        # What a model's requests cost its GPUs (COMPUTE) per 1,000 requests. A tuning release
+        # shows here what it saved.
         Metric(
             "cost",
             "Compute per 1,000 requests",
             "GPU-seconds",
-            "sum by (model, version) "
-            "(rate(nv_inference_compute_infer_duration_us{{{selector}}}[{window}])) / 1e6"
-            " * sum by (model, version) (rate(nv_inference_exec_count{{{selector}}}[{window}]))"
-            " / sum by (model, version) (rate(nv_inference_count{{{selector}}}[{window}]))"
-            " / sum by (model, version) "
-            "(rate(nv_inference_request_success{{{selector}}}[{window}])) * 1000",
+            f"{COMPUTE} / {REQUESTS} * 1000",
         ),
         Metric(
             "gpu_util",
@@ -129,26 +133,20 @@ METRICS = {
             "output_tokens",
             "Output tokens per second",
             "tokens/s",
-            _llm(partial(llm.per_second, llm.OUTPUT, by=VERSIONS)),
+            OUTPUT_TOKENS,
         ),
         Metric(
             "answer_tokens",
             "Output tokens per request",
             "tokens",
-            _llm(partial(llm.per_second, llm.OUTPUT, by=VERSIONS)) + " / sum by (model, version) "
-            "(rate(nv_inference_request_success{{{selector}}}[{window}]))",
+            f"{OUTPUT_TOKENS} / {REQUESTS}",
         ),
         # What an LLM step's answers cost its GPUs per 1,000 tokens, as "cost" per request.
         Metric(
             "cost_tokens",
             "Compute per 1,000 output tokens",
             "GPU-seconds",
-            "sum by (model, version) "
-            "(rate(nv_inference_compute_infer_duration_us{{{selector}}}[{window}])) / 1e6"
-            " * sum by (model, version) (rate(nv_inference_exec_count{{{selector}}}[{window}]))"
-            " / sum by (model, version) (rate(nv_inference_count{{{selector}}}[{window}])) / "
-            + _llm(partial(llm.per_second, llm.OUTPUT, by=VERSIONS))
-            + " * 1000",
+            f"{COMPUTE} / {OUTPUT_TOKENS} * 1000",
         ),
         Metric(
             "llm_waiting",
