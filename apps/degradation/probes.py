@@ -35,7 +35,7 @@ def probe(tiers: Tiers, version: int) -> Probed:
     )
     if not nodes:
         return Probed(False, f"no ready node of {tiers.pool.name} to probe v{version} on")
-    clients = [TritonClient(node.http_url, node=node.name) for node in nodes]
+    clients = [TritonClient.of(node) for node in nodes]
     try:  # the same requests to each node, the nodes side by side
         requests = requests_for(clients[0], model, settings.DEGRADATION_PROBES, random.Random(0))
     except TritonError as exc:

@@ -1,13 +1,10 @@
 """Bounded synthetic traffic: real inference requests sent round-robin across nodes."""
 
-import itertools
 import random
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
+from apps.fleet.asking import ask
 from apps.fleet.triton import TritonClient, TritonError, sample_inputs
 
 QUESTIONS = [
@@ -47,25 +44,12 @@ def send_traffic(
     seed: int = 0,
     wait: float = 0.0,
 ) -> Counter[str]:
-    """Send about `rps * seconds` requests, then stop; counts results as `node ok|failed`."""
+    """Send about `rps * seconds` requests, then stop; counts results as `node ok|failed`. A
+    pipeline that streams its answer is read as a stream (over gRPC), as its users read it."""
     rng = random.Random(seed)
     spec = wait_for_model(clients[0], model, timeout=wait)
-    results: Counter[str] = Counter()
-    nodes = itertools.cycle(clients)
-
-    def one(client: TritonClient, inputs: dict[str, np.ndarray]) -> None:
-        try:
-            client.infer(model, inputs)
-            results[f"{client.node} ok"] += 1
-        except TritonError:
-            results[f"{client.node} failed"] += 1
-
-    start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        for sent in itertools.count():
-            due = start + sent / rps
-            if due - start >= seconds:
-                break
-            time.sleep(max(0.0, due - time.monotonic()))
-            pool.submit(one, next(nodes), sample_inputs(spec, rng, texts=QUESTIONS))
-    return results
+    requests = [
+        sample_inputs(spec, rng, texts=QUESTIONS) for _ in range(max(1, int(rps * seconds)))
+    ]
+    answers = ask(clients, model, requests, concurrency=8, rps=rps)
+    return Counter(f"{a.node} {'failed' if a.outputs is None else 'ok'}" for a in answers)

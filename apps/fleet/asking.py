@@ -4,7 +4,8 @@ synthetic load all send theirs through `ask`, and nothing else holds a thread po
 A batch of requests goes to a model (to one version of it, when given), round-robin over the
 nodes given, a bounded number at a time, each within its own timeout, paced at a rate when asked.
 A request that fails or takes too long is an answer with its error: one slow request never holds
-the rest."""
+the rest. A model that answers with a stream (decoupled) is asked over gRPC, its answer joined,
+with the time to its first response."""
 
 import threading
 import time
@@ -24,6 +25,8 @@ class Answer:
     outputs: dict[str, np.ndarray] | None  # None: failed, saying why in `error`
     latency_ms: float | None
     error: str = ""
+    first_ms: float | None = None  # a streamed answer's first response
+    responses: int = 1  # a streamed answer's responses (its tokens)
 
 
 def ask(
@@ -57,14 +60,17 @@ def ask(
             at = index % len(clients)
             client, start = clients[at], time.perf_counter()
             try:
-                outputs = session(at).infer(model, requests[index], version=version)
+                reply = session(at).reply(model, requests[index], version=version)
             except TritonTimeout:
                 waited = timeout_s if timeout_s is not None else client.timeout
                 answer = Answer(client.node, None, None, f"no answer within {waited:g} s")
             except TritonError as exc:
                 answer = Answer(client.node, None, None, exc.message)
             else:
-                answer = Answer(client.node, outputs, (time.perf_counter() - start) * 1000)
+                took = (time.perf_counter() - start) * 1000
+                answer = Answer(
+                    client.node, reply.outputs, took, "", reply.first_ms, reply.responses
+                )
             if answered is not None:
                 answered(answer)
             return answer

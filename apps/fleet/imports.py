@@ -8,7 +8,7 @@ from apps.registry.imports import Candidate, ImportResult, candidates_import
 
 
 def node_import(*, node: Node, actor: Actor, dry_run: bool = False) -> list[ImportResult]:
-    client = TritonClient(node.http_url, node=node.name)
+    client = TritonClient.of(node)
     candidates = []
     for model, ready in sorted(ready_in(client.repository_index()).items()):
         numbers = sorted(ready)

@@ -23,7 +23,7 @@ JOINING_READ = ("health", "index", "last_seen")
 def joining_read(node: Node) -> bool:
     """`JOINING_READ` read now onto `node`, not written (its join writes them with its stage);
     False if it did not answer."""
-    client = TritonClient(node.http_url, node=node.name)
+    client = TritonClient.of(node)
     try:
         node.health = client.health()
         node.index = stored(client.repository_index())

@@ -19,12 +19,8 @@ from django.utils import timezone
 
 from apps.fleet.desired import DesiredStateError, FleetDesired, Wanted, fleet_desired
 from apps.fleet.models import Footprint, Node, NodePool
-from apps.fleet.triton import (
-    TritonClient,
-    parse_cpu_memory_used,
-    parse_gpu_memory,
-    read_metrics,
-)
+from apps.fleet.node_metrics import parse_cpu_memory_used, parse_gpu_memory, read_metrics
+from apps.fleet.triton import TritonClient
 from apps.prometheus.catalog import gpu_memory_query
 from apps.prometheus.client import PrometheusUnavailable, instant_query
 from apps.registry.models import ModelVersion

@@ -11,13 +11,12 @@ from django.utils import timezone
 from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 from apps.fleet.models import Node
+from apps.fleet.node_metrics import parse_gpu_memory, read_metrics
 from apps.fleet.triton import (
     IndexEntry,
     ServerMetadata,
     TritonClient,
     TritonError,
-    parse_gpu_memory,
-    read_metrics,
 )
 
 POLLER = "system:poller"
@@ -46,7 +45,7 @@ def node_poll(*, node_id: int) -> Node:
 def polled(node: Node) -> Node:
     """`node_poll` of a node read already; returns it as recorded (read again, locked)."""
     node_id = node.pk
-    client = TritonClient(node.http_url, node=node.name)
+    client = TritonClient.of(node)
     try:
         health = client.health()
         metadata = client.server_metadata()
@@ -93,7 +92,7 @@ def nodes_read_index(node_ids: list[int]) -> list[Node]:
             nodes.append(polled(node))
             continue
         try:
-            index = TritonClient(node.http_url, node=node.name).repository_index()
+            index = TritonClient.of(node).repository_index()
         except TritonError as exc:
             nodes.append(_node_poll_failed(node_id=node.pk, error=str(exc)))
             continue

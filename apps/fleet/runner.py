@@ -295,7 +295,7 @@ def _execute(node: Node, op: Operation, claimed: bool, following: Following) -> 
             cursor.execute(*_claim(op))
             if cursor.rowcount != 1:
                 return Operation.Status.CANCELLED, False
-    client = TritonClient(node.http_url, node=node.name)
+    client = TritonClient.of(node)
     measured: tuple[int, float] | None = None
     try:
         if op.kind == Operation.Kind.UNLOAD:

@@ -1,14 +1,14 @@
-"""The only module that talks to Triton (HTTP/REST protocol through tritonclient).
+"""The only module that talks to Triton: its HTTP/REST protocol through tritonclient, and gRPC
+for what only gRPC serves, a decoupled model's stream of responses.
 
 Every call has a timeout. Errors become `TritonUnreachable` (transient: the node did not answer) or
 `TritonRejected` (Triton answered with an error; its text is kept verbatim for the operator).
 """
 
-import http.client
+import queue
 import random
-import re
 import socket
-import ssl
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -17,15 +17,13 @@ from urllib.parse import urlsplit
 
 import gevent
 import numpy as np
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from django.conf import settings
 from geventhttpclient import HTTPParseError
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype, triton_to_np_dtype
 
 from apps.fleet import addresses
-
-# A node's /metrics is a few hundred KiB even with many models; more is not Triton's.
-METRICS_MAX_BYTES = 8 * 2**20
 
 
 class TritonError(Exception):
@@ -139,13 +137,36 @@ def _connect_to(client: httpclient.InferenceServerClient, address: str) -> None:
     pool._resolve = lambda: resolved
 
 
+# What Triton's HTTP endpoint answers a request for a decoupled model (http_server.cc).
+DECOUPLED = "doesn't support models with decoupled transaction policy"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a model answered: every output; a stream's pieces joined (`joined`), with the time
+    from sending to its first response and how many responses carried outputs."""
+
+    outputs: dict[str, np.ndarray]
+    first_ms: float | None = None  # a stream's only
+    responses: int = 1
+
+
 class TritonClient:
-    def __init__(self, http_url: str, *, node: str = "", timeout: float | None = None) -> None:
+    def __init__(
+        self, http_url: str, *, node: str = "", timeout: float | None = None, grpc: str = ""
+    ) -> None:
+        """`grpc`: the node's gRPC endpoint (host:port), where it streams decoupled answers."""
         parts = urlsplit(http_url)
         self.address, self.host = parts.netloc, parts.hostname or ""
         self.secure = parts.scheme == "https"
+        self.grpc = grpc
         self.node = node or self.address
         self.timeout = timeout if timeout is not None else settings.TRITON_TIMEOUT_S
+
+    @classmethod
+    def of(cls, node: Any) -> "TritonClient":
+        """The client of a registered node (apps.fleet.models.Node)."""
+        return cls(node.http_url, node=node.name, grpc=node.grpc_url)
 
     def _open(self, timeout: float | None = None) -> httpclient.InferenceServerClient:
         # Checked on every connection, not only when the URL was saved: DNS may have changed.
@@ -271,131 +292,153 @@ class TritonClient:
 
 
 class Session:
+    """Many inferences from one thread, over one connection per protocol, opened on first use:
+    HTTP, and gRPC with one stream for a model that answers with a stream (decoupled), which
+    Triton's HTTP endpoint refuses."""
+
     def __init__(self, owner: TritonClient, timeout: float | None) -> None:
         self.owner, self.timeout = owner, timeout
         self._client: httpclient.InferenceServerClient | None = None
+        self._grpc: grpcclient.InferenceServerClient | None = None
+        self._responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        self._streamed: set[str] = set()  # models answered over gRPC
 
     def infer(
         self, model: str, inputs: dict[str, np.ndarray], *, version: int | None = None
     ) -> dict[str, np.ndarray]:
         """One inference, of `version` exactly when given; every input carries its batch
-        dimension. Returns every output."""
+        dimension. Returns every output (a stream's joined)."""
+        return self.reply(model, inputs, version=version).outputs
+
+    def reply(
+        self, model: str, inputs: dict[str, np.ndarray], *, version: int | None = None
+    ) -> Reply:
+        if model in self._streamed:
+            return self._stream(model, inputs, version)
         tensors = []
         for name, array in inputs.items():
             tensor = httpclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
-        with self.owner._mapped():
-            if self._client is None:
-                self._client = self.owner._open(self.timeout)
-            try:
-                result = self._client.infer(
-                    model, tensors, model_version=str(version) if version else ""
-                )
-            except (TimeoutError, gevent.Timeout, HTTPParseError, OSError):
-                self.close()  # the connection may hold half an answer: the next one opens anew
+        try:
+            with self.owner._mapped():
+                try:
+                    result = self._http().infer(
+                        model, tensors, model_version=str(version) if version else ""
+                    )
+                except (TimeoutError, gevent.Timeout, HTTPParseError, OSError):
+                    self.close()  # the connection may hold half an answer: the next opens anew
+                    raise
+        except TritonRejected as exc:
+            if DECOUPLED not in exc.message:
                 raise
-            outputs = result.get_response()["outputs"]
-            return {out["name"]: result.as_numpy(out["name"]) for out in outputs}
+            # Refused before it reached the model; over gRPC from now on, which answers any
+            # model (a balancer's nodes may serve one version decoupled and another not).
+            self._streamed.add(model)
+            return self._stream(model, inputs, version)
+        outputs = result.get_response()["outputs"]
+        return Reply({out["name"]: result.as_numpy(out["name"]) for out in outputs})
+
+    def _http(self) -> httpclient.InferenceServerClient:
+        if self._client is None:
+            self._client = self.owner._open(self.timeout)
+        return self._client
+
+    def _stream(self, model: str, inputs: dict[str, np.ndarray], version: int | None) -> Reply:
+        node = self.owner.node
+        tensors = []
+        for name, array in inputs.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        waited = self.timeout if self.timeout is not None else self.owner.timeout
+        sent = time.perf_counter()
+        try:
+            self._stream_open().async_stream_infer(
+                model,
+                tensors,
+                model_version=str(version) if version else "",
+                enable_empty_final_response=True,
+            )
+        except InferenceServerException as exc:
+            self.close()
+            raise _grpc_error(node, exc) from exc
+        pieces: dict[str, list[np.ndarray]] = {}
+        first_ms, responses = None, 0
+        while True:
+            try:
+                result, error = self._responses.get(
+                    timeout=max(0.0, sent + waited - time.perf_counter())
+                )
+            except queue.Empty:
+                self.close()  # its responses may still come: the next request opens anew
+                raise TritonTimeout(node, f"no whole answer within {waited:g} s") from None
+            if error is not None:
+                self.close()
+                raise _grpc_error(node, error)
+            response = result.get_response()
+            for out in response.outputs:
+                pieces.setdefault(out.name, []).append(result.as_numpy(out.name))
+            if response.outputs:
+                responses += 1
+                first_ms = first_ms or (time.perf_counter() - sent) * 1000
+            if response.parameters["triton_final_response"].bool_param:
+                break
+        return Reply({name: joined(arrays) for name, arrays in pieces.items()}, first_ms, responses)
+
+    def _stream_open(self) -> grpcclient.InferenceServerClient:
+        owner = self.owner
+        if self._grpc is not None:
+            return self._grpc
+        if not owner.grpc:
+            raise TritonRejected(
+                owner.node,
+                "the model answers with a stream, which Triton serves over gRPC only, and no "
+                "gRPC address is known for this node",
+            )
+        host, _, port = owner.grpc.rpartition(":")
+        try:
+            pinned = addresses.pinned(host.strip("[]"))
+        except addresses.Refused as exc:
+            raise TritonRejected(owner.node, str(exc)) from None
+        target = f"[{pinned}]:{port}" if ":" in pinned else f"{pinned}:{port}"
+        client = grpcclient.InferenceServerClient(
+            target,
+            ssl=owner.secure,
+            root_certificates=settings.TRITON_CA_BUNDLE or None,
+            channel_args=[("grpc.ssl_target_name_override", host)] if owner.secure else None,
+        )
+        client.start_stream(
+            callback=lambda result, error: self._responses.put((result, error)),
+            stream_timeout=None,
+        )
+        self._grpc = client
+        return client
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._grpc is not None:
+            self._grpc.stop_stream(cancel_requests=True)
+            self._grpc.close()
+            self._grpc = None
+            self._responses = queue.Queue()  # a cancelled stream's late responses go nowhere
 
 
-_GPU_METRIC = re.compile(
-    r'^nv_gpu_memory_(total|used)_bytes\{[^}]*gpu_uuid="(?P<uuid>[^"]+)"[^}]*\}\s+(?P<value>\S+)',
-    re.M,
-)
+def joined(pieces: list[np.ndarray]) -> np.ndarray:
+    """A streamed output whole: a text's pieces one after the other, an output that every
+    response repeats (a source, say) once, any other output its last value."""
+    last = pieces[-1]
+    if last.dtype != np.object_ or all(np.array_equal(p, last) for p in pieces):
+        return last
+    whole = pieces[0]
+    for piece in pieces[1:]:
+        whole = whole + piece  # bytes, element by element
+    return whole
 
 
-def parse_gpu_memory(metrics_text: str) -> list[dict[str, Any]]:
-    """GPUs from Triton's /metrics text: uuid, total and used bytes. A CPU node has none."""
-    gpus: dict[str, dict[str, Any]] = {}
-    for match in _GPU_METRIC.finditer(metrics_text):
-        gpu = gpus.setdefault(match["uuid"], {"uuid": match["uuid"], "total": 0.0, "used": 0.0})
-        gpu[match.group(1)] = float(match["value"])
-    return list(gpus.values())
-
-
-_CPU_METRIC = re.compile(r"^nv_cpu_memory_(used)_bytes(?:\{[^}]*\})?\s+(?P<value>\S+)", re.M)
-
-
-def parse_cpu_memory_used(metrics_text: str) -> float | None:
-    """The host memory in use (bytes) from Triton's /metrics text; None if it is not there."""
-    found = _CPU_METRIC.search(metrics_text)
-    return float(found["value"]) if found else None
-
-
-class _PinnedHTTP(http.client.HTTPConnection):
-    """A connection to a checked address, speaking to the host named in the URL."""
-
-    def __init__(self, host: str, port: int | None, address: str, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout)
-        self.address = address
-
-    def connect(self) -> None:
-        self.sock = socket.create_connection((self.address, self.port), self.timeout)
-
-
-class _PinnedHTTPS(http.client.HTTPSConnection):
-    def __init__(
-        self, host: str, port: int | None, address: str, timeout: float, context: ssl.SSLContext
-    ) -> None:
-        super().__init__(host, port, timeout=timeout, context=context)
-        self.address = address
-
-    def connect(self) -> None:
-        sock = socket.create_connection((self.address, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
-
-
-def read_metrics(metrics_url: str, *, node: str, timeout: float = 5.0) -> str:
-    """The node's /metrics text, read from the address that was checked, at most
-    METRICS_MAX_BYTES of it. A redirect is an error, not a new address."""
-    parts = urlsplit(metrics_url)
-    host = parts.hostname or ""
-    try:
-        address = addresses.pinned(host)
-    except addresses.Refused as exc:
-        raise TritonRejected(node, f"metrics at {metrics_url}: {exc}") from None
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    try:
-        if parts.scheme == "https":
-            context = ssl.create_default_context(cafile=settings.TRITON_CA_BUNDLE or None)
-            conn: http.client.HTTPConnection = _PinnedHTTPS(
-                host, parts.port, address, timeout, context
-            )
-        else:
-            conn = _PinnedHTTP(host, parts.port, address, timeout)
-        try:
-            conn.request("GET", path)
-            response = conn.getresponse()
-            if response.status != 200:
-                raise TritonUnreachable(
-                    node,
-                    f"metrics at {metrics_url}: HTTP Error {response.status}: {response.reason}",
-                )
-            return _read_capped(response, node=node, url=metrics_url).decode()
-        finally:
-            conn.close()
-    except (OSError, http.client.HTTPException) as exc:
-        raise TritonUnreachable(node, f"metrics at {metrics_url}: {exc}") from exc
-
-
-def _read_capped(response: http.client.HTTPResponse, *, node: str, url: str) -> bytes:
-    """The body, read a chunk at a time and refused as soon as it passes METRICS_MAX_BYTES
-    (announced or not): a node's answer must not fill the worker's memory."""
-    limit = METRICS_MAX_BYTES
-    too_big = f"metrics at {url}: larger than {limit // 2**20} MiB, refused"
-    announced = response.getheader("Content-Length")
-    if announced and announced.isdigit() and int(announced) > limit:
-        raise TritonRejected(node, too_big)
-    chunks, size = [], 0
-    while chunk := response.read(65536):
-        size += len(chunk)
-        if size > limit:
-            raise TritonRejected(node, too_big)
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _grpc_error(node: str, exc: InferenceServerException) -> TritonError:
+    if (exc.status() or "") in ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED"):
+        return TritonUnreachable(node, exc.message() or str(exc))
+    return TritonRejected(node, exc.message() or str(exc))

@@ -77,7 +77,7 @@ def _answers(run: EvaluationRun) -> dict[int, tuple[list[EvaluationCase], list[A
             requests = [request(c.inputs, signature) for c in cases]
         except (KeyError, ValueError) as exc:
             raise QualityError(f"v{version} takes other inputs than the set's: {exc}") from exc
-        client = TritonClient(node.http_url, node=node.name)
+        client = TritonClient.of(node)
         answers = ask(
             client,
             model=model.name,
@@ -194,9 +194,7 @@ def load_drive(*, load_id: int) -> None:
         return
     signature = Signature.of(reference.config)
     requests = [request(c.inputs, signature) for c in load.evaluation_set.cases.all()]
-    clients = [
-        TritonClient(nodes[name].http_url, node=name) for name in load.nodes if name in nodes
-    ]
+    clients = [TritonClient.of(nodes[name]) for name in load.nodes if name in nodes]
     total = int(load.rps * load.seconds)
     counts = {"sent": 0, "failed": 0}
     lock = threading.Lock()

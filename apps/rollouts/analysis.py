@@ -57,6 +57,7 @@ def measure(
     spec: Analysis,
     budget_ms: int | None,
     steps: list[ChangedStep],
+    llm: str = "",
     compare: bool = True,
     slo: Objectives | None = None,
     canary_version: int | None = None,
@@ -67,7 +68,9 @@ def measure(
     100% step): the canary is then held to the budget and the error allowance alone. A model
     with objectives is also held to them (`slo`), at every step. The analysis's own metrics
     are queried with each side's version and nodes (`baseline_nodes`: the pool's other nodes;
-    by default those that served the model in the window). Raises PrometheusUnavailable."""
+    by default those that served the model in the window). `llm`: the model whose series tell
+    the first token and tokens, where not the model's own (a pipeline's streaming step).
+    Raises PrometheusUnavailable."""
     text = canary_queries(model=model, pool=pool, window_s=spec.window_s)
     per_node = {name: _by("node", query) for name, query in text.items()}
     canary_set = set(canary_nodes)
@@ -106,7 +109,7 @@ def measure(
         )
     ]
     if spec.judge == "statistical" and compare:
-        results += _sampled(model, pool, canary_set, spec, enough)
+        results += _sampled(model, llm or model, pool, canary_set, spec, enough)
     else:
         c_errors = c_failed / c_requests if c_requests else None
         b_errors = b_failed / b_requests if b_requests else None
@@ -278,13 +281,17 @@ def overall(results: list[Result], pass_score: float = 1.0) -> str:
     return score([(r.verdict, 1.0) for r in results], pass_score)
 
 
-def _sampled(model: str, pool: str, canary: set[str], spec: Analysis, enough: bool) -> list[Result]:
+def _sampled(
+    model: str, speaker: str, pool: str, canary: set[str], spec: Analysis, enough: bool
+) -> list[Result]:
     """The statistical judge's metrics: each node's per-interval samples over the window, the
-    canary nodes' against the others'. An LLM step's first token, time per token and answer
-    length as well, where its backend exports them (a model with none of them is no LLM)."""
+    canary nodes' against the others'. An LLM's first token, time per token and answer length
+    as well, from the series of the `speaker` (the model, or a pipeline's step that streams),
+    where both sides export them: a release that moves to streaming has nothing to compare
+    them with, and is judged on its whole requests."""
     end = timezone.now()
     start = end - timedelta(seconds=spec.window_s)
-    llm = llm_sample_queries(model=model, pool=pool, step_s=spec.sample_s)
+    llm = llm_sample_queries(model=speaker, pool=pool, step_s=spec.sample_s)
     queries = sample_queries(model=model, pool=pool, step_s=spec.sample_s) | llm
     results = []
     for metric, query in queries.items():
@@ -293,7 +300,7 @@ def _sampled(model: str, pool: str, canary: set[str], spec: Analysis, enough: bo
         for each in series:
             values = [v for v in each.values if v is not None]
             sides[each.labels.get("node") in canary] += values
-        if metric in llm and not (sides[True] or sides[False]):
+        if metric in llm and not (sides[True] and sides[False]):
             continue
         kind, tolerance, margin = JUDGED[metric](spec)
         found = compare(

@@ -4,6 +4,7 @@ them, and what they are read back serving."""
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from django.utils import timezone
 
@@ -102,28 +103,45 @@ class ChangedStep:
 
 def changed_steps(member: Member) -> list[ChangedStep]:
     """The steps an ensemble release pins at another version than its baseline does."""
+    return judged_by(member).steps
+
+
+@dataclass(frozen=True)
+class Judged:
+    """What a member's analysis reads besides the member's own series."""
+
+    steps: list[ChangedStep]  # the steps its release changes
+    speaker: str  # the model whose series tell an LLM's first token and tokens
+
+
+def judged_by(member: Member) -> Judged:
+    """The steps an ensemble release changes, and its speaker: the step that streams
+    (decoupled) among those its canary release pins, or the member itself."""
     configs = dict(
         member.model.versions.filter(version__in=[member.baseline, member.canary]).values_list(
             "version", "config"
         )
     )
 
-    def pins(version: int) -> dict[str, int]:
+    def pins(version: int) -> dict[tuple[str, int], Any]:
         if version not in configs:
             return {}
         try:
-            steps = stored_steps(configs[version])
+            return stored_steps(configs[version])
         except UnresolvedStep:  # no longer loadable: nothing to compare
             return {}
-        return {name: number for name, number in steps}
 
     canary, baseline = pins(member.canary), pins(member.baseline)
-    budgets = dict(Model.objects.filter(name__in=canary).values_list("name", "latency_budget_ms"))
-    return [
+    was = {name: number for name, number in baseline}
+    names = {name for name, _ in canary}
+    budgets = dict(Model.objects.filter(name__in=names).values_list("name", "latency_budget_ms"))
+    steps = [
         ChangedStep(name, version, before, budgets.get(name))
-        for name, version in sorted(canary.items())
-        if (before := baseline.get(name)) is not None and before != version
+        for name, version in sorted(canary)
+        if (before := was.get(name)) is not None and before != version
     ]
+    streaming = [name for (name, _), c in canary.items() if c.model_transaction_policy.decoupled]
+    return Judged(steps, streaming[-1] if streaming else member.model.name)
 
 
 def serves(deployment: Deployment) -> set[int]:

@@ -11,7 +11,7 @@ from apps.prometheus.client import PrometheusUnavailable
 from apps.rollouts.analysis import measure, overall
 from apps.rollouts.ending import roll_back
 from apps.rollouts.gate import evaluated
-from apps.rollouts.members import Scope, changed_steps, scope
+from apps.rollouts.members import Scope, judged_by, scope
 from apps.rollouts.models import Rollout
 from apps.rollouts.plans import Analysis
 from apps.rollouts.results import Kind, Result, labelled, record
@@ -79,6 +79,7 @@ def _measure(rollout: Rollout, spec: Analysis, where: Scope) -> list[Result]:
         # A lockstep member's results carry its name; any member failing fails the step.
         found if member.model == rollout.model else replace(found, member=member.model.name)
         for member in where.released
+        for judged in [judged_by(member)]
         for found in measure(
             model=member.model.name,
             pool=rollout.pool.name,
@@ -86,7 +87,8 @@ def _measure(rollout: Rollout, spec: Analysis, where: Scope) -> list[Result]:
             # The analysis's own metrics are the rollout's: judged once, with its model's versions.
             spec=spec if member.model == rollout.model else replace(spec, metrics=()),
             budget_ms=member.model.latency_budget_ms,
-            steps=changed_steps(member),
+            steps=judged.steps,
+            llm=judged.speaker,
             compare=where.compare,
             slo=Objectives.of(member.model),
             canary_version=member.canary,

@@ -13,6 +13,7 @@ import itertools
 import json
 import random
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -276,3 +277,143 @@ class GeneratorV1(Generator):
 
 class GeneratorV2(Generator):
     friendly = True
+
+
+class Llm(StepModel):
+    """The pipeline's LLM step, decoupled as Triton's vLLM and TensorRT-LLM backends are: it
+    reads a prompt (the question and the ranked passages), waits a prompt time that grows with
+    the prompt, then streams the answer one token per response, a time per output token apart,
+    at most `max_tokens` of them (the config's, or the request's parameter when lower). At most
+    `slots` requests stream at once, as an engine's KV cache bounds them; the rest wait.
+    It exports the meanings an LLM backend exports under vLLM's names, labelled with the model
+    and the version (Triton adds no labels to custom metrics), so that a canary's series stand
+    beside the baseline's."""
+
+    prefill_s = 0.060  # prompt time: a fixed part ...
+    prefill_per_token_s = 0.0004  # ... and one per prompt token
+    per_token_s = 0.006  # time per output token
+    slots = 8
+    elaborate = False  # the answer said twice: a release whose answers are twice as long
+
+    def initialize(self, args: dict) -> None:
+        import triton_python_backend_utils as pb_utils  # only importable inside Triton's stub
+
+        super().initialize(args)
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        self.max_tokens = int(parameters.get("max_tokens", {}).get("string_value", "256"))
+        self.free = threading.BoundedSemaphore(self.slots)
+        # One call into Triton at a time: the stub's messages to the server are not safe from
+        # several threads at once (the server crashed, libtriton_python.so, under 16 streams).
+        self.backend = threading.Lock()
+        self.streams: set[threading.Thread] = set()
+        labels = {"model": self.name, "version": args["model_version"]}
+        kinds = pb_utils.MetricFamily
+        # Families outlive their metrics (Triton deletes a metric with its family).
+        self.families = [
+            kinds(f"vllm:{name}", about, kind)
+            for name, about, kind in [
+                ("time_to_first_token_seconds", "Time to first token", kinds.HISTOGRAM),
+                ("time_per_output_token_seconds", "Time per output token", kinds.HISTOGRAM),
+                ("generation_tokens_total", "Output tokens", kinds.COUNTER),
+                ("prompt_tokens_total", "Prompt tokens", kinds.COUNTER),
+                ("num_requests_waiting", "Requests waiting for a slot", kinds.GAUGE),
+            ]
+        ]
+        first, per_token, generated, prompted, waiting = self.families
+        self.first_token = first.Metric(labels=labels, buckets=FIRST_TOKEN_BUCKETS)
+        self.per_token = per_token.Metric(labels=labels, buckets=PER_TOKEN_BUCKETS)
+        self.generated = generated.Metric(labels=labels)
+        self.prompted = prompted.Metric(labels=labels)
+        self.waiting = waiting.Metric(labels=labels)
+
+    def execute(self, requests: list) -> None:
+        """Each request streams on its own thread, as a continuous-batching engine interleaves
+        them: a long answer does not hold the next request's first token back."""
+        self.streams = {thread for thread in self.streams if thread.is_alive()}
+        for request in requests:
+            thread = threading.Thread(target=self.stream, args=(request, time.monotonic()))
+            self.streams.add(thread)
+            thread.start()
+
+    def finalize(self) -> None:
+        """An unload finishes the open streams first."""
+        for thread in list(self.streams):
+            thread.join()
+
+    def stream(self, request, arrived: float) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        delay_s, error_rate = self.faults.of(self.name)
+        if random.random() < error_rate + self.error_rate:
+            error = pb_utils.TritonError(f"injected failure (error_rate={error_rate})")
+            with self.backend:
+                sender.send(pb_utils.InferenceResponse(error=error), flags=final)
+            return
+        question = text(pb_utils.get_input_tensor_by_name(request, "QUESTION").as_numpy()[0][0])
+        contexts = decode(pb_utils.get_input_tensor_by_name(request, "CONTEXTS").as_numpy()[0])
+        asked = json.loads(request.parameters() or "{}").get("max_tokens", self.max_tokens)
+        answer, source = generate(question, contexts, friendly=True)
+        if self.elaborate:
+            answer = f"{answer} To say it once more: {answer}"
+        prompt = len(question.split()) + sum(len(c["a"].split()) for c in contexts)
+        words = answer.split(" ")[: min(int(asked), self.max_tokens)]
+        cited = pb_utils.Tensor("SOURCE", np.array([[source.encode()]], dtype=np.object_))
+        with self.backend:
+            self.waiting.increment(1)
+        with self.free:
+            with self.backend:
+                self.waiting.increment(-1)
+            time.sleep(delay_s + self.delay_s + self.prefill_s + self.prefill_per_token_s * prompt)
+            with self.backend:
+                self.prompted.increment(prompt)
+                self.first_token.observe(time.monotonic() - arrived)
+            for n, word in enumerate(words):
+                if n:
+                    before = time.monotonic()
+                    time.sleep(self.per_token_s)
+                    with self.backend:
+                        self.per_token.observe(time.monotonic() - before)
+                piece = np.array([[(f" {word}" if n else word).encode()]], dtype=np.object_)
+                token = pb_utils.Tensor("ANSWER", piece)
+                with self.backend:
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[token, cited]))
+            with self.backend:
+                self.generated.increment(len(words))
+                sender.send(flags=final)
+
+
+# vLLM's own buckets for its two histograms
+FIRST_TOKEN_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5]
+PER_TOKEN_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4]
+
+
+class LlmV1(Llm):
+    pass
+
+
+class LlmV2(Llm):
+    """A healthy release: the same speed and answers."""
+
+
+class LlmV3(Llm):
+    """Its first token twice as slow at the same total time for a typical answer (22 tokens):
+    what users feel first got worse, and whole-request latency does not show it."""
+
+    prefill_s = Llm.prefill_s * 2 + 0.040  # the prompt part doubled too (about 40 ms)
+    per_token_s = Llm.per_token_s - 0.100 / 21
+
+
+class LlmV4(Llm):
+    """Answers twice as long at the same speed per token."""
+
+    elaborate = True
+
+
+class LlmV5(Llm):
+    """A lighter, faster LLM: the streaming chain's degradation tier."""
+
+    prefill_s = Llm.prefill_s / 3
+    prefill_per_token_s = Llm.prefill_per_token_s / 3
+    per_token_s = Llm.per_token_s / 3

@@ -66,7 +66,7 @@ def test_a_tuning_release_raises_the_pipelines_throughput(
             rollout = until_state(rollout, Rollout.State.SUCCEEDED, Rollout.State.ROLLED_BACK)
             assert rollout.state == Rollout.State.SUCCEEDED, rollout.reason
             tuned = STEPS_V1 - {("reranker", 1), ("rag_pipeline", 1)}
-            tuned |= {("reranker", 7), ("rag_pipeline", 10)}
+            tuned |= {("reranker", 7), ("rag_pipeline", 15)}
             serving = weighted.nodes.filter(stage=Node.Stage.SERVING)
             wait_for(
                 "every serving node serves the tuned release",

@@ -18,14 +18,9 @@ import gevent.socket
 import pytest
 
 from apps.fleet import addresses
+from apps.fleet.node_metrics import METRICS_MAX_BYTES, read_metrics
 from apps.fleet.traffic.haproxy import HAProxyError, Runtime
-from apps.fleet.triton import (
-    METRICS_MAX_BYTES,
-    TritonClient,
-    TritonRejected,
-    TritonUnreachable,
-    read_metrics,
-)
+from apps.fleet.triton import TritonClient, TritonRejected, TritonUnreachable
 from apps.prometheus.client import PrometheusUnavailable, instant_query
 
 pytestmark = pytest.mark.integration

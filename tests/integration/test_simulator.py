@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from apps.devtools.simulator import Simulator, floor_load
-from apps.fleet.triton import TritonClient, TritonRejected, read_metrics
+from apps.fleet.node_metrics import read_metrics
+from apps.fleet.triton import TritonClient, TritonRejected
 
 ROOT = Path(__file__).parents[2]
 # One line of Prometheus' text format: a name, optional labels, a number.

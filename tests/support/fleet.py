@@ -131,11 +131,18 @@ def settled(pool: NodePool, expected: set[tuple[str, int]]) -> Callable[[], bool
 
 
 @contextmanager
-def traffic_to(state: FleetState, *, through: str = "", rps: float = 8) -> Iterator[None]:
-    """Unversioned rag_pipeline requests to every node (or `through` a balancer's URL), 8 per
-    second, while it lasts; it starts once the pipeline is served."""
-    clients = [TritonClient(state.node_urls(p)["http_url"], node=p.name) for p in state.nodes]
-    if through:
+def traffic_to(
+    state: FleetState, *, through: str = "", balancer: Proc | None = None, rps: float = 8
+) -> Iterator[None]:
+    """Unversioned rag_pipeline requests to every node (or `through` a balancer's URL, or
+    through the `balancer`, its streams over its gRPC frontend), 8 per second, while it lasts;
+    it starts once the pipeline is served."""
+    clients = nodes_asked(state)
+    if balancer is not None:
+        http, grpc = balancer.ports["http"], balancer.ports["grpc"]
+        through = f"http://127.0.0.1:{http}"
+        clients = [TritonClient(through, node="balancer", grpc=f"127.0.0.1:{grpc}")]
+    elif through:
         clients = [TritonClient(through, node="balancer")]
     stop = threading.Event()
 
@@ -153,6 +160,12 @@ def traffic_to(state: FleetState, *, through: str = "", rps: float = 8) -> Itera
     finally:
         stop.set()
         thread.join(10)
+
+
+def nodes_asked(state: FleetState) -> list[TritonClient]:
+    """A client of each node, its streams over the node's gRPC endpoint."""
+    urls = [(p.name, state.node_urls(p)) for p in state.nodes]
+    return [TritonClient(u["http_url"], node=name, grpc=u["grpc_url"]) for name, u in urls]
 
 
 @dataclass
@@ -178,7 +191,7 @@ def saturating(state: FleetState, *, per_node: int, haproxy: Proc) -> Iterator[L
     it be. A node HAProxy holds at weight 0 (drained for a load) gets no new request until it
     is back, as its share of a balancer's users would not: Triton reloads a version it serves
     only once no request of it is in flight, which a queue kept full never lets happen."""
-    clients = [TritonClient(state.node_urls(p)["http_url"], node=p.name) for p in state.nodes]
+    clients = nodes_asked(state)
     spec = wait_for_model(clients[0], "rag_pipeline", timeout=30)
     stop, lock, load = threading.Event(), threading.Lock(), Load()
     serving = {client.node: threading.Event() for client in clients}

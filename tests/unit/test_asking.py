@@ -13,6 +13,7 @@ import pytest
 
 from apps.fleet.asking import ask
 from apps.fleet.triton import (
+    Reply,
     Session,
     TritonClient,
     TritonRejected,
@@ -31,9 +32,9 @@ def test_a_batch_goes_round_robin_a_bounded_number_at_a_time_each_failure_its_ow
     busy, most = [0], [0]
     lock = threading.Lock()
 
-    def infer(
+    def reply(
         self: Session, model: str, inputs: dict[str, np.ndarray], *, version: int | None = None
-    ) -> dict[str, np.ndarray]:
+    ) -> Reply:
         index = int(inputs["I"][0])
         with lock:
             busy[0] += 1
@@ -46,9 +47,9 @@ def test_a_batch_goes_round_robin_a_bounded_number_at_a_time_each_failure_its_ow
             raise TritonTimeout(self.owner.node, "timed out")
         if index == 4:
             raise TritonRejected(self.owner.node, "unexpected shape for input 'I'")
-        return {"O": inputs["I"] * 2}
+        return Reply({"O": inputs["I"] * 2})
 
-    monkeypatch.setattr(Session, "infer", infer)
+    monkeypatch.setattr(Session, "reply", reply)
     clients = [TritonClient(f"http://127.0.0.1:{port}", node=f"n{port}") for port in (1, 2)]
     requests = [{"I": np.array([i], dtype=np.int64)} for i in range(8)]
     answers = ask(clients, "m", requests, version=2, concurrency=3, timeout_s=0.5)
@@ -69,7 +70,7 @@ def test_a_batch_goes_round_robin_a_bounded_number_at_a_time_each_failure_its_ow
 def test_a_paced_batch_keeps_its_rate_and_reports_between_sends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(Session, "infer", lambda self, model, inputs, **_: {})
+    monkeypatch.setattr(Session, "reply", lambda self, model, inputs, **_: Reply({}))
     ticks: list[float] = []
     start = time.monotonic()
     answers = ask(

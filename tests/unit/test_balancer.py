@@ -34,7 +34,7 @@ from apps.fleet.traffic.balancer import (
 )
 from apps.fleet.traffic.haproxy import Server
 from apps.fleet.traffic.warmup import warm_up
-from apps.fleet.triton import IndexEntry, Session, TritonClient, TritonError
+from apps.fleet.triton import IndexEntry, Reply, Session, TritonClient, TritonError
 from apps.registry.models import Model as RegistryModel
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import rollout_abort
@@ -239,8 +239,12 @@ def test_what_a_node_just_loaded_is_warmed_on_the_node_itself_once_per_pipeline(
     sent: list[tuple[str, str]] = []
 
     class Client:  # Triton, at the client's boundary
-        def __init__(self, url: str, *, node: str) -> None:
+        def __init__(self, node: str) -> None:
             self.node = node
+
+        @classmethod
+        def of(cls, node: Node) -> "Client":
+            return cls(node.name)
 
         def model_inputs(self, model: str) -> list[tuple[str, str, list[int]]]:
             if model == "broken":
@@ -251,9 +255,9 @@ def test_what_a_node_just_loaded_is_warmed_on_the_node_itself_once_per_pipeline(
         def session(self, timeout: float | None = None) -> Iterator["Client"]:
             yield self
 
-        def infer(self, model: str, inputs: dict[str, object], version: int | None = None) -> dict:
+        def reply(self, model: str, inputs: dict[str, object], version: int | None = None) -> Reply:
             sent.append((self.node, model))
-            return {}
+            return Reply({})
 
     monkeypatch.setattr(warmup, "TritonClient", Client)
     NodePool.objects.update(warmup_requests=2)
@@ -283,7 +287,12 @@ def test_a_load_is_warmed_where_its_node_left_traffic_for_it_and_only_there(
     monkeypatch.setattr(TritonClient, "load", lambda self, model, **_: sent.append("load"))
     monkeypatch.setattr(TritonClient, "repository_index", lambda self: ready)
     monkeypatch.setattr(TritonClient, "model_inputs", lambda self, m: [("TEXT", "BYTES", [-1])])
-    monkeypatch.setattr(Session, "infer", lambda self, model, inputs, **_: sent.append(model))
+
+    def reply(self: Session, model: str, inputs: object, **_: object) -> Reply:
+        sent.append(model)
+        return Reply({})
+
+    monkeypatch.setattr(Session, "reply", reply)
     NodePool.objects.update(warmup_requests=2)
     gpu_1 = node("gpu-1")
     Node.objects.filter(pk=gpu_1.pk).update(lease_until=None)  # no worker at it

@@ -196,12 +196,12 @@ def test_a_release_that_changes_no_step_has_nothing_to_stand_by(nodes: Nodes) ->
     config = ModelVersion.objects.get(model__name="rag_pipeline", version=8).config
     ModelVersion.objects.create(
         model=ModelVersion.objects.get(model__name="rag_pipeline", version=8).model,
-        version=10,
-        config=config | {"version_policy": {"specific": {"versions": ["10"]}}},
+        version=99,
+        config=config | {"version_policy": {"specific": {"versions": ["99"]}}},
         status=ModelVersion.Status.PUBLISHED,
     )
     with pytest.raises(RolloutError, match="pins the same step versions as v8"):
-        start(10)
+        start(99)
 
 
 def test_a_passing_release_stands_by_is_evaluated_on_every_node_then_switches(

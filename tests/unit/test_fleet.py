@@ -16,11 +16,12 @@ from apps.fleet import tasks
 from apps.fleet.desired import fleet_desired, node_desired
 from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, Node, NodePool, Operation
+from apps.fleet.node_metrics import parse_gpu_memory
 from apps.fleet.reconcile import node_reconcile
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.nodes import node_register, operation_request
 from apps.fleet.tasks import enqueue_run
-from apps.fleet.triton import IndexEntry, TritonClient, parse_gpu_memory
+from apps.fleet.triton import IndexEntry, TritonClient
 from apps.registry.models import ModelVersion
 from apps.registry.services import version_set_status
 from tests.support.users import make_user

@@ -9,6 +9,7 @@ from django.core.management import CommandError, call_command
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Node, NodePool
 from apps.fleet.traffic import warmup
+from apps.fleet.triton import Reply
 from apps.quality import cases
 from apps.quality.errors import QualityError
 from apps.quality.models import EvaluationRun, EvaluationSet
@@ -116,16 +117,20 @@ def test_a_node_is_warmed_with_its_models_own_cases_and_not_while_it_gets_no_tra
     sent: list[tuple[str, list[str]]] = []
 
     class Client:  # Triton, at the client's boundary
-        def __init__(self, url: str, *, node: str) -> None:
+        def __init__(self, node: str) -> None:
             self.node = node
+
+        @classmethod
+        def of(cls, node: Node) -> "Client":
+            return cls(node.name)
 
         @contextmanager
         def session(self, timeout: float | None = None) -> Iterator["Client"]:
             yield self
 
-        def infer(self, model: str, inputs: dict[str, np.ndarray], **_: object) -> dict:
+        def reply(self, model: str, inputs: dict[str, np.ndarray], **_: object) -> Reply:
             sent.append((model, [q.decode() for q in inputs["QUESTION"].flat]))
-            return {}
+            return Reply({})
 
     monkeypatch.setattr(warmup, "TritonClient", Client)
     pool = NodePool.objects.create(name="demo", warmup_requests=2)

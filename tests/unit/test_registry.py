@@ -47,11 +47,12 @@ def test_import_repository_json_says_ok_for_every_demo_model(
     assert [(line["model"], line["ok"]) for line in lines] == [
         ("embedder", True),
         ("generator", True),
+        ("llm", True),
         ("rag_pipeline", True),
         ("reranker", True),
         ("retriever", True),
     ]
-    assert ModelVersion.objects.count() == 23
+    assert ModelVersion.objects.count() == 33
     assert Model.objects.get(name="rag_pipeline").kind == Model.Kind.ENSEMBLE
     v4 = ModelVersion.objects.get(model__name="rag_pipeline", version=4)
     assert v4.status == "published" and v4.artifact.endswith("deploy/models/rag_pipeline/4")
@@ -64,7 +65,7 @@ def test_importing_twice_changes_nothing() -> None:
     import_demo()
     events = AuditEvent.objects.count()
     import_demo()
-    assert ModelVersion.objects.count() == 23 and AuditEvent.objects.count() == events
+    assert ModelVersion.objects.count() == 33 and AuditEvent.objects.count() == events
 
 
 def test_dry_run_stores_nothing() -> None:
@@ -149,6 +150,7 @@ def test_a_new_step_version_lists_the_ensembles_it_would_break() -> None:
     config.output[0].data_type = config.output[0].data_type + 1  # STRING -> BF16
     breaks = compatibility_breaks(model_name="retriever", config=config)
     assert [str(b.ensemble) for b in breaks] == [
+        *(f"rag_pipeline v{v}" for v in range(14, 9, -1)),
         "rag_pipeline v9",
         "rag_pipeline v8",
         "rag_pipeline v7",
@@ -389,41 +391,28 @@ def test_a_release_download_past_its_cap_is_refused_before_anything_is_sent(
     assert "a download may: copy them from the repository" in refused.content.decode()
 
 
-STREAMING = """
-    name: "llm" backend: "python" max_batch_size: 8
-    model_transaction_policy { decoupled: true }
-    input [{ name: "PROMPT" data_type: TYPE_STRING dims: [1] }]
-    output [{ name: "TOKEN" data_type: TYPE_STRING dims: [1] }]
-    parameters [{ key: "max_tokens" value: { string_value: "256" } }]"""
-
-
 def test_a_streaming_model_says_so_and_a_response_cache_on_it_is_refused(
     client: Client, viewer: User
 ) -> None:
     """Triton refuses a decoupled model a response cache (core, model_config_utils.cc); the
-    version page says a model streams, an ensemble over one too (Triton decides it from the
-    steps), and how long its answers may be."""
-    cached = parse_pbtxt(STREAMING + "\nresponse_cache { enable: true }")
+    version page says a model streams (the demo's llm), an ensemble over one too (Triton decides
+    it from the steps), and how long its answers may be."""
+    import_demo()
+    streaming = (REPOSITORY / "llm" / "config.pbtxt").read_text()
+    cached = parse_pbtxt(streaming + "\nresponse_cache { enable: true }")
     with pytest.raises(RegistryError, match="response_cache: Response Cache does not currently"):
         version_create(model_name="llm", config=cached, actor="ops")
-    assert not ModelVersion.objects.filter(model__name="llm").exists()
-    version_create(model_name="llm", config=parse_pbtxt(STREAMING), actor="ops")
-    chain = parse_pbtxt(
-        """name: "chat" platform: "ensemble" max_batch_size: 8
-        input [{ name: "PROMPT" data_type: TYPE_STRING dims: [1] }]
-        output [{ name: "TOKEN" data_type: TYPE_STRING dims: [1] }]
-        ensemble_scheduling { step [{ model_name: "llm" model_version: 1
-            input_map { key: "PROMPT" value: "PROMPT" } output_map { key: "TOKEN" value: "TOKEN" }
-        }] }"""
-    )
-    version_create(model_name="chat", config=chain, actor="ops")
-    import_demo()
+    assert ModelVersion.objects.filter(model__name="llm").count() == 5
     client.force_login(viewer)
     llm = client.get("/models/llm/v1/").content.decode()
     assert "Decoupled: it answers a request with a stream of responses" in llm
-    assert "Its answers: 256 tokens at most" in llm
-    chat = client.get("/models/chat/v1/").content.decode()
+    assert "Its answers: 128 tokens at most" in llm
+    chat = client.get("/models/rag_pipeline/v10/").content.decode()
     assert "as its decoupled steps make it" in chat
+    assert (
+        "as its decoupled steps make it"
+        not in client.get("/models/rag_pipeline/v2/").content.decode()
+    )
     plain = client.get("/models/embedder/v1/").content.decode()
     assert "It answers each request with one response." in plain
 

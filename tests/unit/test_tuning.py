@@ -94,7 +94,7 @@ def test_an_accepted_advice_is_a_step_version_a_pipeline_pinning_it_and_their_ro
     assert step.status == ModelVersion.Status.DRAFT
     assert "Tuning of v1: more instances: 1 -> 2, advised because requests wait" in step.notes
     baseline = ModelVersion.objects.get(model__name="rag_pipeline", version=1)
-    canary = ModelVersion.objects.get(model__name="rag_pipeline", version=10)
+    canary = ModelVersion.objects.get(model__name="rag_pipeline", version=15)
     pins = {
         s["model_name"]: s["model_version"] for s in canary.config["ensemble_scheduling"]["step"]
     }
@@ -109,11 +109,11 @@ def test_an_accepted_advice_is_a_step_version_a_pipeline_pinning_it_and_their_ro
     written = parse_pbtxt((models / "reranker" / "7" / "config.pbtxt").read_text())
     assert to_dict(written) == step.config
     assert step.artifact == str(models / "reranker" / "7")
-    assert (models / "rag_pipeline" / "10" / "config.pbtxt").is_file()
+    assert (models / "rag_pipeline" / "15" / "config.pbtxt").is_file()
     assert (rollout.model.name, rollout.baseline_version, rollout.canary_version) == (
         "rag_pipeline",
         1,
-        10,
+        15,
     )
     judged = {m["name"]: m for m in rollout.analysis["metrics"]}
     throughput = judged["rag_pipeline requests/s a node"]
@@ -125,7 +125,7 @@ def test_an_accepted_advice_is_a_step_version_a_pipeline_pinning_it_and_their_ro
     assert (event.result, event.target) == ("ok", f"rollout:{rollout.pk}:rag_pipeline")
     assert event.after["because"] == ADVICE.because
     assert event.after["fields"] == {"instance_group": [{"count": 2}]}
-    assert event.after["pipeline"] == {"from": 1, "to": 10}
+    assert event.after["pipeline"] == {"from": 1, "to": 15}
 
 
 def test_the_rollout_page_says_what_the_tuning_changed_and_why(
@@ -139,7 +139,7 @@ def test_the_rollout_page_says_what_the_tuning_changed_and_why(
     card = body.split('id="tuning"')[1].split("</section>")[0]
     assert "Tuning: reranker v1 → v7, more instances: 1 -> 2</h2>" in card
     assert f"Advised because {ADVICE.because}. Expected: {ADVICE.expect}." in card
-    assert "v10 is v1 with reranker v7, whose config differs only in instance_group." in card
+    assert "v15 is v1 with reranker v7, whose config differs only in instance_group." in card
     assert 'href="/metrics/bottleneck/rag_pipeline/?pool=gpu"' in card
     assert "/metrics/?metric=cost&model=reranker&pool=gpu&range=custom&start=" in card
     # Any other rollout has no such card.
@@ -163,7 +163,7 @@ def test_a_refused_rollout_leaves_no_version_and_no_file(models: Path) -> None:
         )
     assert versions() == before
     assert not (models / "reranker" / "8").exists()
-    assert not (models / "rag_pipeline" / "11").exists()
+    assert not (models / "rag_pipeline" / "16").exists()
     refused = AuditEvent.objects.filter(action="rollout.tune").latest("id")
     assert refused.result == "failed"
 
@@ -200,7 +200,7 @@ def test_a_version_directory_appears_whole_or_not_at_all(
 
     monkeypatch.setattr(tuning.shutil, "copytree", watched)
     tuning_start(pipeline="rag_pipeline", pool_name="gpu", advice=ADVICE, plan=PLAN, actor="ops")
-    assert copying == ["reranker/.7.partial", "rag_pipeline/.10.partial"]
+    assert copying == ["reranker/.7.partial", "rag_pipeline/.15.partial"]
     assert (models / "reranker" / "7" / "config.pbtxt").exists()
     assert not list((models / "reranker").glob(".*"))
 
@@ -237,7 +237,7 @@ def test_on_a_protected_pool_the_whole_tuning_waits_for_a_second_person(models: 
     approval = approval_request(refused=refused.value, actor=asking)
     approval_approve(approval_id=approval.pk, actor=make_user(Role.ADMIN))
     rollout = Rollout.objects.get()
-    assert (rollout.canary_version, rollout.started_by) == (10, asking.username)
+    assert (rollout.canary_version, rollout.started_by) == (15, asking.username)
     assert ("reranker", 7) in versions()
 
 

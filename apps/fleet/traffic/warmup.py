@@ -49,7 +49,7 @@ def warm_up(node: Node, configs: dict[str, dict | None]) -> None:
     models = sorted(set(configs) - steps - warmed)
     if not count or not models:
         return
-    client = TritonClient(node.http_url, node=node.name)
+    client = TritonClient.of(node)
     rng = random.Random(node.pk)
     for model in models:
         try:

@@ -165,7 +165,8 @@ class Command(BaseCommand):
                     f"--load {release!r}: expected MODEL:VERSION, e.g. rag_pipeline:1"
                 )
             for proc in state.nodes:
-                client = TritonClient(state.node_urls(proc)["http_url"], node=proc.name)
+                urls = state.node_urls(proc)
+                client = TritonClient(urls["http_url"], node=proc.name, grpc=urls["grpc_url"])
                 fleet.load_release(client, model, int(version))
             self.stdout.write(f"loaded {model} v{version} on {len(state.nodes)} nodes")
 
@@ -269,14 +270,16 @@ class Command(BaseCommand):
         balancer = fleet.state().haproxy
         if balancer is not None and balancer.running:  # as clients would: through HAProxy
             url = f"http://127.0.0.1:{balancer.ports['http']}"
-            clients = [TritonClient(url, node="haproxy")]
+            clients = [
+                TritonClient(url, node="haproxy", grpc=f"127.0.0.1:{balancer.ports['grpc']}")
+            ]
         else:  # the nodes serving now (found by discovery a little after `up`: waited for)
             nodes = Node.objects.filter(health=Node.Health.READY, stage=Node.Stage.SERVING)
             nodes = nodes.filter(pool__name=pool) if pool else nodes
             deadline = time.monotonic() + wait
             while not nodes.exists() and time.monotonic() < deadline:
                 time.sleep(1)
-            clients = [TritonClient(n.http_url, node=n.name) for n in nodes]
+            clients = [TritonClient.of(n) for n in nodes]
         if not clients:
             raise CommandError("no node serves; start them with `devfleet up`")
         results = send_traffic(
