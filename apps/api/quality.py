@@ -97,6 +97,8 @@ class AnswerOut(Schema):
     scores: dict[str, Any]  # output -> {passed, value, detail}, as its rule judged it
     passed: bool | None  # null: no rule applied
     latency_ms: float | None
+    first_ms: float | None  # a streamed answer's first token, after the request
+    tokens: int | None  # a streamed answer's responses, one a token
     error: str  # Triton's refusal, or the timeout
 
 
@@ -142,7 +144,7 @@ def _run_out(run: EvaluationRun) -> dict[str, Any]:
 def _answer_out(result: CaseResult | None) -> dict[str, Any] | None:
     if result is None:
         return None
-    fields = ("version", "outputs", "scores", "passed", "latency_ms", "error")
+    fields = ("version", "outputs", "scores", "passed", "latency_ms", "first_ms", "tokens", "error")
     return {f: getattr(result, f) for f in fields}
 
 

@@ -115,6 +115,7 @@ def _window(tiers: Tiers, steps: list[str], nodes: list[str], window_s: int) -> 
         rejected=value["rejected"],
         queue_us=value["queue_us"],
         compute_us=value["compute_us"],
+        queue_held=value["queue_held"],
         ttft_ms={
             labels["model"]: v for labels, v in found["ttft"] if "model" in labels and v == v
         },  # v == v: a quantile of no request is NaN

@@ -18,6 +18,7 @@ class Window:
     rejected: float | None = None  # requests Triton turned away, its queue full
     queue_us: float | None = None  # time the pipeline's requests waited in queues, its steps'
     compute_us: float | None = None  # ... and computed
+    queue_held: float | None = None  # their ratio's median over the window, a slice at a time
     ttft_ms: dict[str, float] = field(default_factory=dict)  # an LLM's first tokens' P99, by model
 
     @property
@@ -91,14 +92,16 @@ def judge(short: Window, long: Window, limits: Limits) -> Finding:
 
 
 def _saturated(short: Window, long: Window, limits: Limits) -> list[str]:
-    """Saturation in both windows, in words: requests rejected, or queues far above compute."""
+    """Saturation in both windows, in words: requests rejected, or queues far above compute, over
+    the short window and for most of the long one (its median slice: a burst of a few seconds
+    fills queues enough to outweigh the rest of a long window, and is no saturation)."""
     found = []
     if min(short.rejected or 0, long.rejected or 0) > 0:
         found.append(
             f"{short.rejected:.0f} requests rejected over {short.window_s} s and "
             f"{long.rejected:.0f} over {long.window_s} s: a queue is full"
         )
-    first, second, limit = short.queue_ratio, long.queue_ratio, limits.max_queue_ratio
+    first, second, limit = short.queue_ratio, long.queue_held, limits.max_queue_ratio
     if (
         limit is not None
         and first is not None
@@ -106,7 +109,7 @@ def _saturated(short: Window, long: Window, limits: Limits) -> list[str]:
         and min(first, second) > limit
     ):
         found.append(
-            f"queues {first:.1f}x compute over {short.window_s} s and {second:.1f}x over "
+            f"queues {first:.1f}x compute over {short.window_s} s and {second:.1f}x for most of "
             f"{long.window_s} s, at most {limit:g}x"
         )
     return found

@@ -27,10 +27,15 @@ class Fit:
     unread: str = ""  # why the pool's figures could not be read
 
     @property
+    def decode_ms(self) -> float | None:
+        """The longest answer's tokens after the first."""
+        return None if self.itl_ms is None else self.max_tokens * self.itl_ms
+
+    @property
     def worst_ms(self) -> float | None:
-        if self.ttft_ms is None or self.itl_ms is None:
+        if self.ttft_ms is None or self.decode_ms is None:
             return None
-        return self.ttft_ms + self.max_tokens * self.itl_ms
+        return self.ttft_ms + self.decode_ms
 
     @property
     def fits(self) -> bool | None:
@@ -85,22 +90,27 @@ def release_fits(versions: list[tuple[Model, int]], pool: str) -> list[Fit]:
             "name", "latency_budget_ms"
         )
     )
-    steps = [
+    return fits(llm_steps(configs, budgets), pool)
+
+
+def llm_steps(configs: dict[tuple[str, int], Any], budgets: dict[str, int | None]) -> list[Step]:
+    """The LLM steps among (model, version) -> config: those that say their `max_tokens` and
+    have a budget."""
+    return [
         Step(name, version, tokens, budget)
         for (name, version), config in configs.items()
         if (tokens := int_parameter(config, "max_tokens")) is not None
         and (budget := budgets.get(name))
     ]
-    return fits(steps, pool)
 
 
-def fits(steps: list[Step], pool: str) -> list[Fit]:
-    """Each step against the first tokens and tokens its model served on `pool` lately, by
-    whatever backend: two queries, however many steps."""
+def fits(steps: list[Step], pool: str | None = None) -> list[Fit]:
+    """Each step against the first tokens and tokens its model served on `pool` (every pool's
+    when none) lately, by whatever backend: two queries, however many steps."""
     if not steps:
         return []
     names = escape_label("|".join(re.escape(s.model) for s in steps))
-    selector = f'model=~"{names}",pool="{escape_label(pool)}"'
+    selector = f'model=~"{names}"' + (f',pool="{escape_label(pool)}"' if pool else "")
     try:
         ttft = _by_model(llm.quantile(llm.TTFT, 0.99, selector=selector, window=WINDOW, by="model"))
         itl = _by_model(llm.mean(llm.ITL, selector=selector, window=WINDOW, by="model"))

@@ -1,5 +1,6 @@
 import dataclasses
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
@@ -9,6 +10,7 @@ from apps.fleet.models import Deployment, NodePool
 from apps.observability import bottleneck as pipeline
 from apps.observability.breakdown import serving_version, step_breakdown, worst_p99_ms
 from apps.observability.charts import Chart, metric_chart
+from apps.observability.llm import fits, llm_steps
 from apps.observability.tiles import fleet_tiles
 from apps.prometheus.catalog import METRICS
 from apps.prometheus.client import PrometheusUnavailable
@@ -112,20 +114,29 @@ def breakdown(request: HttpRequest, name: str) -> HttpResponse:
         p99 = worst_p99_ms(models)
     except PrometheusUnavailable as exc:
         return render(request, "observability/partials/breakdown.html", {"error": str(exc)})
-    number = serving_version(p99, name) or max(versions, default=None)
+    pins = ((v, set(_pinned(versions[v]))) for v in sorted(versions, reverse=True))
+    number = serving_version(p99, name, pins) or max(versions, default=None)
     if number is None:
         return render(
             request, "observability/partials/breakdown.html", {"error": f"{name} has no version"}
         )
     budgets = dict(Model.objects.filter(name__in=models).values_list("name", "latency_budget_ms"))
     try:
-        steps = list(stored_steps(versions[number].config))
+        configs = stored_steps(versions[number].config)
     except UnresolvedStep as exc:
         error = f"{name} v{number}: {exc}"
         return render(request, "observability/partials/breakdown.html", {"error": error})
+    split = {fit.model: fit for fit in fits(llm_steps(configs, budgets))}
     context["version"] = number
-    context["rows"] = step_breakdown((name, number), steps, budgets, p99)
+    context["rows"] = step_breakdown((name, number), list(configs), budgets, p99, split)
     return render(request, "observability/partials/breakdown.html", context)
+
+
+def _pinned(version: ModelVersion) -> dict[tuple[str, int], Any]:
+    try:
+        return stored_steps(version.config)
+    except UnresolvedStep:
+        return {}
 
 
 def bottleneck(request: HttpRequest, name: str) -> HttpResponse:

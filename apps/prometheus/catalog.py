@@ -245,13 +245,18 @@ def canary_queries(*, model: str, pool: str, window_s: int) -> dict[str, str]:
     }
 
 
+QUEUE_SLICE_S = 10
+
+
 def budget_queries(
     *, model: str, steps: list[str], pool: str, nodes: list[str], window_s: int
 ) -> dict[str, str]:
     """What a degradation trigger judges, one window at a time: the pool's requests of the model
     in the window, those that failed and those Triton rejected (a queue full), its worst node's
     P99 (ms) averaged over the window, the time its requests and its `steps`' waited in queues
-    and computed (us), and each one's first tokens' P99 (ms: an LLM's, whatever backend). Every
+    and computed (us), the median over the window of their ratio a QUEUE_SLICE_S slice at a time
+    (a burst of a few seconds, whose queues dwarf every other second's, does not move it: the
+    long view held), and each one's first tokens' P99 (ms: an LLM's, whatever backend). Every
     version of the model at once: Triton labels all of an ensemble's versions alike. Only
     `nodes`, those that serve the pool's users: a cold, drained or quarantined node, or a stray
     target labelled with the pool, is not what users feel."""
@@ -270,6 +275,11 @@ def budget_queries(
         f'{{{selector},reason="REJECTED"}}[{window}]))',
         "queue_us": f"sum(increase(nv_inference_queue_duration_us{{{chain}}}[{window}]))",
         "compute_us": f"sum(increase(nv_inference_compute_infer_duration_us{{{chain}}}[{window}]))",
+        "queue_held": (
+            f"quantile_over_time(0.5, (sum(increase(nv_inference_queue_duration_us{{{chain}}}"
+            f"[{QUEUE_SLICE_S}s])) / sum(increase(nv_inference_compute_infer_duration_us"
+            f"{{{chain}}}[{QUEUE_SLICE_S}s])))[{window}:{QUEUE_SLICE_S}s])"
+        ),
         "ttft": llm.quantile(llm.TTFT, 0.99, selector=chain, window=window, by="model"),
     }
 

@@ -29,7 +29,9 @@ TTFT, ITL, OUTPUT, PROMPT, WAITING, KV_CACHE = (
 # Each meaning and where each backend exports it (their sources: triton-inference-server/core
 # src/metrics.cc, vllm_backend src/utils/metrics.py, TensorRT-LLM's custom_metrics_reporter):
 # - Triton's first-response histogram (ms) is every model's, a decoupled one's first token; it
-#   ships from Triton 2.52 and only with `--metrics-config histogram_latencies=true`.
+#   ships from Triton 2.52 and only with `--metrics-config histogram_latencies=true` (2.51,
+#   the local fleet's, exports none with it: the demo's charts read the vLLM names its `llm`
+#   model exports through Triton's custom metrics).
 # - The vLLM backend's series carry `model` and `version` of their own; it exports no queue or
 #   KV-cache gauge (Triton's pending count stands for the queue).
 # - TensorRT-LLM has no time to first token or per token of its own (Triton's histogram covers

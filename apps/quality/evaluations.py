@@ -143,6 +143,8 @@ def _judged(
         scores=storable(scores),
         passed=passed,
         latency_ms=answer.latency_ms,
+        first_ms=answer.first_ms,
+        tokens=answer.tokens,
         error=answer.error,
     )
 

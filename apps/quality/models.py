@@ -106,6 +106,12 @@ class CaseResult(models.Model):
     scores = models.JSONField(default=dict, help_text="output -> {passed, value, detail}")
     passed = models.BooleanField(null=True, help_text="null: no rule applied")
     latency_ms = models.FloatField(null=True, blank=True)
+    first_ms = models.FloatField(
+        null=True, blank=True, help_text="a streamed answer's first response, after the request"
+    )
+    tokens = models.PositiveIntegerField(
+        null=True, blank=True, help_text="a streamed answer's responses, one a token"
+    )
     error = models.TextField(blank=True, help_text="Triton's refusal, or the timeout")
 
     class Meta:

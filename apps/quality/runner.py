@@ -17,6 +17,8 @@ class Answer:
     outputs: dict[str, Any] | None  # as JSON values, without the batch dimension
     latency_ms: float | None
     error: str = ""
+    first_ms: float | None = None  # a streamed answer's first token
+    tokens: int | None = None  # a streamed answer's
 
 
 def request(inputs: dict[str, Any], signature: Signature) -> dict[str, np.ndarray]:
@@ -44,6 +46,8 @@ def ask(
             else {k: jsonable(v, batched) for k, v in answer.outputs.items()},
             answer.latency_ms,
             answer.error,
+            answer.first_ms,
+            None if answer.first_ms is None else answer.responses,
         )
         for answer in asking.ask(
             [client],

@@ -47,6 +47,11 @@ class Row:
     def failing(self) -> bool:
         return self.answer is not None and self.answer.passed is False
 
+    @property
+    def streamed(self) -> list[CaseResult]:
+        """Its answers that came as a stream: each keeps its first token and its tokens."""
+        return [a for a in (self.answer, self.baseline) if a and a.first_ms is not None]
+
 
 def run_rows(run: EvaluationRun, *, only: str = "", limit: int = 200) -> list[Row]:
     """The run's cases with both answers; `only` "failing" or "changed". Two queries."""

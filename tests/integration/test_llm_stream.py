@@ -3,9 +3,13 @@ is read token by token over gRPC, its first token and tokens are exported under 
 and scraped by a real Prometheus, and the real worker's judge rolls back a release whose first
 token got twice as slow while the whole request did not."""
 
+import json
 import random
+import re
 
 import pytest
+from django.contrib.auth.models import User
+from django.test import Client
 
 from apps.devtools.processes import FleetState, Proc
 from apps.devtools.traffic import QUESTIONS
@@ -14,6 +18,9 @@ from apps.fleet.models import NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.triton import TritonClient, sample_inputs
 from apps.prometheus.client import instant_query
+from apps.quality.models import EvaluationRun
+from apps.quality.services import evaluation_set_import, evaluation_start
+from apps.registry.services import model_set_budget
 from apps.rollouts.models import Rollout
 from apps.rollouts.services import rollout_start
 from tests.support.fleet import converged, traffic_to, until_state, wait_for
@@ -48,12 +55,12 @@ def balanced(haproxy: Proc) -> TritonClient:
 
 
 def test_an_answer_streams_through_haproxy_token_by_token_and_its_series_are_scraped(
-    streaming: NodePool, haproxy: Proc
+    streaming: NodePool, haproxy: Proc, client: Client, viewer: User
 ) -> None:
-    client = balanced(haproxy)
-    spec = client.model_inputs("rag_pipeline")
+    through = balanced(haproxy)
+    spec = through.model_inputs("rag_pipeline")
     asked = [sample_inputs(spec, random.Random(0), texts=[q]) for q in QUESTIONS]
-    answers = ask([client], "rag_pipeline", asked, concurrency=3, timeout_s=30)
+    answers = ask([through], "rag_pipeline", asked, concurrency=3, timeout_s=30)
     assert [a.error for a in answers] == [""] * len(QUESTIONS)
     for answer in answers:
         assert answer.outputs is not None and answer.first_ms is not None
@@ -68,6 +75,40 @@ def test_an_answer_streams_through_haproxy_token_by_token_and_its_series_are_scr
         lambda: sum(value for _, value in instant_query(served)) >= len(QUESTIONS),
         timeout=30,
     )
+    # The pipeline's budget, its LLM step split: the first token, then the longest answer.
+    model_set_budget(model_name="llm", latency_budget_ms=2000, actor="sre")
+    client.force_login(viewer)
+    split = client.get("/metrics/breakdown/rag_pipeline/").content.decode()
+    assert "Step of v10" in split  # found from its steps' series: its own say v1
+    assert "longest answer after it: 128 tokens (max_tokens)" in split
+    assert re.search(r"128 x \d+\.\d ms = \d+ ms", split), split
+    assert re.search(r"first token, P99 \(15 min\)</td><td>\d+ ms", split), split
+
+
+def test_a_streamed_answer_is_judged_whole_and_keeps_its_first_token_and_tokens(
+    streaming: NodePool,
+) -> None:
+    case = {
+        "name": "track",
+        "inputs": {"QUESTION": "How do I track my order?"},
+        # A phrase from the middle of the answer: no one token holds it.
+        "expect": {
+            "ANSWER": {"contains": "choose Track package; the carrier link"},
+            "SOURCE": {"exact": "faq:orders-track"},
+        },
+    }
+    found = evaluation_set_import(
+        model_name="rag_pipeline", name="streamed", text=json.dumps(case), actor="ci"
+    )
+    node = streaming.nodes.order_by("name").first()
+    run = evaluation_start(set_id=found.pk, version=10, node=node, actor="ci")
+    done = EvaluationRun.objects.filter(pk=run.pk, status=EvaluationRun.Status.DONE)
+    wait_for("the worker ran the case", done.exists, timeout=60)
+    result = run.results.get()
+    assert result.passed, result.scores
+    [answer] = result.outputs["ANSWER"]
+    assert result.tokens == len(answer.split(" ")) > 10
+    assert 0 < result.first_ms < result.latency_ms  # type: ignore[operator]
 
 
 def test_a_release_whose_first_token_is_twice_as_slow_is_rolled_back_on_it(

@@ -123,16 +123,21 @@ GENERATOR_COMPUTE_S = 0.5  # a request's compute, its batch's counted on each
 TRT_TTFT_MS, TRT_TOKENS = 300, 200  # trtllm: first tokens all in (100, 500]
 
 
+def _histogram(rows: list[Row], name: str, labels: str, buckets: list[float], value: float) -> None:
+    """LLM_REQUESTS a second, each observed at `value`."""
+    for le in [*map(str, buckets), "+Inf"]:
+        inside = le == "+Inf" or value <= float(le)
+        rows.append((f"{name}_bucket", f'{labels},le="{le}"', LLM_REQUESTS * inside, True))
+    rows.append((f"{name}_sum", labels, LLM_REQUESTS * value, True))
+    rows.append((f"{name}_count", labels, LLM_REQUESTS, True))
+
+
 def llm_series(times: range) -> str:
     """LLM series of two backends in OpenMetrics, for `backfilled_prometheus`."""
     rows: list[Row] = []
 
     def histogram(name: str, labels: str, buckets: list[float], value: float) -> None:
-        for le in [*buckets, "+Inf"]:
-            inside = le == "+Inf" or value <= float(le)
-            rows.append((f"{name}_bucket", f'{labels},le="{le}"', LLM_REQUESTS * inside, True))
-        rows.append((f"{name}_sum", labels, LLM_REQUESTS * value, True))
-        rows.append((f"{name}_count", labels, LLM_REQUESTS, True))
+        _histogram(rows, name, labels, buckets, value)
 
     for node in ("gpu-1", "gpu-2"):
         where = f'node="{node}",pool="gpu"'
@@ -154,4 +159,31 @@ def llm_series(times: range) -> str:
         for kind, blocks in (("used", 600), ("max", 1000)):
             labels = f'kv_cache_block_type="{kind}",{trt}'
             rows.append(("nv_trt_llm_kv_cache_block_metrics", labels, blocks, False))
+    return _openmetrics(rows, times)
+
+
+# rag_pipeline v10 on nodes trio-1 and trio-2 of pool trio: its own P99 labelled version "1", as
+# Triton labels every ensemble version; its steps' with their true versions; llm 1's first tokens
+# all in (0.1, 0.25] s and 6 ms a token after them.
+STREAMING_P99_MS = {
+    ("rag_pipeline", 1): 420.0,
+    ("embedder", 2): 4.0,
+    ("retriever", 2): 9.0,
+    ("reranker", 2): 6.0,
+    ("llm", 1): 390.0,
+}
+
+
+def streaming_pipeline(times: range) -> str:
+    """The demo's streaming pipeline as Triton and its `llm` export it, for
+    `backfilled_prometheus`."""
+    rows: list[Row] = []
+    for node in ("trio-1", "trio-2"):
+        where = f'node="{node}",pool="trio"'
+        for (model, version), p99_ms in STREAMING_P99_MS.items():
+            labels = f'model="{model}",{where},quantile="0.99",version="{version}"'
+            rows.append(("nv_inference_request_summary_us", labels, p99_ms * 1000, False))
+        llm = f'model="llm",{where},version="1"'
+        _histogram(rows, "vllm:time_to_first_token_seconds", llm, [0.1, 0.25, 0.5], 0.11)
+        _histogram(rows, "vllm:time_per_output_token_seconds", llm, [0.005, 0.01, 0.025], 0.006)
     return _openmetrics(rows, times)

@@ -133,10 +133,10 @@ def settled(pool: NodePool, expected: set[tuple[str, int]]) -> Callable[[], bool
 @contextmanager
 def traffic_to(
     state: FleetState, *, through: str = "", balancer: Proc | None = None, rps: float = 8
-) -> Iterator[None]:
+) -> Iterator[Counter[str]]:
     """Unversioned rag_pipeline requests to every node (or `through` a balancer's URL, or
     through the `balancer`, its streams over its gRPC frontend), 8 per second, while it lasts;
-    it starts once the pipeline is served."""
+    it starts once the pipeline is served. Yields their outcomes so far, `node ok|failed`."""
     clients = nodes_asked(state)
     if balancer is not None:
         http, grpc = balancer.ports["http"], balancer.ports["grpc"]
@@ -144,19 +144,21 @@ def traffic_to(
         clients = [TritonClient(through, node="balancer", grpc=f"127.0.0.1:{grpc}")]
     elif through:
         clients = [TritonClient(through, node="balancer")]
-    stop = threading.Event()
+    stop, outcomes = threading.Event(), Counter[str]()
 
     def run() -> None:
         while not stop.is_set():
             try:
-                send_traffic(clients, model="rag_pipeline", rps=rps, seconds=2, wait=10)
+                outcomes.update(
+                    send_traffic(clients, model="rag_pipeline", rps=rps, seconds=2, wait=10)
+                )
             except TritonError:  # not served at all for a while (a release swapping it)
                 stop.wait(0.5)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        yield
+        yield outcomes
     finally:
         stop.set()
         thread.join(10)

@@ -310,6 +310,8 @@ def test_a_runs_cases_show_both_answers_and_filter_to_failing_or_changed(
         "scores": {"SOURCE": {"passed": False, "value": "faq:returns", "detail": ""}},
         "passed": False,
         "latency_ms": 12.5,
+        "first_ms": None,
+        "tokens": None,
         "error": "",
     }
     assert second["baseline"]["outputs"]["SOURCE"] == "faq:orders-track"
