@@ -18,9 +18,8 @@ from apps.devtools.processes import FleetState
 from apps.fleet.models import NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import rollout_abort, rollout_start
 from tests.support.bench import Report
-from tests.support.fleet import STEPS_V1, converged, settled, traffic_to, wait_for
+from tests.support.fleet import STEPS_V1, converged, judged_release, traffic_to, wait_for
 from tests.support.services import Celery
 
 ROUNDS = 5
@@ -28,29 +27,6 @@ ROUNDS = 5
 # over the last 20 s, after a 5 s warm-up; otherwise the defaults (confidence, tolerances, pass
 # score, limits).
 JUDGED = {"interval_s": 2, "sample_s": 4, "window_s": 20, "warmup_s": 5}
-
-
-def one_release(pool: NodePool, version: int) -> Rollout:
-    wait_for("a fresh v1 baseline, nothing open", settled(pool, STEPS_V1), timeout=180)
-    rollout = rollout_start(
-        model_name="rag_pipeline",
-        pool_name=pool.name,
-        canary_version=version,
-        plan="1 node, hold 10s\n100%",
-        analysis=JUDGED,
-        actor="release-manager",
-    )
-    found = Rollout.objects.filter(pk=rollout.pk)
-    decided = [*Rollout.TERMINAL, Rollout.State.PAUSED]
-    wait_for(f"rollout #{rollout.pk} ends", lambda: found.get().state in decided, timeout=300)
-    ended = found.get()
-    print(f"\nv{version} #{ended.pk}: {ended.state} {ended.reason}")
-    if ended.state == Rollout.State.PAUSED:  # the judge would not say: a person would look
-        rollout_abort(rollout_id=ended.pk, actor="release-manager")
-        wait_for("aborted", lambda: not found.get().active, timeout=120)
-    if ended.state == Rollout.State.SUCCEEDED:  # back to v1 for the next round
-        deployment_set(model_name="rag_pipeline", version=1, pool=pool, actor="system:bench")
-    return ended
 
 
 @pytest.mark.timeout(3600)
@@ -66,7 +42,9 @@ def test_the_judge_rolls_back_no_healthy_release_and_every_slow_one(
     with traffic_to(state, rps=4):
         for _ in range(ROUNDS):
             for version in (2, 3):
-                ended[version].append(one_release(pool, version))
+                ended[version].append(
+                    judged_release(pool, version, baseline=1, steps=STEPS_V1, analysis=JUDGED)
+                )
     bench = f"the statistical judge, {ROUNDS} releases each of v2 (healthy) and v3 (+250 ms)"
     for version, label, target in ((2, "healthy", "0 rolled back"), (3, "slow", "all rolled back")):
         states = [r.state for r in ended[version]]

@@ -23,9 +23,8 @@ from apps.devtools.processes import FleetState, Proc
 from apps.fleet.models import NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import rollout_abort, rollout_start
 from tests.support.bench import Report
-from tests.support.fleet import converged, settled, traffic_to, wait_for
+from tests.support.fleet import converged, judged_release, traffic_to, wait_for
 from tests.support.services import Celery
 
 ROUNDS = 5
@@ -37,29 +36,6 @@ RELEASES = {
     12: ("first token 2x slower, same total", "all rolled back"),
     13: ("answers 2x longer, same speed per token", "all rolled back"),
 }
-
-
-def one_release(pool: NodePool, version: int) -> Rollout:
-    wait_for("a fresh v10 baseline, nothing open", settled(pool, STEPS_V10), timeout=180)
-    rollout = rollout_start(
-        model_name="rag_pipeline",
-        pool_name=pool.name,
-        canary_version=version,
-        plan="1 node, hold 10s\n100%",
-        analysis=JUDGED,
-        actor="release-manager",
-    )
-    found = Rollout.objects.filter(pk=rollout.pk)
-    decided = [*Rollout.TERMINAL, Rollout.State.PAUSED]
-    wait_for(f"rollout #{rollout.pk} ends", lambda: found.get().state in decided, timeout=300)
-    ended = found.get()
-    print(f"\nv{version} #{ended.pk}: {ended.state} {ended.reason}")
-    if ended.state == Rollout.State.PAUSED:  # the judge would not say: a person would look
-        rollout_abort(rollout_id=ended.pk, actor="release-manager")
-        wait_for("aborted", lambda: not found.get().active, timeout=120)
-    if ended.state == Rollout.State.SUCCEEDED:  # back to v10 for the next round
-        deployment_set(model_name="rag_pipeline", version=10, pool=pool, actor="system:bench")
-    return ended
 
 
 def failed_on(rollout: Rollout) -> str:
@@ -85,7 +61,9 @@ def test_the_judge_rolls_back_a_slower_first_token_and_longer_answers_and_no_hea
     with traffic_to(state, balancer=haproxy, rps=8):
         for _ in range(ROUNDS):
             for version in RELEASES:
-                ended[version].append(one_release(pool, version))
+                ended[version].append(
+                    judged_release(pool, version, baseline=10, steps=STEPS_V10, analysis=JUDGED)
+                )
     bench = f"the judge on streamed answers, {ROUNDS} releases each, alternated"
     for version, (label, target) in RELEASES.items():
         states = Counter(r.state for r in ended[version])

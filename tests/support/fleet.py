@@ -17,10 +17,12 @@ from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc
 from apps.devtools.traffic import QUESTIONS, send_traffic, wait_for_model
 from apps.fleet.models import Node, NodePool, Operation
+from apps.fleet.services.deployments import deployment_set
 from apps.fleet.traffic.haproxy import Runtime
 from apps.fleet.triton import TritonClient, TritonError, sample_inputs
 from apps.prometheus.client import active_targets
 from apps.rollouts.models import Rollout
+from apps.rollouts.services import rollout_abort, rollout_start
 from apps.rollouts.tick import rollout_advance
 
 
@@ -268,6 +270,39 @@ def until_state(rollout: Rollout, *states: str, timeout: float = 150) -> Rollout
                 f" (threshold {m.threshold}) {m.verdict} {m.detail}"
             )
     return found
+
+
+def judged_release(
+    pool: NodePool,
+    version: int,
+    *,
+    baseline: int,
+    steps: set[tuple[str, int]],
+    analysis: dict[str, object],
+) -> Rollout:
+    """One release of rag_pipeline `version`, from a fresh `baseline` (serving `steps`, nothing
+    open), to its end under `analysis`: one the judge paused is aborted, as a person who looked
+    would, and one promoted is moved back to the baseline for the next."""
+    wait_for(f"a fresh v{baseline} baseline, nothing open", settled(pool, steps), timeout=180)
+    rollout = rollout_start(
+        model_name="rag_pipeline",
+        pool_name=pool.name,
+        canary_version=version,
+        plan="1 node, hold 10s\n100%",
+        analysis=analysis,
+        actor="release-manager",
+    )
+    found = Rollout.objects.filter(pk=rollout.pk)
+    decided = [*Rollout.TERMINAL, Rollout.State.PAUSED]
+    wait_for(f"rollout #{rollout.pk} ends", lambda: found.get().state in decided, timeout=300)
+    ended = found.get()
+    print(f"\nv{version} #{ended.pk}: {ended.state} {ended.reason}")
+    if ended.state == Rollout.State.PAUSED:
+        rollout_abort(rollout_id=ended.pk, actor="release-manager")
+        wait_for("aborted", lambda: not found.get().active, timeout=120)
+    if ended.state == Rollout.State.SUCCEEDED:
+        deployment_set(model_name="rag_pipeline", version=baseline, pool=pool, actor="bench")
+    return ended
 
 
 def runtime(haproxy: Proc) -> Runtime:
