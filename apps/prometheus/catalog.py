@@ -366,6 +366,11 @@ def first_token_buckets(*, model: str, pool: str, window_s: int) -> list[tuple[l
     return llm.buckets(llm.TTFT, selector=selector, window=f"{window_s}s")
 
 
+def kv_cache_query(*, model: str, pool: str) -> str:
+    """An LLM step's KV cache in use now (a share), its fullest per node, whatever backend."""
+    return llm.now(llm.KV_CACHE, selector=_selector(model=model, pool=pool), by="node")
+
+
 def llm_sample_queries(*, model: str, pool: str, step_s: int) -> dict[str, str]:
     """An LLM step's samples by node, as `sample_queries` (apps/prometheus/llm.py): its first
     token, each token after it and its answers' length, whatever backend serves it."""

@@ -22,6 +22,7 @@ from apps.prometheus.catalog import (
     canary_queries,
     custom_query,
     first_token_buckets,
+    kv_cache_query,
     llm_sample_queries,
     quantiles_query,
     sample_queries,
@@ -140,6 +141,7 @@ def measure(
                 compare,
             ),
         ]
+    results += _kv_cache(llm or model, pool, canary_set, spec, compare)
     for step in steps:
         query = step_mean_latency_query(step=step.model, pool=pool, window_s=spec.window_s)
         by_version = _by("version", query)
@@ -326,6 +328,30 @@ def _sampled(
             )
         )
     return results
+
+
+def _kv_cache(
+    speaker: str, pool: str, canary: set[str], spec: Analysis, compare: bool
+) -> list[Result]:
+    """The KV-cache guard, where the LLM's backend exports its use: the canary's fullest node
+    at `kv_cache_max` or past it fails, unless the baseline's is as full (the pool saturated,
+    not the release: inconclusive). None where nothing exports it."""
+    query = kv_cache_query(model=speaker, pool=pool)
+    used = _by("node", query)
+    c = max((v for node, v in used.items() if node in canary), default=None)
+    b = max((v for node, v in used.items() if node not in canary), default=None)
+    if c is None:
+        return []
+    limit, b = spec.kv_cache_max, b if compare else None
+    if c < limit:
+        verdict, detail = Verdict.SUCCESS, f"canary's fullest node {c:.0%} used"
+    elif b is not None and b >= limit:
+        verdict = Verdict.INCONCLUSIVE
+        detail = f"canary {c:.0%} and baseline {b:.0%} used: the pool is full, not the release"
+    else:
+        verdict = Verdict.FAILURE
+        detail = f"canary's KV cache {c:.0%} used, at most {limit:.0%}: requests wait for memory"
+    return [Result("KV-cache use", query, c, b, limit, verdict, detail, kind=Kind.KV_CACHE)]
 
 
 # Each sampled metric's kind, tolerance and margin (in its unit, relative effects only).

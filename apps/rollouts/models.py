@@ -222,6 +222,7 @@ class Measurement(models.Model):
         TTFT = "ttft"  # an LLM step's time to first token
         ITL = "itl"  # an LLM step's time per output token
         TOKENS = "tokens"  # an LLM step's output tokens per request: its answers' length
+        KV_CACHE = "kv_cache"  # an LLM step's KV cache in use, where its backend exports it
         CUSTOM = "custom"  # a metric of the analysis's own
         QUALITY = "quality"  # an evaluation run's score
         PROMETHEUS = "prometheus"  # the measurement itself could not be taken

@@ -213,6 +213,9 @@ class Analysis:
     error_tolerance: float = 0.01  # ...and its mean error ratio this much higher
     # ...and an LLM step's median time to first token, per output token and answer length
     llm_tolerance: float = 0.2
+    # ...and its KV cache no fuller than this on any canary node (a full cache makes requests
+    # wait for memory), where its backend exports its use; unless the baseline's is as full
+    kv_cache_max: float = 0.95
     pass_score: float = 0.75  # the weighted share of metrics that pass, for a success
     # The SLO burn-rate gate, for models that declare objectives (apps/rollouts/slo.py): a step
     # fails when the canary spends its error budget faster than this many times the sustainable
@@ -336,6 +339,7 @@ LOOSER_WHEN_HIGHER = {
     "latency_margin_ms": True,
     "error_tolerance": True,
     "llm_tolerance": True,
+    "kv_cache_max": True,
     "pass_score": False,
     "slo_burn_limit": True,
     "quality_min_score": False,

@@ -117,3 +117,21 @@ def test_a_first_token_objective_is_read_from_the_buckets_of_whichever_backend(
     found = {r.metric: r for r in results}["first token burn rate"]
     assert (found.canary, found.baseline) == pytest.approx((75.0, 75.0), rel=0.01)
     assert found.verdict == "failure"
+
+
+def test_the_kv_cache_guard_reads_tensorrt_llms_blocks(
+    llm_prometheus: str, settings: object
+) -> None:
+    """600 of 1,000 blocks in use on each node: within the guard's 95 %."""
+    settings.PROMETHEUS_URL = llm_prometheus  # type: ignore[attr-defined]
+    results = measure(
+        model="trtllm",
+        pool="gpu",
+        canary_nodes=["gpu-1"],
+        spec=Analysis(judge="threshold", window_s=60),
+        budget_ms=None,
+        steps=[],
+    )
+    [guard] = [r for r in results if r.metric == "KV-cache use"]
+    assert (guard.canary, guard.baseline) == pytest.approx((0.6, 0.6))
+    assert guard.verdict == "success"

@@ -781,6 +781,8 @@ def test_analysis_splits_by_node_and_compares_changed_steps_by_version(
             return [({"node": "a"}, 4.0)]  # only the canary fails, 10% of its requests
         if "summary" in query:
             return [({"node": "a"}, 300.0), ({"node": "b"}, 100.0), ({"node": "c"}, 120.0)]
+        if "kv_cache" in query:
+            return []  # no LLM: no KV cache exported
         assert 'model="reranker"' in query  # mean latency of the changed step, per version
         return [({"version": "3"}, 260.0), ({"version": "1"}, 20.0)]
 
@@ -838,7 +840,7 @@ def test_the_statistical_judge_compares_each_nodes_samples_and_keeps_them(
     from apps.rollouts import analysis
 
     def counts(query: str) -> list[tuple[dict[str, str], float]]:
-        if "summary" in query or "failure" in query:
+        if "summary" in query or "failure" in query or "kv_cache" in query:
             return []
         return [({"node": n}, 40.0) for n in ("a", "b", "c")]
 
@@ -911,7 +913,7 @@ def test_an_llm_canary_is_judged_on_its_first_token_its_tokens_and_its_answers_l
         ]
 
     def counts(query: str) -> list[tuple[dict[str, str], float]]:
-        served = "summary" not in query and "failure" not in query
+        served = all(word not in query for word in ("summary", "failure", "kv_cache"))
         return [({"node": n}, 40.0) for n in ("a", "b", "c")] if served else []
 
     monkeypatch.setattr(analysis, "instant_query", counts)
@@ -926,6 +928,40 @@ def test_an_llm_canary_is_judged_on_its_first_token_its_tokens_and_its_answers_l
     assert kinds["output tokens per request (samples)"] == "tokens"
     assert [m for m, v in verdicts.items() if v == "failure"] == ([failed] if failed else [])
     assert analysis.overall(results, spec.pass_score) == ("failure" if failed else "success")
+
+
+@pytest.mark.parametrize(
+    ("used", "verdict"),
+    [
+        ({"a": 0.97, "b": 0.40, "c": 0.50}, "failure"),
+        ({"a": 0.60, "b": 0.40, "c": 0.50}, "success"),
+        ({"a": 0.97, "b": 0.96, "c": 0.50}, "inconclusive"),  # the pool is full, not the release
+    ],
+)
+def test_an_llm_canary_whose_kv_cache_is_full_fails_unless_the_baseline_is_as_full(
+    monkeypatch: pytest.MonkeyPatch, used: dict[str, float], verdict: str
+) -> None:
+    """TensorRT-LLM's blocks in use over all of them, per node: canary node "a"."""
+
+    def counts(query: str) -> list[tuple[dict[str, str], float]]:
+        if "kv_cache" in query:
+            return [({"node": n}, share) for n, share in used.items()]
+        served = "summary" not in query and "failure" not in query
+        return [({"node": n}, 40.0) for n in ("a", "b", "c")] if served else []
+
+    monkeypatch.setattr(analysis, "instant_query", counts)
+    spec = Analysis(judge="threshold", min_requests=20)
+    results = analysis.measure(
+        model="trtllm", pool="gpu", canary_nodes=["a"], spec=spec, budget_ms=None, steps=[]
+    )
+    [guard] = [r for r in results if r.kind == "kv_cache"]
+    assert (guard.canary, guard.baseline, guard.threshold) == (
+        used["a"],
+        max(used["b"], used["c"]),
+        0.95,
+    )
+    assert guard.verdict == verdict
+    assert 'kv_cache_block_type="used"' in guard.query and 'model="trtllm"' in guard.query
 
 
 # Pages and permissions -----------------------------------------------------------------------------
