@@ -371,6 +371,12 @@ def kv_cache_query(*, model: str, pool: str) -> str:
     return llm.now(llm.KV_CACHE, selector=_selector(model=model, pool=pool), by="node")
 
 
+def prompt_sample_query(*, model: str, pool: str, step_s: int) -> str:
+    """An LLM step's prompt tokens per request by node, a sample every `step_s`, as
+    `llm_sample_queries`: the buckets its first tokens are compared within."""
+    return llm.prompt_query(selector=_selector(model=model, pool=pool), window=f"{step_s}s")
+
+
 def llm_sample_queries(*, model: str, pool: str, step_s: int) -> dict[str, str]:
     """An LLM step's samples by node, as `sample_queries` (apps/prometheus/llm.py): its first
     token, each token after it and its answers' length, whatever backend serves it."""

@@ -136,6 +136,13 @@ def sample_queries(*, selector: str, window: str) -> dict[str, str]:
     }
 
 
+def prompt_query(*, selector: str, window: str) -> str:
+    """Per node, prompt tokens per request over the window: what a first token's time grows
+    with."""
+    requests = f"sum by (node) (rate(nv_inference_request_success{{{selector}}}[{window}]))"
+    return f"{per_second(PROMPT, selector=selector, window=window, by='node')} / {requests}"
+
+
 def buckets(meaning: str, *, selector: str, window: str) -> list[tuple[Source, str]]:
     """Each backend's histogram of `meaning` by node and bucket, its rate over the window: one
     query a backend, as their buckets' bounds are in their own units (`Source.scale` to ms)."""

@@ -14,7 +14,7 @@ import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.utils import timezone
 
@@ -24,17 +24,19 @@ from apps.prometheus.catalog import (
     first_token_buckets,
     kv_cache_query,
     llm_sample_queries,
+    prompt_sample_query,
     quantiles_query,
     sample_queries,
     step_mean_latency_query,
 )
 from apps.prometheus.client import (
     PrometheusUnavailable,
+    Series,
     escape_label,
     instant_query,
     range_query,
 )
-from apps.rollouts.judge import compare, score
+from apps.rollouts.judge import compare, compare_within, score
 from apps.rollouts.members import ChangedStep
 from apps.rollouts.plans import Analysis, CustomMetric
 from apps.rollouts.results import Kind, Result
@@ -294,6 +296,7 @@ def _sampled(
     end = timezone.now()
     start = end - timedelta(seconds=spec.window_s)
     llm = llm_sample_queries(model=speaker, pool=pool, step_s=spec.sample_s)
+    prompts = prompt_sample_query(model=speaker, pool=pool, step_s=spec.sample_s)
     queries = sample_queries(model=model, pool=pool, step_s=spec.sample_s) | llm
     results = []
     for metric, query in queries.items():
@@ -305,14 +308,22 @@ def _sampled(
         if metric in llm and not (sides[True] and sides[False]):
             continue
         kind, tolerance, margin = JUDGED[metric](spec)
-        found = compare(
-            sides[True],
-            sides[False],
-            confidence=spec.confidence,
-            tolerance=tolerance,
-            relative=kind != Kind.ERRORS,
-            margin=margin,
-        )
+        when = (start, end, spec.sample_s)
+        strata = _by_prompt(series, prompts, canary, when) if kind == Kind.TTFT else []
+        if len(strata) > 1:
+            found = compare_within(
+                strata, confidence=spec.confidence, tolerance=tolerance, margin=margin
+            )
+            query += f"\n# within buckets of the prompt's length: {prompts}"
+        else:
+            found = compare(
+                sides[True],
+                sides[False],
+                confidence=spec.confidence,
+                tolerance=tolerance,
+                relative=kind != Kind.ERRORS,
+                margin=margin,
+            )
         verdict = found.verdict if enough else Verdict.INCONCLUSIVE
         results.append(
             Result(
@@ -328,6 +339,43 @@ def _sampled(
             )
         )
     return results
+
+
+PROMPT_BUCKETS = 3  # prompt-length buckets a first token's samples are compared within
+
+
+def _by_prompt(
+    series: list[Series], prompts: str, canary: set[str], when: tuple[datetime, datetime, int]
+) -> list[tuple[list[float], list[float]]]:
+    """A first token's samples, canary and baseline, in PROMPT_BUCKETS buckets of the prompt
+    length each sample's requests had on its node (tertiles of them all): a canary that got
+    longer prompts waits longer for its first token, and is not to be failed for it. Read over
+    `when` (start, end, step), the samples' own. Fewer than two buckets where the backend
+    exports no prompt tokens, or all prompts were alike."""
+    start, end, step_s = when
+    lengths = {
+        (each.labels.get("node"), at): value
+        for each in range_query(prompts, start=start, end=end, step_s=step_s)
+        for at, value in zip(each.times, each.values, strict=True)
+        if value is not None
+    }
+    if not lengths:
+        return []
+    points = [
+        (lengths[key], node in canary, value)
+        for each in series
+        for at, value in zip(each.times, each.values, strict=True)
+        if value is not None and (key := (node := each.labels.get("node"), at)) in lengths
+    ]
+    if not points:
+        return []
+    seen = sorted(length for length, _, _ in points)
+    edges = sorted({seen[len(seen) * k // PROMPT_BUCKETS] for k in range(1, PROMPT_BUCKETS)})
+    strata: dict[int, tuple[list[float], list[float]]] = {}
+    for length, in_canary, value in points:
+        bucket = sum(length >= edge for edge in edges)
+        strata.setdefault(bucket, ([], []))[0 if in_canary else 1].append(value)
+    return [strata[k] for k in sorted(strata)]
 
 
 def _kv_cache(

@@ -14,7 +14,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from scipy.stats import mannwhitneyu
+from scipy.stats import mannwhitneyu, norm, rankdata
 
 from apps.rollouts.verdicts import Verdict
 
@@ -80,6 +80,66 @@ def compare(
     allowed = f"tolerance {tolerance:g}" + (f", margin {margin:g}" if relative and margin else "")
     detail = f"canary {how} against the baseline ({allowed}), p={p:.3g}"
     return Comparison(verdict, c, b, u, p, effect, "" if verdict == Verdict.SUCCESS else detail)
+
+
+def compare_within(
+    strata: list[tuple[list[float], list[float]]],
+    *,
+    confidence: float,
+    tolerance: float,
+    margin: float = 0.0,
+) -> Comparison:
+    """`compare` (relative) within strata, say prompt-length buckets, so that a canary that
+    happened to get more of a slow stratum is not judged for it: van Elteren's stratified rank
+    sum (each stratum's canary rank sum weighted by 1 / (its samples + 1), normal approximation),
+    and the effect each stratum's median ratio, weighted by its samples. A stratum without a
+    sample on either side says nothing."""
+    kept = [
+        (c, b)
+        for c, b in (
+            ([x for x in cs if math.isfinite(x)], [x for x in bs if math.isfinite(x)])
+            for cs, bs in strata
+        )
+        if c and b
+    ]
+    c_all, b_all = [x for c, _ in kept for x in c], [x for _, b in kept for x in b]
+    if len(c_all) < MIN_SAMPLES or len(b_all) < MIN_SAMPLES:
+        why = (
+            f"{len(c_all)} canary and {len(b_all)} baseline samples in the same buckets; "
+            f"{MIN_SAMPLES} a side are needed"
+        )
+        return Comparison(Verdict.INCONCLUSIVE, c_all, b_all, detail=why)
+    t = expected = variance = 0.0
+    for c, b in kept:
+        n = len(c) + len(b)
+        rank_sum = float(sum(rankdata(c + b)[: len(c)]))
+        t += rank_sum / (n + 1)
+        expected += len(c) / 2
+        variance += len(c) * len(b) / (12 * (n + 1))
+    p = float(norm.sf((t - expected) / math.sqrt(variance)))
+    weights = [len(c) + len(b) for c, b in kept]
+    effect = sum(w * _effect(c, b, True) for w, (c, b) in zip(weights, kept, strict=True))
+    effect /= sum(weights)
+    apart = sum(
+        w * (statistics.median(c) - statistics.median(b))
+        for w, (c, b) in zip(weights, kept, strict=True)
+    ) / sum(weights)
+    worse, beyond = p < 1 - confidence, effect > tolerance and apart > margin
+    verdict = (
+        Verdict.FAILURE
+        if worse and beyond
+        else Verdict.MARGINAL
+        if worse or beyond
+        else Verdict.SUCCESS
+    )
+    allowed = f"tolerance {tolerance:g}" + (f", margin {margin:g}" if margin else "")
+    detail = (
+        f"canary {effect:+.1%} against the baseline within {len(kept)} buckets ({allowed}), "
+        f"p={p:.3g}"
+    )
+    return Comparison(
+        verdict, c_all, b_all, t, p, effect, "" if verdict == Verdict.SUCCESS else detail
+    )
 
 
 def _effect(canary: list[float], baseline: list[float], relative: bool) -> float:

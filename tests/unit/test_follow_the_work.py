@@ -101,7 +101,9 @@ def answered(query: str) -> list[tuple[dict[str, str], float]]:
 
 
 def sampled(query: str, **_: object) -> list[Series]:
-    """Prometheus' samples: canary and baseline alike."""
+    """Prometheus' samples: canary and baseline alike; no LLM's."""
+    if "vllm:" in query:
+        return []
     value = 0.0 if "failure" in query else 40.0
     return [Series({"node": f"trio-{n}"}, [], [value] * 4) for n in (1, 2, 3)]
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from apps.rollouts.judge import compare, score
+from apps.rollouts.judge import compare, compare_within, score
 from apps.rollouts.plans import Analysis, PlanError
 from apps.rollouts.verdicts import Verdict
 
@@ -144,3 +144,44 @@ def test_a_relative_effect_within_the_margin_is_noise() -> None:
     assert "tolerance 0.1, margin 5" in found.detail
     slow = compare([x * 1.2 for x in fast], fast, confidence=0.95, tolerance=0.1, relative=True)
     assert slow.verdict == Verdict.FAILURE
+
+
+# First tokens by prompt length: short prompts answer in about 100 ms, long ones in about 200.
+SHORT, LONG = [98.0, 100.0, 101.0, 103.0], [197.0, 199.0, 201.0, 204.0]
+
+
+def test_a_canary_that_got_longer_prompts_is_not_failed_for_it_within_buckets() -> None:
+    later = [x + 1 for x in SHORT], [x + 1 for x in LONG]  # another sample of each
+    canary = (SHORT[:1], LONG + later[1])  # mostly long prompts, as fast as the baseline's
+    baseline = (SHORT + later[0], LONG[:1])  # mostly short ones
+    pooled = compare(
+        canary[0] + canary[1],
+        baseline[0] + baseline[1],
+        confidence=0.95,
+        tolerance=0.2,
+        relative=True,
+    )
+    assert pooled.verdict == Verdict.FAILURE  # what judging them together would say
+    within = compare_within(
+        [(canary[0], baseline[0]), (canary[1], baseline[1])], confidence=0.95, tolerance=0.2
+    )
+    assert within.verdict == Verdict.SUCCESS, within.detail
+    assert within.effect == pytest.approx(0.0, abs=0.03)
+
+
+def test_a_canary_twice_as_slow_in_every_bucket_fails_within_them() -> None:
+    slow = ([2 * x for x in SHORT], [2 * x for x in LONG])
+    found = compare_within(
+        [(slow[0], SHORT), (slow[1], LONG)], confidence=0.95, tolerance=0.2, margin=5
+    )
+    assert found.verdict == Verdict.FAILURE
+    assert found.effect == pytest.approx(1.0, abs=0.02) and found.p is not None and found.p < 0.01
+    assert found.detail.startswith("canary +100.0% against the baseline within 2 buckets")
+
+
+def test_buckets_with_a_side_missing_say_nothing_and_too_few_wait() -> None:
+    found = compare_within([([100.0], SHORT), (LONG, [])], confidence=0.95, tolerance=0.2)
+    assert found.verdict == Verdict.INCONCLUSIVE
+    assert (
+        found.detail == "1 canary and 4 baseline samples in the same buckets; 3 a side are needed"
+    )

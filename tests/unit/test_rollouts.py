@@ -2,7 +2,7 @@
 boundaries: what nodes report (`observed_many`) and what analysis measures (`measure`). The
 same paths run against real nodes and a real Prometheus in tests/integration/test_rollouts.py."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -904,6 +904,8 @@ def test_an_llm_canary_is_judged_on_its_first_token_its_tokens_and_its_answers_l
     assert llm.SERIES[llm.TTFT][1].series in queries["time to first token"]  # vLLM's as well
 
     def samples(query: str, *, start: object, end: object, step_s: int) -> list[Series]:
+        if query not in by_query:  # the prompts' length: not exported here
+            return []
         name = by_query[query]
         value = baseline[name]
         return [
@@ -928,6 +930,47 @@ def test_an_llm_canary_is_judged_on_its_first_token_its_tokens_and_its_answers_l
     assert kinds["output tokens per request (samples)"] == "tokens"
     assert [m for m, v in verdicts.items() if v == "failure"] == ([failed] if failed else [])
     assert analysis.overall(results, spec.pass_score) == ("failure" if failed else "success")
+
+
+def test_an_llm_canary_that_got_longer_prompts_is_judged_within_prompt_length_buckets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every node answers its first token in 100 ms plus 1 ms a prompt token; canary node "a"
+    happened to get long prompts three samples in four, the others one in four: together it
+    reads twice as slow, bucket by bucket it is as fast."""
+    from apps.prometheus.client import Series
+
+    times = [0.0, 5.0, 10.0, 15.0]
+    prompts = {"a": [200, 200, 200, 40], "b": [40, 40, 200, 40], "c": [40, 40, 40, 200]}
+
+    def samples(query: str, *, start: object, end: object, step_s: int) -> list[Series]:
+        def each(value: Callable[[int], float]) -> list[Series]:
+            return [Series({"node": n}, times, [value(p) for p in ps]) for n, ps in prompts.items()]
+
+        if "prompt_tokens" in query:
+            return each(float)
+        if "time_to_first_token" in query:
+            return each(lambda prompt: 100.0 + prompt)
+        if "duration" in query:  # whole requests alike
+            return each(lambda _: 900.0)
+        if "failure" in query:
+            return each(lambda _: 0.0)
+        return []  # no time per token nor tokens exported here
+
+    def counts(query: str) -> list[tuple[dict[str, str], float]]:
+        served = all(word not in query for word in ("summary", "failure", "kv_cache"))
+        return [({"node": n}, 40.0) for n in ("a", "b", "c")] if served else []
+
+    monkeypatch.setattr(analysis, "instant_query", counts)
+    monkeypatch.setattr(analysis, "range_query", samples)
+    spec = Analysis(judge="statistical", sample_s=5, window_s=20, min_requests=20)
+    results = analysis.measure(
+        model="generator", pool="gpu", canary_nodes=["a"], spec=spec, budget_ms=None, steps=[]
+    )
+    found = {r.metric: r for r in results}["time to first token (samples)"]
+    assert found.verdict == "success", found.detail
+    assert "within buckets of the prompt's length" in found.query
+    assert "vllm:prompt_tokens_total" in found.query
 
 
 @pytest.mark.parametrize(

@@ -4,15 +4,31 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('rollouts', '0019_measurement_kinds'),
+        ("rollouts", "0019_measurement_kinds"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='measurement',
-            name='kind',
-            field=models.CharField(choices=[('requests', 'Requests'), ('latency', 'Latency'), ('errors', 'Errors'), ('step', 'Step'), ('burn', 'Burn'), ('ttft', 'Ttft'), ('itl', 'Itl'), ('tokens', 'Tokens'), ('kv_cache', 'Kv Cache'), ('custom', 'Custom'), ('quality', 'Quality'), ('prometheus', 'Prometheus')], help_text='what it measures', max_length=12),
+            model_name="measurement",
+            name="kind",
+            field=models.CharField(
+                choices=[
+                    ("requests", "Requests"),
+                    ("latency", "Latency"),
+                    ("errors", "Errors"),
+                    ("step", "Step"),
+                    ("burn", "Burn"),
+                    ("ttft", "Ttft"),
+                    ("itl", "Itl"),
+                    ("tokens", "Tokens"),
+                    ("kv_cache", "Kv Cache"),
+                    ("custom", "Custom"),
+                    ("quality", "Quality"),
+                    ("prometheus", "Prometheus"),
+                ],
+                help_text="what it measures",
+                max_length=12,
+            ),
         ),
     ]
