@@ -14,7 +14,7 @@ import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from django.utils import timezone
 
@@ -31,12 +31,11 @@ from apps.prometheus.catalog import (
 )
 from apps.prometheus.client import (
     PrometheusUnavailable,
-    Series,
     escape_label,
     instant_query,
     range_query,
 )
-from apps.rollouts.judge import compare, compare_within, score
+from apps.rollouts.judge import by_prompt, compare, compare_within, kv_guard, score
 from apps.rollouts.members import ChangedStep
 from apps.rollouts.plans import Analysis, CustomMetric
 from apps.rollouts.results import Kind, Result
@@ -75,6 +74,7 @@ def measure(
     the first token and tokens, where not the model's own (a pipeline's streaming step).
     Raises PrometheusUnavailable."""
     text = canary_queries(model=model, pool=pool, window_s=spec.window_s)
+    kv_query = kv_cache_query(model=llm or model, pool=pool)
     per_node = {name: _by("node", query) for name, query in text.items()}
     canary_set = set(canary_nodes)
 
@@ -143,7 +143,7 @@ def measure(
                 compare,
             ),
         ]
-    results += _kv_cache(llm or model, pool, canary_set, spec, compare)
+    results += kv_guard(kv_query, _by("node", kv_query), canary_set, spec, compare)
     for step in steps:
         query = step_mean_latency_query(step=step.model, pool=pool, window_s=spec.window_s)
         by_version = _by("version", query)
@@ -308,8 +308,10 @@ def _sampled(
         if metric in llm and not (sides[True] and sides[False]):
             continue
         kind, tolerance, margin = JUDGED[metric](spec)
-        when = (start, end, spec.sample_s)
-        strata = _by_prompt(series, prompts, canary, when) if kind == Kind.TTFT else []
+        strata = []
+        if kind == Kind.TTFT:
+            lengths = range_query(prompts, start=start, end=end, step_s=spec.sample_s)
+            strata = by_prompt(series, lengths, canary)
         if len(strata) > 1:
             found = compare_within(
                 strata, confidence=spec.confidence, tolerance=tolerance, margin=margin
@@ -339,67 +341,6 @@ def _sampled(
             )
         )
     return results
-
-
-PROMPT_BUCKETS = 3  # prompt-length buckets a first token's samples are compared within
-
-
-def _by_prompt(
-    series: list[Series], prompts: str, canary: set[str], when: tuple[datetime, datetime, int]
-) -> list[tuple[list[float], list[float]]]:
-    """A first token's samples, canary and baseline, in PROMPT_BUCKETS buckets of the prompt
-    length each sample's requests had on its node (tertiles of them all): a canary that got
-    longer prompts waits longer for its first token, and is not to be failed for it. Read over
-    `when` (start, end, step), the samples' own. Fewer than two buckets where the backend
-    exports no prompt tokens, or all prompts were alike."""
-    start, end, step_s = when
-    lengths = {
-        (each.labels.get("node"), at): value
-        for each in range_query(prompts, start=start, end=end, step_s=step_s)
-        for at, value in zip(each.times, each.values, strict=True)
-        if value is not None
-    }
-    if not lengths:
-        return []
-    points = [
-        (lengths[key], node in canary, value)
-        for each in series
-        for at, value in zip(each.times, each.values, strict=True)
-        if value is not None and (key := (node := each.labels.get("node"), at)) in lengths
-    ]
-    if not points:
-        return []
-    seen = sorted(length for length, _, _ in points)
-    edges = sorted({seen[len(seen) * k // PROMPT_BUCKETS] for k in range(1, PROMPT_BUCKETS)})
-    strata: dict[int, tuple[list[float], list[float]]] = {}
-    for length, in_canary, value in points:
-        bucket = sum(length >= edge for edge in edges)
-        strata.setdefault(bucket, ([], []))[0 if in_canary else 1].append(value)
-    return [strata[k] for k in sorted(strata)]
-
-
-def _kv_cache(
-    speaker: str, pool: str, canary: set[str], spec: Analysis, compare: bool
-) -> list[Result]:
-    """The KV-cache guard, where the LLM's backend exports its use: the canary's fullest node
-    at `kv_cache_max` or past it fails, unless the baseline's is as full (the pool saturated,
-    not the release: inconclusive). None where nothing exports it."""
-    query = kv_cache_query(model=speaker, pool=pool)
-    used = _by("node", query)
-    c = max((v for node, v in used.items() if node in canary), default=None)
-    b = max((v for node, v in used.items() if node not in canary), default=None)
-    if c is None:
-        return []
-    limit, b = spec.kv_cache_max, b if compare else None
-    if c < limit:
-        verdict, detail = Verdict.SUCCESS, f"canary's fullest node {c:.0%} used"
-    elif b is not None and b >= limit:
-        verdict = Verdict.INCONCLUSIVE
-        detail = f"canary {c:.0%} and baseline {b:.0%} used: the pool is full, not the release"
-    else:
-        verdict = Verdict.FAILURE
-        detail = f"canary's KV cache {c:.0%} used, at most {limit:.0%}: requests wait for memory"
-    return [Result("KV-cache use", query, c, b, limit, verdict, detail, kind=Kind.KV_CACHE)]
 
 
 # Each sampled metric's kind, tolerance and margin (in its unit, relative effects only).

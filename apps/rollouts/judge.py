@@ -8,7 +8,9 @@ sides are compared with a one-sided Mann-Whitney U test (is the canary worse?) a
 - pass: neither; inconclusive: too few samples on a side to say.
 
 A step fails when any metric fails; otherwise its score is the weighted share of the metrics that
-pass, a success from `pass_score` up, marginal below."""
+pass, a success from `pass_score` up, marginal below. An LLM step's first tokens are compared
+within buckets of prompt length (`by_prompt`, `compare_within`), and its KV cache guarded
+(`kv_guard`), from what Prometheus answered."""
 
 import math
 import statistics
@@ -16,6 +18,9 @@ from dataclasses import dataclass
 
 from scipy.stats import mannwhitneyu, norm, rankdata
 
+from apps.prometheus.client import Series
+from apps.rollouts.plans import Analysis
+from apps.rollouts.results import Kind, Result
 from apps.rollouts.verdicts import Verdict
 
 MIN_SAMPLES = 3
@@ -160,3 +165,64 @@ def score(verdicts: list[tuple[Verdict, float]], pass_score: float) -> Verdict:
         return Verdict.INCONCLUSIVE
     passed = sum(w for v, w in judged if v == Verdict.SUCCESS) / sum(w for _, w in judged)
     return Verdict.SUCCESS if passed >= pass_score else Verdict.MARGINAL
+
+
+# An LLM step's own checks, beside its samples ---------------------------------------------
+
+PROMPT_BUCKETS = 3  # prompt-length buckets a first token's samples are compared within
+
+
+def by_prompt(
+    series: list[Series], prompts: list[Series], canary: set[str]
+) -> list[tuple[list[float], list[float]]]:
+    """A first token's samples (`series`), canary and baseline, in PROMPT_BUCKETS buckets of
+    the prompt length each sample's requests had on its node at that time (`prompts`, read at
+    the samples' own times; tertiles of them all): a canary that got longer prompts waits longer
+    for its first token, and is not to be failed for it. Fewer than two buckets where the
+    backend exports no prompt tokens, or all prompts were alike."""
+    lengths = {
+        (each.labels.get("node"), at): value
+        for each in prompts
+        for at, value in zip(each.times, each.values, strict=True)
+        if value is not None
+    }
+    if not lengths:
+        return []
+    points = [
+        (lengths[key], node in canary, value)
+        for each in series
+        for at, value in zip(each.times, each.values, strict=True)
+        if value is not None and (key := (node := each.labels.get("node"), at)) in lengths
+    ]
+    if not points:
+        return []
+    seen = sorted(length for length, _, _ in points)
+    edges = sorted({seen[len(seen) * k // PROMPT_BUCKETS] for k in range(1, PROMPT_BUCKETS)})
+    strata: dict[int, tuple[list[float], list[float]]] = {}
+    for length, in_canary, value in points:
+        bucket = sum(length >= edge for edge in edges)
+        strata.setdefault(bucket, ([], []))[0 if in_canary else 1].append(value)
+    return [strata[k] for k in sorted(strata)]
+
+
+def kv_guard(
+    query: str, used: dict[str, float], canary: set[str], spec: Analysis, compare: bool
+) -> list[Result]:
+    """The KV-cache guard on each node's share in use (`used`, as `query` read it), where the
+    LLM's backend exports it: the canary's fullest node at `kv_cache_max` or past it fails,
+    unless the baseline's is as full (the pool saturated, not the release: inconclusive). None
+    where nothing exports it."""
+    c = max((v for node, v in used.items() if node in canary), default=None)
+    b = max((v for node, v in used.items() if node not in canary), default=None)
+    if c is None:
+        return []
+    limit, b = spec.kv_cache_max, b if compare else None
+    if c < limit:
+        verdict, detail = Verdict.SUCCESS, f"canary's fullest node {c:.0%} used"
+    elif b is not None and b >= limit:
+        verdict = Verdict.INCONCLUSIVE
+        detail = f"canary {c:.0%} and baseline {b:.0%} used: the pool is full, not the release"
+    else:
+        verdict = Verdict.FAILURE
+        detail = f"canary's KV cache {c:.0%} used, at most {limit:.0%}: requests wait for memory"
+    return [Result("KV-cache use", query, c, b, limit, verdict, detail, kind=Kind.KV_CACHE)]

@@ -121,7 +121,15 @@ def test_a_release_whose_first_token_is_twice_as_slow_is_rolled_back_on_it(
             pool_name=streaming.name,
             canary_version=12,
             plan="1 node, hold 60s\n100%",
-            analysis={"judge": "statistical", "sample_s": 2, "warmup_s": 2, "failure_limit": 1},
+            # Judged every 2 s on 2 s samples over the last 10 s, once 2 s of warm-up passed.
+            analysis={
+                "judge": "statistical",
+                "interval_s": 2,
+                "sample_s": 2,
+                "window_s": 10,
+                "warmup_s": 2,
+                "failure_limit": 1,
+            },
             actor="release-manager",
         )
         rollout = until_state(rollout, Rollout.State.ROLLED_BACK, Rollout.State.SUCCEEDED)
