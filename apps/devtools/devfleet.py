@@ -87,10 +87,16 @@ class Devfleet:
             for i in range(nodes):
                 self._serving(state, i, repository_key, repick=base_port is None)
             self._targets_write(state, pool)
-            web = ports_free(1, prometheus_port)[0]
-            state.prometheus = self._start_prometheus(prometheus, web)
-            self._save(state)
-            wait_http(f"{state.prometheus_url}/-/ready", state.prometheus)
+            for attempt in range(PORT_PICKS):  # as `_serving` does for the nodes
+                web = ports_free(1, prometheus_port)[0]
+                state.prometheus = self._start_prometheus(prometheus, web)
+                self._save(state)
+                try:
+                    wait_http(f"{state.prometheus_url}/-/ready", state.prometheus)
+                    break
+                except PortTaken:
+                    if prometheus_port is not None or attempt == PORT_PICKS - 1:
+                        raise
         except BaseException:
             self.down()
             raise
@@ -229,18 +235,25 @@ class Devfleet:
         binary = require_binary("haproxy", "apt-get install -y haproxy")
         if state.haproxy is not None and state.haproxy.running:
             raise DevfleetError(f"HAProxy is already running (pid {state.haproxy.pid})")
-        http, grpc, runtime = ports_free(3, base_port)
-        config = self.home / "haproxy.cfg"
-        config.write_text(haproxy_config(state, http=http, grpc=grpc, runtime=runtime))
-        argv = [binary, "-db", "-f", str(config)]
-        check = subprocess.run([binary, "-c", "-q", "-f", str(config)], capture_output=True)
-        if check.returncode != 0:
-            raise DevfleetError(f"haproxy refused {config}: {check.stderr.decode().strip()}")
-        state.haproxy = self._spawn(
-            "haproxy", argv, {"http": http, "grpc": grpc, "runtime": runtime}
-        )
-        self._save(state)
-        wait_http(f"http://127.0.0.1:{http}/v2/health/live", state.haproxy)
+        for attempt in range(PORT_PICKS):  # free ports may be taken before HAProxy binds them
+            http, grpc, runtime = ports_free(3, base_port)
+            config = self.home / "haproxy.cfg"
+            config.write_text(haproxy_config(state, http=http, grpc=grpc, runtime=runtime))
+            argv = [binary, "-db", "-f", str(config)]
+            check = subprocess.run([binary, "-c", "-q", "-f", str(config)], capture_output=True)
+            if check.returncode != 0:
+                raise DevfleetError(f"haproxy refused {config}: {check.stderr.decode().strip()}")
+            state.haproxy = self._spawn(
+                "haproxy", argv, {"http": http, "grpc": grpc, "runtime": runtime}
+            )
+            self._save(state)
+            try:
+                wait_http(f"http://127.0.0.1:{http}/v2/health/live", state.haproxy)
+                break
+            except PortTaken:
+                if base_port is not None or attempt == PORT_PICKS - 1:
+                    raise
+        assert state.haproxy is not None
         return state.haproxy
 
     def _reload_prometheus(self, state: FleetState, changes: dict[str, object]) -> None:

@@ -174,3 +174,36 @@ def test_a_taken_port_given_by_the_user_is_not_replaced(
     with pytest.raises(PortTaken, match=f"t-1 exited during start-up.*'127.0.0.1:{taken}'"):
         fleet.up(nodes=1, pool="t", base_port=20000, prometheus_port=None)
     assert fleet.state().processes == []
+
+
+def test_prometheus_and_haproxy_whose_ports_were_taken_after_the_pick_start_on_new_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Free ports are picked, then bound by the process seconds later: another process (an
+    outgoing connection's ephemeral port, say) may take one meanwhile, as CI once saw of
+    Prometheus's. The first pick of each is a port this test holds."""
+    stolen: list[str] = []
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", 0))
+        thief.listen()
+        taken = thief.getsockname()[1]
+
+        def pick(count: int, base: int | None) -> list[int]:
+            ports = ports_free(count, None)
+            victim = "prometheus" if count == 1 else "haproxy" if fleet.state().prometheus else ""
+            if victim and victim not in stolen:
+                stolen.append(victim)
+                ports[0] = taken
+            return ports
+
+        monkeypatch.setattr(devfleet, "ports_free", pick)
+        fleet = Devfleet(home=tmp_path, repository=REPOSITORY)
+        state = fleet.up(nodes=1, pool="t", base_port=None, prometheus_port=None)
+        try:
+            balancer = fleet.balancer()
+            assert stolen == ["prometheus", "haproxy"]
+            assert state.prometheus is not None and state.prometheus.ports["web"] != taken
+            assert listens(state.prometheus) and balancer.ports["http"] != taken
+            assert listens(balancer)
+        finally:
+            fleet.down()
