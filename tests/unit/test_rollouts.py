@@ -879,6 +879,26 @@ def test_the_statistical_judge_compares_each_nodes_samples_and_keeps_them(
     assert analysis.overall(results, spec.pass_score) == "marginal"
 
 
+def generator_judged(
+    monkeypatch: pytest.MonkeyPatch, samples: Callable[..., list[Any]]
+) -> tuple[Analysis, list[Result]]:
+    """The statistical judge on "generator" in pool gpu, canary node "a" of a, b and c, each
+    with 40 requests and none failed (no P99 summary, no KV cache exported), its samples as
+    `samples` answers."""
+
+    def counts(query: str) -> list[tuple[dict[str, str], float]]:
+        served = all(word not in query for word in ("summary", "failure", "kv_cache"))
+        return [({"node": n}, 40.0) for n in ("a", "b", "c")] if served else []
+
+    monkeypatch.setattr(analysis, "instant_query", counts)
+    monkeypatch.setattr(analysis, "range_query", samples)
+    spec = Analysis(judge="statistical", sample_s=5, window_s=20, min_requests=20)
+    results = analysis.measure(
+        model="generator", pool="gpu", canary_nodes=["a"], spec=spec, budget_ms=None, steps=[]
+    )
+    return spec, results
+
+
 @pytest.mark.parametrize(
     ("canary", "failed"),
     [
@@ -914,16 +934,7 @@ def test_an_llm_canary_is_judged_on_its_first_token_its_tokens_and_its_answers_l
             for i in range(4)
         ]
 
-    def counts(query: str) -> list[tuple[dict[str, str], float]]:
-        served = all(word not in query for word in ("summary", "failure", "kv_cache"))
-        return [({"node": n}, 40.0) for n in ("a", "b", "c")] if served else []
-
-    monkeypatch.setattr(analysis, "instant_query", counts)
-    monkeypatch.setattr(analysis, "range_query", samples)
-    spec = Analysis(judge="statistical", sample_s=5, window_s=20, min_requests=20)
-    results = analysis.measure(
-        model="generator", pool="gpu", canary_nodes=["a"], spec=spec, budget_ms=None, steps=[]
-    )
+    spec, results = generator_judged(monkeypatch, samples)
     verdicts = {r.metric: r.verdict for r in results}
     kinds = {r.metric: r.kind for r in results}
     assert kinds["time to first token (samples)"] == "ttft"
@@ -957,16 +968,7 @@ def test_an_llm_canary_that_got_longer_prompts_is_judged_within_prompt_length_bu
             return each(lambda _: 0.0)
         return []  # no time per token nor tokens exported here
 
-    def counts(query: str) -> list[tuple[dict[str, str], float]]:
-        served = all(word not in query for word in ("summary", "failure", "kv_cache"))
-        return [({"node": n}, 40.0) for n in ("a", "b", "c")] if served else []
-
-    monkeypatch.setattr(analysis, "instant_query", counts)
-    monkeypatch.setattr(analysis, "range_query", samples)
-    spec = Analysis(judge="statistical", sample_s=5, window_s=20, min_requests=20)
-    results = analysis.measure(
-        model="generator", pool="gpu", canary_nodes=["a"], spec=spec, budget_ms=None, steps=[]
-    )
+    _, results = generator_judged(monkeypatch, samples)
     found = {r.metric: r for r in results}["time to first token (samples)"]
     assert found.verdict == "success", found.detail
     assert "within buckets of the prompt's length" in found.query
