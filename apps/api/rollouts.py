@@ -14,6 +14,7 @@ from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, WAITS, ApiError
 from apps.rollouts.models import Rollout
 from apps.rollouts.plans import PlanError
+from apps.rollouts.proposals import rollout_start
 from apps.rollouts.selectors import quality_gate, rollout_rounds, switch_evaluations
 from apps.rollouts.services import (
     RolloutError,
@@ -24,7 +25,6 @@ from apps.rollouts.services import (
     rollout_promote,
     rollout_resume,
     rollout_retry,
-    rollout_start,
 )
 
 router = Router(tags=["rollouts"], auth=Token())

@@ -30,12 +30,8 @@ from apps.quality.models import EvaluationSet
 from apps.rollouts.models import Rollout
 from apps.rollouts.notify import notify_approval
 from apps.rollouts.plans import PlanError
-from apps.rollouts.services import (
-    RolloutError,
-    rollout_promote,
-    rollout_retry,
-    rollout_start,
-)
+from apps.rollouts.proposals import rollout_start
+from apps.rollouts.services import RolloutError, rollout_promote, rollout_retry
 from apps.rollouts.tuning import tuning_start
 from apps.web.clock import database_now
 

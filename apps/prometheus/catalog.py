@@ -173,11 +173,16 @@ def _selector(*, model: str = "", pool: str = "", node: str = "") -> str:
     )
 
 
+def nodes_matcher(nodes: list[str]) -> str:
+    """The label matcher of exactly these nodes."""
+    names = "|".join(re.escape(name) for name in sorted(nodes))
+    return f'node=~"{escape_label(names)}"'
+
+
 def gpu_memory_query(nodes: list[str], max_age_s: float) -> str:
     """Each GPU of these nodes: its memory in all and in use, where Prometheus read it within
     `max_age_s` (an instant query alone would answer with readings up to 5 minutes old)."""
-    names = "|".join(re.escape(name) for name in sorted(nodes))
-    selector = f'node=~"{escape_label(names)}"'
+    selector = nodes_matcher(nodes)
     return (
         f'{{__name__=~"nv_gpu_memory_(total|used)_bytes",{selector}}} and on (node, gpu_uuid) '
         f"(time() - timestamp(nv_gpu_memory_used_bytes{{{selector}}}) < {max_age_s:g})"
@@ -261,8 +266,7 @@ def budget_queries(
     `nodes`, those that serve the pool's users: a cold, drained or quarantined node, or a stray
     target labelled with the pool, is not what users feel."""
     window = f"{window_s}s"
-    serving = "|".join(re.escape(name) for name in sorted(nodes))
-    where = f'{_selector(pool=pool)},node=~"{escape_label(serving)}"'
+    where = f"{_selector(pool=pool)},{nodes_matcher(nodes)}"
     selector = f"{where},{_selector(model=model)}"
     names = "|".join(re.escape(name) for name in sorted({model, *steps}))
     chain = f'{where},model=~"{escape_label(names)}"'

@@ -10,7 +10,6 @@ differs between the two releases is compared by its `version` label (mean latenc
 same tolerance, and to the step's budget)."""
 
 import math
-import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from apps.prometheus.catalog import (
     first_token_buckets,
     kv_cache_query,
     llm_sample_queries,
+    nodes_matcher,
     prompt_sample_query,
     quantiles_query,
     sample_queries,
@@ -31,7 +31,6 @@ from apps.prometheus.catalog import (
 )
 from apps.prometheus.client import (
     PrometheusUnavailable,
-    escape_label,
     instant_query,
     range_query,
 )
@@ -87,8 +86,7 @@ def measure(
 
     c_ok, c_failed, c_p99 = totals(True)
     b_ok, b_failed, b_p99 = totals(False) if compare else (0.0, 0.0, None)
-    nodes = "|".join(re.escape(n) for n in canary_nodes)
-    where = f'canary: node=~"{escape_label(nodes)}"; baseline: the pool\'s other nodes'
+    where = f"canary: {nodes_matcher(canary_nodes)}; baseline: the pool's other nodes"
     c_requests, b_requests = c_ok + c_failed, b_ok + b_failed
     short = [
         f"{name} served {round(n)}"

@@ -13,9 +13,8 @@ from apps.rollouts.gate import evaluate_everywhere, everywhere_verdicts, gate_de
 from apps.rollouts.members import changed_steps, members, pool_deployments, pool_nodes
 from apps.rollouts.models import Rollout, Round
 from apps.rollouts.plans import Analysis
-from apps.rollouts.results import record
 from apps.rollouts.steps import stalled
-from apps.rollouts.transitions import ACTOR, State, pause, transition
+from apps.rollouts.transitions import ACTOR, State, pause, record, transition
 from apps.rollouts.verdicts import Verdict
 
 

@@ -20,8 +20,8 @@ from apps.rollouts.ending import roll_back
 from apps.rollouts.members import ChangedStep, Scope
 from apps.rollouts.models import Rollout, Round
 from apps.rollouts.plans import Analysis
-from apps.rollouts.results import Kind, Result, record
-from apps.rollouts.transitions import ACTOR, pause
+from apps.rollouts.results import Kind, Result
+from apps.rollouts.transitions import ACTOR, pause, record
 from apps.rollouts.verdicts import Verdict
 
 

@@ -1,6 +1,6 @@
-"""Webhook messages about rollouts, and about the degradation automation's switches and freezes
-(Slack-compatible JSON), written with the change that causes them and delivered afterwards by a
-worker: a slow or broken receiver never holds a rollout or a switch up."""
+"""Webhook messages (Slack-compatible JSON) about rollouts, the degradation automation's switches
+and freezes, and approvals, written with the change that causes them and delivered afterwards by
+a worker: a slow or broken receiver never holds a rollout or a switch up."""
 
 import json
 import urllib.request
@@ -14,19 +14,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.rollouts.models import Notification, Rollout
-from apps.rollouts.plans import parse_plan
 
 DELIVER = "rollouts.deliver_notification"
-EVENTS = {
-    "started": "started: v{baseline} → v{canary}, {share} first",
-    "step": "moved to step {step}: v{canary} on {share}",
-    "paused": "paused: {reason}",
-    "promoting": "passed its analysis; promoting v{canary} to the whole pool",
-    "succeeded": "succeeded: {pool} serves v{canary}",
-    "aborting": "is rolling back to v{baseline}: {reason}",
-    "rolled_back": "rolled back: {pool} serves v{baseline} again",
-    "failed": "failed: {reason}",
-}
 
 
 def slack_text(text: object) -> str:
@@ -34,26 +23,6 @@ def slack_text(text: object) -> str:
     message text), so that a reason or a name holding `<!channel>` or `<https://x|click>`
     pings no one and links nowhere."""
     return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-def notify(rollout: Rollout, event: str) -> Notification | None:
-    template = EVENTS.get(event)
-    if template is None or not settings.ROLLOUT_WEBHOOK_URL:
-        return None
-    link = f"{settings.SITE_URL}/rollouts/{rollout.pk}/"
-    step = parse_plan(rollout.plan)[rollout.step]
-    pool, model = slack_text(rollout.pool.name), slack_text(rollout.model.name)
-    what = template.format(
-        step=rollout.step + 1,
-        canary=rollout.canary_version,
-        baseline=rollout.baseline_version,
-        share=slack_text(step.share),
-        pool=pool,
-        reason=slack_text(rollout.reason),
-    )
-    title = f"Rollout #{rollout.pk} of {model} on {pool}"
-    about = {"rollout": {"id": rollout.pk, "state": rollout.state, "event": event, "url": link}}
-    return _send(title, what, link, event, about, rollout)
 
 
 def notify_pool(*, pool: str, model: str, event: str, what: str) -> Notification | None:
@@ -64,7 +33,7 @@ def notify_pool(*, pool: str, model: str, event: str, what: str) -> Notification
     link = f"{settings.SITE_URL}/pools/{pool}/tiers/"
     title = f"{slack_text(model)} on {slack_text(pool)}"
     about = {"pool": {"name": pool, "model": model, "event": event, "url": link}}
-    return _send(title, slack_text(what), link, event, about)
+    return send(title, slack_text(what), link, event, about)
 
 
 def notify_approval(*, approval_id: int, pool: str, event: str, what: str) -> Notification | None:
@@ -75,10 +44,10 @@ def notify_approval(*, approval_id: int, pool: str, event: str, what: str) -> No
     link = f"{settings.SITE_URL}/rollouts/approvals/?{urlencode({'pool': pool})}"
     title = f"Approval #{approval_id} on {slack_text(pool)}"
     about = {"approval": {"id": approval_id, "pool": pool, "event": event, "url": link}}
-    return _send(title, slack_text(what), link, event, about)
+    return send(title, slack_text(what), link, event, about)
 
 
-def _send(
+def send(
     title: str,
     what: str,
     link: str,

@@ -1,9 +1,13 @@
-"""A rollout before it starts: checked, and what each step will do to which nodes (the dry
-run that the form previews and the start carries out)."""
+"""A rollout's start: checked, what each step will do to which nodes (the dry run that the form
+previews), then started as the pool's one active rollout of its models."""
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.db import IntegrityError, transaction
+
+from apps.accounts.permissions import authorize, second_person
+from apps.audit.services import Actor, actor_name, audit_record, audited
 from apps.fleet.desired import Want
 from apps.fleet.memory import shortfalls
 from apps.fleet.models import Deployment, NodePool
@@ -16,6 +20,7 @@ from apps.registry.selectors import stored_steps
 from apps.rollouts.members import Member, changed_steps
 from apps.rollouts.models import AnalysisTemplate, Rollout
 from apps.rollouts.plans import Analysis, PlanError, PreviewStep, parse_plan, preview
+from apps.rollouts.transitions import notify, pool_claim
 
 
 class RolloutError(Exception):
@@ -251,3 +256,110 @@ def _releasable(model_name: str, canary_version: int, pool: NodePool) -> tuple[M
     except UnresolvedStep as exc:
         raise RolloutError(f"{model_name} v{canary_version}: {exc}") from None
     return model, deployed.version
+
+
+def active_rollout(models: list[str], pool: NodePool) -> Rollout | None:
+    """The active rollout on `pool` that releases one of `models`, on its own or in lockstep."""
+    running = Rollout.objects.filter(pool=pool, state__in=Rollout.ACTIVE).select_related("model")
+    return next((r for r in running if set(r.model_names) & set(models)), None)
+
+
+def pool_target(*, model_name: str, pool_name: str, **_: object) -> str:
+    return f"pool:{pool_name}:{model_name}"
+
+
+@audited("rollout.start", pool_target, (RolloutError, PlanError))
+def rollout_start(
+    *,
+    model_name: str,
+    pool_name: str,
+    canary_version: int,
+    plan: str | list[dict[str, Any]],
+    analysis: dict[str, Any] | None,
+    actor: Actor,
+    accept_shares: bool = False,
+    template: str = "",
+    lockstep: list[tuple[str, int]] | None = None,
+    strategy: str = Rollout.Strategy.CANARY,
+    template_version: int | None = None,
+    quality_sets: dict[str, int] | None = None,
+) -> Rollout:
+    """A rollout of `canary_version` over what the pool serves, as `rollout_propose` checks it;
+    its gates run the evaluation sets it pins now (or exactly `quality_sets`, with the
+    template's `template_version`: what an approval showed)."""
+    proposal = rollout_propose(
+        model_name=model_name,
+        pool_name=pool_name,
+        canary_version=canary_version,
+        plan=plan,
+        analysis=analysis,
+        accept_shares=accept_shares,
+        template=template,
+        lockstep=lockstep,
+        strategy=strategy,
+        template_version=template_version,
+        quality_sets=quality_sets,
+    )
+    authorize(actor, "rollouts.add_rollout", proposal.pool)
+    # The approver sees exactly what will run: the plan and the analysis as resolved now.
+    second_person(actor, proposal.pool, "rollout.start", _start_params(proposal, template))
+    names = [model_name, *(m["model"] for m in proposal.lockstep)]
+    try:
+        with transaction.atomic():  # the database has the last word on "one active rollout"
+            # Under the pool's lock, no other start can slip a rollout of a lockstep model in.
+            NodePool.objects.select_for_update().filter(pk=proposal.pool.pk).first()
+            running = active_rollout(names, proposal.pool)
+            if running is not None:
+                raise RolloutError(
+                    f"rollout #{running.pk} of {running.moves} on {pool_name} is {running.state}"
+                )
+            rollout = Rollout.objects.create(
+                model=proposal.model,
+                pool=proposal.pool,
+                baseline_version=proposal.baseline,
+                canary_version=proposal.canary,
+                lockstep=proposal.lockstep,
+                strategy=proposal.strategy,
+                plan=proposal.plan,
+                analysis=proposal.analysis.as_dict(),
+                template=proposal.template,
+                quality_sets=proposal.quality_sets,
+                started_by=actor_name(actor),
+            )
+            notify(rollout, "started")  # written with the rollout, or not at all
+            if held := pool_claim(rollout, actor_name(actor)):
+                raise RolloutError(held.why)  # another owner: on-call's pin on a tier
+    except IntegrityError:
+        raise RolloutError(f"another rollout of {model_name} on {pool_name} is active") from None
+    audit_record(
+        actor=actor,
+        target=f"rollout:{rollout.pk}:{model_name}",
+        after={
+            "baseline": proposal.baseline,
+            "canary": canary_version,
+            "plan": proposal.plan,
+            "strategy": proposal.strategy,
+            "pool": pool_name,
+            "template": str(proposal.template or ""),
+            "lockstep": proposal.lockstep,
+            "quality_sets": proposal.quality_sets,
+        },
+    )
+    return rollout
+
+
+def _start_params(proposal: Proposal, template: str) -> dict[str, Any]:
+    return {
+        "model": proposal.model.name,
+        "pool": proposal.pool.name,
+        "baseline": proposal.baseline,
+        "canary": proposal.canary,
+        "plan": proposal.plan,
+        "analysis": proposal.analysis.as_dict(),
+        "template": template,
+        "template_version": proposal.template.version if proposal.template else None,
+        "quality_sets": proposal.quality_sets,
+        "lockstep": proposal.lockstep,
+        "accept_shares": any(row.overshoots for row in proposal.preview),
+        "strategy": proposal.strategy,
+    }

@@ -14,9 +14,9 @@ from apps.rollouts.gate import evaluated
 from apps.rollouts.members import Scope, judged_by, scope
 from apps.rollouts.models import Rollout
 from apps.rollouts.plans import Analysis
-from apps.rollouts.results import Kind, Result, labelled, record
+from apps.rollouts.results import Kind, Result
 from apps.rollouts.slo import Objectives
-from apps.rollouts.transitions import State
+from apps.rollouts.transitions import State, record
 from apps.rollouts.verdicts import Verdict
 
 
@@ -145,3 +145,26 @@ def _analyse(rollout: Rollout, spec: Analysis, reading: Measured, judged: list[R
             return roll_back(rollout, f"failure: {why}")
     rollout.save()
     return None
+
+
+def labelled(rollout: Rollout, results: list[Result]) -> list[Result]:
+    """The round's request counts of the rollout's own model, saying which of them the rollout
+    made."""
+    load = rollout.synthetic_load
+    if load is None:
+        return results
+    note = (
+        f"{load.rps:g} synthetic requests/s from {load.evaluation_set} to "
+        f"{', '.join(load.nodes)} since {load.created_at:%H:%M:%S}"
+    )
+    made = {"load": load.pk, "rps": load.rps, "nodes": load.nodes, "sent": load.sent}
+    return [
+        replace(
+            r,
+            detail="; ".join(filter(None, [r.detail, note])),
+            evidence=r.evidence | {"synthetic": made},
+        )
+        if r.kind == Kind.REQUESTS and not r.member  # the lead's: the requests made are to it
+        else r
+        for r in results
+    ]

@@ -1,10 +1,11 @@
-"""Everything a person (or the API) does to rollouts and releases. Each action takes the rollout's
-row lock, checks the state it is allowed from, and writes one audit event with the change."""
+"""What a person (or the API) does to a running rollout and to a pool's release (a rollout
+starts in `proposals`). Each action takes the rollout's row lock, checks the state it is allowed
+from, and writes one audit event with the change."""
 
 import re
 from typing import Any
 
-from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db import OperationalError, connection, transaction
 
 from apps.accounts.permissions import authorize, moving_back, second_person
 from apps.audit.services import Actor, actor_name, audit_record, audited
@@ -14,11 +15,10 @@ from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model
 from apps.rollouts.ending import drop_node_deployments, roll_back
 from apps.rollouts.models import AnalysisTemplate, Rollout
-from apps.rollouts.notify import notify
 from apps.rollouts.plans import Analysis, PlanError
-from apps.rollouts.proposals import Proposal, RolloutError, rollout_propose
+from apps.rollouts.proposals import RolloutError, active_rollout, pool_target, rollout_start
 from apps.rollouts.selectors import last_good_version
-from apps.rollouts.transitions import pause, pool_claim, transition
+from apps.rollouts.transitions import pause, transition
 
 State = Rollout.State
 LOCK_WAIT_S = 5
@@ -76,116 +76,9 @@ def template_save(
     return template
 
 
-def _active(models: list[str], pool: NodePool) -> Rollout | None:
-    """The active rollout on `pool` that releases one of `models`, on its own or in lockstep."""
-    running = Rollout.objects.filter(pool=pool, state__in=Rollout.ACTIVE).select_related("model")
-    return next((r for r in running if set(r.model_names) & set(models)), None)
-
-
-def _pool_target(*, model_name: str, pool_name: str, **_: object) -> str:
-    return f"pool:{pool_name}:{model_name}"
-
-
 def _rollout_target(*, rollout_id: int, **_: object) -> str:
     found = Rollout.objects.filter(pk=rollout_id).values_list("model__name", flat=True).first()
     return f"rollout:{rollout_id}:{found or ''}"
-
-
-@audited("rollout.start", _pool_target, (RolloutError, PlanError))
-def rollout_start(
-    *,
-    model_name: str,
-    pool_name: str,
-    canary_version: int,
-    plan: str | list[dict[str, Any]],
-    analysis: dict[str, Any] | None,
-    actor: Actor,
-    accept_shares: bool = False,
-    template: str = "",
-    lockstep: list[tuple[str, int]] | None = None,
-    strategy: str = Rollout.Strategy.CANARY,
-    template_version: int | None = None,
-    quality_sets: dict[str, int] | None = None,
-) -> Rollout:
-    """A rollout of `canary_version` over what the pool serves, as `rollout_propose` checks it;
-    its gates run the evaluation sets it pins now (or exactly `quality_sets`, with the
-    template's `template_version`: what an approval showed)."""
-    proposal = rollout_propose(
-        model_name=model_name,
-        pool_name=pool_name,
-        canary_version=canary_version,
-        plan=plan,
-        analysis=analysis,
-        accept_shares=accept_shares,
-        template=template,
-        lockstep=lockstep,
-        strategy=strategy,
-        template_version=template_version,
-        quality_sets=quality_sets,
-    )
-    authorize(actor, "rollouts.add_rollout", proposal.pool)
-    # The approver sees exactly what will run: the plan and the analysis as resolved now.
-    second_person(actor, proposal.pool, "rollout.start", _start_params(proposal, template))
-    names = [model_name, *(m["model"] for m in proposal.lockstep)]
-    try:
-        with transaction.atomic():  # the database has the last word on "one active rollout"
-            # Under the pool's lock, no other start can slip a rollout of a lockstep model in.
-            NodePool.objects.select_for_update().filter(pk=proposal.pool.pk).first()
-            running = _active(names, proposal.pool)
-            if running is not None:
-                raise RolloutError(
-                    f"rollout #{running.pk} of {running.moves} on {pool_name} is {running.state}"
-                )
-            rollout = Rollout.objects.create(
-                model=proposal.model,
-                pool=proposal.pool,
-                baseline_version=proposal.baseline,
-                canary_version=proposal.canary,
-                lockstep=proposal.lockstep,
-                strategy=proposal.strategy,
-                plan=proposal.plan,
-                analysis=proposal.analysis.as_dict(),
-                template=proposal.template,
-                quality_sets=proposal.quality_sets,
-                started_by=actor_name(actor),
-            )
-            if held := pool_claim(rollout, actor_name(actor)):
-                raise RolloutError(held.why)  # another owner: on-call's pin on a tier
-    except IntegrityError:
-        raise RolloutError(f"another rollout of {model_name} on {pool_name} is active") from None
-    audit_record(
-        actor=actor,
-        target=f"rollout:{rollout.pk}:{model_name}",
-        after={
-            "baseline": proposal.baseline,
-            "canary": canary_version,
-            "plan": proposal.plan,
-            "strategy": proposal.strategy,
-            "pool": pool_name,
-            "template": str(proposal.template or ""),
-            "lockstep": proposal.lockstep,
-            "quality_sets": proposal.quality_sets,
-        },
-    )
-    notify(rollout, "started")
-    return rollout
-
-
-def _start_params(proposal: Proposal, template: str) -> dict[str, Any]:
-    return {
-        "model": proposal.model.name,
-        "pool": proposal.pool.name,
-        "baseline": proposal.baseline,
-        "canary": proposal.canary,
-        "plan": proposal.plan,
-        "analysis": proposal.analysis.as_dict(),
-        "template": template,
-        "template_version": proposal.template.version if proposal.template else None,
-        "quality_sets": proposal.quality_sets,
-        "lockstep": proposal.lockstep,
-        "accept_shares": any(row.overshoots for row in proposal.preview),
-        "strategy": proposal.strategy,
-    }
 
 
 def _locked(rollout_id: int, action: str, allowed: list[State], actor: Actor | None) -> Rollout:
@@ -315,7 +208,7 @@ def rollout_retry(*, rollout_id: int, actor: Actor) -> Rollout:
     return again
 
 
-@audited("release.rollback", _pool_target, (RolloutError, PlanError))
+@audited("release.rollback", pool_target, (RolloutError, PlanError))
 def release_rollback(*, model_name: str, pool_name: str, actor: Actor, reason: str = "") -> int:
     """On-call's one click: the pool back to its last good release, now, alone even on a
     protected pool (a move back never waits for a second person). Returns the version."""
@@ -327,7 +220,7 @@ def release_rollback(*, model_name: str, pool_name: str, actor: Actor, reason: s
     return _switch(model, pool, version, "rollback", actor, reason)
 
 
-@audited("release.fallback", _pool_target, (RolloutError, PlanError))
+@audited("release.fallback", pool_target, (RolloutError, PlanError))
 def release_fallback(*, model_name: str, pool_name: str, actor: Actor, reason: str = "") -> int:
     """The pool onto the model's pre-registered degraded version (a latency emergency), alone
     even on a protected pool."""
@@ -362,7 +255,7 @@ def _switch(
             deployment_set(model_name=model.name, version=version, pool=pool, actor=actor)
         except FleetError as exc:
             raise RolloutError(str(exc)) from exc
-        running = _active([model.name], pool)
+        running = active_rollout([model.name], pool)
         if running is not None and running.state != State.ABORTING:
             why = f"pool switched to v{version} ({action}) by {actor_name(actor)}"
             rollout = _locked(running.pk, "abort", Rollout.ACTIVE, None)  # authorized above

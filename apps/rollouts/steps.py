@@ -13,8 +13,7 @@ from apps.rollouts.gate import gate_pending
 from apps.rollouts.members import Scope
 from apps.rollouts.models import Rollout
 from apps.rollouts.plans import Analysis, Step
-from apps.rollouts.results import last_round_details
-from apps.rollouts.transitions import ACTOR, State, pause, transition
+from apps.rollouts.transitions import ACTOR, State, last_round_details, pause, transition
 from apps.rollouts.verdicts import Verdict
 
 

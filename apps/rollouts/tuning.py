@@ -30,8 +30,7 @@ from apps.registry.selectors import next_version, registry_resolver
 from apps.registry.services import RegistryError, version_create
 from apps.rollouts.models import AnalysisTemplate, Rollout
 from apps.rollouts.plans import PlanError
-from apps.rollouts.proposals import RolloutError
-from apps.rollouts.services import rollout_start
+from apps.rollouts.proposals import RolloutError, rollout_start
 
 # The canary may serve this share fewer requests a node than the baseline, and queue this share
 # longer, before the tuning counts as worse (the queue's is wider: it is the noisier of the two).

@@ -23,7 +23,7 @@ from apps.registry.models import Model
 from apps.rollouts.forms import DEFAULT_PLAN, RolloutForm
 from apps.rollouts.models import Rollout
 from apps.rollouts.plans import PlanError, parse_plan, preview
-from apps.rollouts.proposals import RolloutError, rollout_propose
+from apps.rollouts.proposals import RolloutError, rollout_propose, rollout_start
 from apps.rollouts.results import Kind
 from apps.rollouts.selectors import (
     canary_share,
@@ -42,7 +42,6 @@ from apps.rollouts.services import (
     rollout_promote,
     rollout_resume,
     rollout_retry,
-    rollout_start,
 )
 from apps.rollouts.tuning import tuning_start
 from apps.web.htmx import HtmxHttpRequest, back, refused

@@ -24,7 +24,7 @@ from apps.fleet.models import NodePool
 from apps.fleet.triton import TritonClient, TritonError
 from apps.quality.services import evaluation_set_import
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import rollout_start
+from apps.rollouts.proposals import rollout_start
 from tests.support import ROOT
 from tests.support.bench import Report
 from tests.support.fleet import HEALTHY, recording, wait_for

@@ -26,7 +26,7 @@ from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.services import model_set_budget
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import rollout_start
+from apps.rollouts.proposals import rollout_start
 from tests.support.bench import Report
 from tests.support.fleet import (
     ANALYSIS,

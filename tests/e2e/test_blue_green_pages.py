@@ -12,7 +12,8 @@ from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.quality.services import evaluation_set_import
 from apps.registry.models import Model
 from apps.rollouts.models import Rollout, Round
-from apps.rollouts.results import Kind, Result, record
+from apps.rollouts.results import Kind, Result
+from apps.rollouts.transitions import record
 from apps.rollouts.verdicts import Verdict
 from tests.support import ROOT
 from tests.support.browser import screenshot, sign_in

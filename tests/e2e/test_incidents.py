@@ -23,7 +23,7 @@ from apps.fleet.models import NodePool
 from apps.incidents.models import Incident
 from apps.incidents.suspects import suspects
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import rollout_start
+from apps.rollouts.proposals import rollout_start
 from tests.support.browser import dark, screenshot, sign_in
 from tests.support.fleet import ANALYSIS, ready_on, wait_for
 from tests.support.users import make_user

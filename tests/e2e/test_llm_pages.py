@@ -16,7 +16,8 @@ from apps.fleet.models import Node, NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Rollout
-from apps.rollouts.results import Kind, Result, record
+from apps.rollouts.results import Kind, Result
+from apps.rollouts.transitions import record
 from apps.rollouts.verdicts import Verdict
 from tests.support.backfill import backfilled_prometheus, llm_series, streaming_pipeline
 from tests.support.browser import screenshot, sign_in

@@ -14,7 +14,7 @@ from apps.registry.models import Model, ModelVersion
 from apps.rollouts.gate import gate_measured
 from apps.rollouts.models import Rollout, Round
 from apps.rollouts.plans import Analysis
-from apps.rollouts.results import record
+from apps.rollouts.transitions import record
 from apps.rollouts.verdicts import Verdict
 from tests.support.browser import screenshot, sign_in
 from tests.support.quality import demo_faq, wrong_answers

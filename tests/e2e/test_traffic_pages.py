@@ -10,7 +10,7 @@ from playwright.sync_api import Page, expect
 from apps.accounts.roles import Role
 from apps.devtools.processes import FleetState, Proc
 from apps.fleet.models import NodePool
-from apps.rollouts.services import rollout_start
+from apps.rollouts.proposals import rollout_start
 from tests.support.browser import screenshot, sign_in
 from tests.support.fleet import ANALYSIS, traffic_to
 from tests.support.users import make_user

@@ -14,7 +14,7 @@ from apps.fleet.models import NodePool
 from apps.quality.models import EvaluationRun
 from apps.quality.services import evaluation_set_import
 from apps.rollouts.models import Measurement, Rollout
-from apps.rollouts.services import rollout_start
+from apps.rollouts.proposals import rollout_start
 from tests.support import ROOT
 from tests.support.fleet import (
     HEALTHY,

@@ -22,7 +22,7 @@ from apps.quality.models import EvaluationRun
 from apps.quality.services import evaluation_set_import, evaluation_start
 from apps.registry.services import model_set_budget
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import rollout_start
+from apps.rollouts.proposals import rollout_start
 from tests.support.fleet import converged, traffic_to, until_state, wait_for
 from tests.support.services import Celery
 

@@ -10,7 +10,8 @@ from apps.fleet.models import NodePool
 from apps.quality.models import EvaluationRun, SyntheticLoad
 from apps.quality.services import evaluation_set_import
 from apps.rollouts.models import Measurement, Rollout
-from apps.rollouts.services import rollout_abort, rollout_start
+from apps.rollouts.proposals import rollout_start
+from apps.rollouts.services import rollout_abort
 from tests.support.fleet import (
     ANALYSIS,
     HEALTHY,

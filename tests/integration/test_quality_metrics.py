@@ -15,7 +15,7 @@ from apps.fleet.models import Node, NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import rollout_start
+from apps.rollouts.proposals import rollout_start
 from apps.rollouts.tick import rollout_advance
 from tests.support.backfill import backfilled_prometheus
 

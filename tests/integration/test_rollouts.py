@@ -18,12 +18,8 @@ from apps.fleet.models import Node, NodePool, Operation
 from apps.fleet.services.deployments import deployment_set
 from apps.registry.services import model_set_budget, model_set_fallback, model_set_slo
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import (
-    release_fallback,
-    release_rollback,
-    rollout_promote,
-    rollout_start,
-)
+from apps.rollouts.proposals import rollout_start
+from apps.rollouts.services import release_fallback, release_rollback, rollout_promote
 from tests.support.fleet import (
     ANALYSIS,
     HEALTHY,

@@ -21,7 +21,8 @@ from apps.fleet.triton import TritonClient, sample_inputs
 from apps.registry.models import ModelVersion
 from apps.registry.services import version_set_status
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import release_rollback, rollout_abort, rollout_start
+from apps.rollouts.proposals import rollout_start
+from apps.rollouts.services import release_rollback, rollout_abort
 from tests.support.fleet import (
     ANALYSIS,
     HEALTHY,

@@ -8,6 +8,7 @@ import pytest
 
 from apps.audit.models import AuditEvent
 from apps.degradation.services import tier_confirm, tier_pin, tier_unpin, tiers_set
+from apps.rollouts.proposals import rollout_start
 from apps.rollouts.services import (
     release_fallback,
     release_rollback,
@@ -17,7 +18,6 @@ from apps.rollouts.services import (
     rollout_resume,
     rollout_retry,
     rollout_roll_back,
-    rollout_start,
     template_save,
 )
 

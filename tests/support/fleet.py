@@ -22,7 +22,8 @@ from apps.fleet.traffic.haproxy import Runtime
 from apps.fleet.triton import TritonClient, TritonError, sample_inputs
 from apps.prometheus.client import active_targets
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import rollout_abort, rollout_start
+from apps.rollouts.proposals import rollout_start
+from apps.rollouts.services import rollout_abort
 from apps.rollouts.tick import rollout_advance
 
 

@@ -24,7 +24,7 @@ from apps.fleet.services.deployments import deployment_set
 from apps.quality.models import CaseResult
 from apps.quality.services import evaluation_set_import
 from apps.registry.imports import repository_import
-from apps.rollouts.services import rollout_start
+from apps.rollouts.proposals import rollout_start
 from tests.support import REPOSITORY
 from tests.support.quality import DEMO_SET
 from tests.support.users import make_user

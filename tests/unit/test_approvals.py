@@ -40,6 +40,7 @@ from apps.rollouts import gate, transitions
 from apps.rollouts.members import scope
 from apps.rollouts.models import Notification, Rollout
 from apps.rollouts.plans import Analysis
+from apps.rollouts.proposals import rollout_start
 from apps.rollouts.services import (
     RolloutError,
     release_fallback,
@@ -47,7 +48,6 @@ from apps.rollouts.services import (
     rollout_abort,
     rollout_promote,
     rollout_retry,
-    rollout_start,
     template_save,
 )
 from tests.support.quality import DEMO_SET, demo_faq

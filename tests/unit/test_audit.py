@@ -185,6 +185,9 @@ NOT_ACTIONS = {
     "reconcile_later": "enqueues the reconcile of a change its caller audits",
     "target_nodes": "a read: the nodes a change targets",
     "node_target": "names an event's target",
+    "pool_target": "names an event's target",
+    "rollout_propose": "a check: the dry run the rollout form previews",
+    "active_rollout": "a read",
     "actor_name": "the trail itself",
     "audit_record": "the trail itself",
     "audit_event": "the trail itself",
@@ -215,6 +218,7 @@ def test_every_service_is_an_audited_action_and_is_in_a_table() -> None:
 SERVICE_MODULES = [
     *(f"apps.{app}.services" for app in ("accounts", "audit", "quality", "registry", "rollouts")),
     *(f"apps.fleet.services.{part}" for part in ("deployments", "nodes", "pools")),
+    "apps.rollouts.proposals",
     "apps.approvals.services",
     "apps.degradation.services",
     "apps.fleet.polling",

@@ -22,8 +22,8 @@ from apps.registry.models import ModelVersion
 from apps.rollouts import ending
 from apps.rollouts.forms import RolloutForm
 from apps.rollouts.models import Measurement, Rollout
-from apps.rollouts.proposals import RolloutError, rollout_propose
-from apps.rollouts.services import rollout_abort, rollout_start
+from apps.rollouts.proposals import RolloutError, rollout_propose, rollout_start
+from apps.rollouts.services import rollout_abort
 from apps.rollouts.tick import rollout_advance
 from tests.support import ROOT
 from tests.support.registry import import_demo

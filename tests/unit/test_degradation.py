@@ -30,7 +30,8 @@ from apps.fleet.services.deployments import deployment_set
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts import transitions
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import RolloutError, rollout_start
+from apps.rollouts.proposals import rollout_start
+from apps.rollouts.services import RolloutError
 from tests.support.audit import DEGRADATION_SERVICES, Case, assert_one_event_each
 from tests.support.registry import import_demo
 from tests.support.users import bearer, make_user

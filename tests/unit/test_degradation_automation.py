@@ -23,7 +23,7 @@ from apps.prometheus.catalog import budget_queries
 from apps.prometheus.client import PrometheusUnavailable
 from apps.registry.services import model_set_budget, model_set_slo
 from apps.rollouts.models import Notification
-from apps.rollouts.services import rollout_start
+from apps.rollouts.proposals import rollout_start
 from tests.support.registry import import_demo
 from tests.support.users import make_user
 

@@ -26,7 +26,7 @@ from apps.incidents.models import Incident
 from apps.incidents.templatetags.mdtext import md, md_block, md_code
 from apps.registry.models import Model
 from apps.rollouts.models import Rollout
-from apps.rollouts.notify import notify
+from apps.rollouts.transitions import notify
 from apps.web.sessions import POLL_HEADER, STARTED, TOUCHED
 from tests.support.users import PASSWORD
 

@@ -26,7 +26,7 @@ from apps.prometheus.client import Series
 from apps.registry.imports import repository_import
 from apps.registry.models import Model
 from apps.rollouts.models import Rollout
-from apps.rollouts.services import rollout_start
+from apps.rollouts.proposals import rollout_start
 
 pytestmark = pytest.mark.django_db
 REPOSITORY = Path(__file__).parents[2] / "deploy" / "models"

@@ -21,7 +21,8 @@ from apps.rollouts.forms import RolloutForm
 from apps.rollouts.gate import gate_measured
 from apps.rollouts.models import Rollout, Round
 from apps.rollouts.plans import Analysis
-from apps.rollouts.results import Kind, Result, record
+from apps.rollouts.results import Kind, Result
+from apps.rollouts.transitions import record
 from apps.rollouts.verdicts import Verdict
 from apps.rollouts.views import chart_query
 from tests.support.quality import DEMO_SET, demo_faq, wrong_answers

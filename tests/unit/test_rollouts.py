@@ -32,7 +32,7 @@ from apps.registry.models import Model, ModelVersion
 from apps.rollouts import analysis, rounds, transitions
 from apps.rollouts.models import AnalysisTemplate, Measurement, Rollout
 from apps.rollouts.plans import Analysis, PlanError, Step, parse_plan, preview
-from apps.rollouts.proposals import rollout_propose
+from apps.rollouts.proposals import rollout_propose, rollout_start
 from apps.rollouts.results import Kind, Result
 from apps.rollouts.selectors import last_good_version
 from apps.rollouts.services import (
@@ -45,7 +45,6 @@ from apps.rollouts.services import (
     rollout_resume,
     rollout_retry,
     rollout_roll_back,
-    rollout_start,
     template_save,
 )
 from apps.rollouts.tick import HANDLERS, TICK_ERROR_LIMIT, rollout_advance

@@ -18,7 +18,8 @@ from apps.fleet.models import Node, NodePool, Operation
 from apps.incidents import timeline, views
 from apps.registry.models import Model
 from apps.rollouts.models import Measurement, Rollout, Round
-from apps.rollouts.results import Kind, Result, record
+from apps.rollouts.results import Kind, Result
+from apps.rollouts.transitions import record
 from tests.support.users import bearer
 
 pytestmark = pytest.mark.django_db
