@@ -58,16 +58,8 @@ def tick(tiers: Tiers) -> str:
         what = f"serves v{deployment.version}" if deployment else "is deployed nowhere"
         return f"{where} {what}, none of its tiers: a person moved it"
     serving = deployment.version
-    model = tiers.model
     steps = _steps(tiers, serving)
-    objectives = Model.objects.filter(name__in=[model.name, *steps], slo_ttft_ms__isnull=False)
-    limits = Limits(
-        budget_ms=model.latency_budget_ms,
-        max_error_ratio=None if model.slo_availability is None else 1 - model.slo_availability,
-        min_requests=settings.DEGRADATION_MIN_REQUESTS,
-        max_queue_ratio=settings.DEGRADATION_MAX_QUEUE_RATIO,
-        ttft_ms={m.name: m.slo_ttft_ms for m in objectives if m.slo_ttft_ms},
-    )
+    limits = _limits(tiers.model, steps)
     nodes = list(Node.objects.filter(pool=tiers.pool).in_traffic().values_list("name", flat=True))
     try:
         short, long = (
@@ -97,6 +89,19 @@ def tick(tiers: Tiers) -> str:
 def _steps(tiers: Tiers, version: int) -> list[str]:
     """The steps of the pipeline's `version`: their queues are its own (none for a model)."""
     return sorted(step_names(ModelVersion.objects.get(model=tiers.model, version=version).config))
+
+
+def _limits(model: Model, steps: list[str]) -> Limits:
+    """What the pipeline is held to: its budget, its error objective, the saturation limit, and
+    each of its LLM steps' first-token objective."""
+    objectives = Model.objects.filter(name__in=[model.name, *steps], slo_ttft_ms__isnull=False)
+    return Limits(
+        budget_ms=model.latency_budget_ms,
+        max_error_ratio=None if model.slo_availability is None else 1 - model.slo_availability,
+        min_requests=settings.DEGRADATION_MIN_REQUESTS,
+        max_queue_ratio=settings.DEGRADATION_MAX_QUEUE_RATIO,
+        ttft_ms={m.name: m.slo_ttft_ms for m in objectives if m.slo_ttft_ms},
+    )
 
 
 def _window(tiers: Tiers, steps: list[str], nodes: list[str], window_s: int) -> Window:

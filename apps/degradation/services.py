@@ -13,7 +13,10 @@ from apps.fleet.errors import FleetError
 from apps.fleet.models import Deployment, NodePool, PoolOwner
 from apps.fleet.owners import owner_claim, owner_holding, owner_let_go
 from apps.fleet.services.deployments import deployment_set
+from apps.registry.codec import from_dict
+from apps.registry.ensembles import streams
 from apps.registry.models import Model, ModelVersion
+from apps.registry.selectors import registry_resolver
 from apps.web.clock import database_now
 
 MAX_PIN = timedelta(days=7)
@@ -82,6 +85,8 @@ def tiers_set(*, pool_name: str, model_name: str, versions: list[int], actor: Ac
         if version.status != ModelVersion.Status.PUBLISHED:
             raise TierError(f"tiers: {model_name} v{number} is {version.status}, not published")
     primary = _interface(found[versions[0]].config)
+    resolve = registry_resolver()
+    streaming = streams(from_dict(found[versions[0]].config), resolve)
     for number in versions[1:]:
         other = _interface(found[number].config)
         for kind in ("input", "output"):
@@ -91,6 +96,13 @@ def tiers_set(*, pool_name: str, model_name: str, versions: list[int], actor: Ac
                     f"tiers: {model_name} v{number}'s {kind}s ({names}) differ from the primary "
                     f"v{versions[0]}'s: a caller would notice the switch"
                 )
+        if streams(from_dict(found[number].config), resolve) != streaming:
+            how = ("does not stream", "streams") if streaming else ("streams", "does not")
+            raise TierError(
+                f"tiers: {model_name} v{number} {how[0]} its answer and the primary "
+                f"v{versions[0]} {how[1]}: a caller would notice the switch (a stream asked over "
+                "HTTP is refused, a whole answer comes over a stream in one piece)"
+            )
     tiers = Tiers.objects.select_for_update().filter(pool=pool, model=model).first()
     if tiers is not None and tiers.pin_holds():
         raise TierError(f"{_pinned(tiers)}: unpin it before changing its tiers")
@@ -114,10 +126,36 @@ def tiers_set(*, pool_name: str, model_name: str, versions: list[int], actor: Ac
     tiers.versions = versions
     tiers.frozen_at, tiers.frozen_reason = None, ""  # set again: the automation starts afresh
     tiers.save()
+    _standing_by(tiers, actor)
     if before != {"versions": versions}:
         where = f"pool:{pool_name}:{model_name}"
         audit_record(actor=actor, target=where, before=before, after={"versions": versions})
     return tiers
+
+
+def _standing_by(tiers: Tiers, actor: Actor) -> None:
+    """The tier below the one served stands by from the moment the tiers are set, as each switch
+    leaves it (Tiers.deployment): the first step down, like any other, loads nothing but the
+    pipeline's own config. The deployment keeps what else it holds (a rollback window's
+    release); a rollout or a pin that owns the pool's release refuses the tiers until it ends."""
+    deployment = Deployment.objects.filter(pool=tiers.pool, model=tiers.model).first()
+    if deployment is None or deployment.version not in tiers.versions:
+        return
+    standby = tiers.deployment(tiers.versions.index(deployment.version)).standby
+    if standby == deployment.standby_version:
+        return
+    try:
+        deployment_set(
+            model_name=tiers.model.name,
+            version=deployment.version,
+            baseline=deployment.baseline_version,
+            baseline_until=deployment.baseline_until,
+            standby=standby,
+            pool=tiers.pool,
+            actor=actor,
+        )
+    except FleetError as exc:
+        raise TierError(str(exc)) from exc
 
 
 def tier_serve(tiers: Tiers, position: int, actor: Actor) -> Deployment:

@@ -85,6 +85,7 @@ def test_tiers_are_published_versions_answering_as_the_primary_does(pool: NodePo
         (1, 99): "rag_pipeline has no v99",
         (1, 21): "rag_pipeline v21 is draft, not published",
         (1, 20): "v20's outputs (REPLY, SOURCE) differ from the primary v1's",
+        (1, 14): "v14 streams its answer and the primary v1 does not: a caller would notice",
     }
     for versions, message in refusals.items():
         with pytest.raises(TierError, match=re.escape(message)):
@@ -92,12 +93,22 @@ def test_tiers_are_published_versions_answering_as_the_primary_does(pool: NodePo
     tiers = tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4], actor="rm")
     assert tiers.versions == [1, 4] and not tiers.pin_holds()
     event = AuditEvent.objects.filter(action="pool.set_tiers", result="ok").get()
+    stand_by = {  # the tier below's steps, loaded unserved: a first step down loads nothing
+        "action": "deployment.set",
+        "target": "pool:demo:rag_pipeline",
+        "before": {"version": 1},
+        "after": {"version": 1, "standby": 4},
+    }
     assert (event.target, event.before, event.after) == (
         "pool:demo:rag_pipeline",
         {"versions": []},
-        {"versions": [1, 4]},
+        {"versions": [1, 4], "parts": [stand_by]},
     )
     assert serving(pool) == 1  # setting tiers switches nothing
+    again = AuditEvent.objects.filter(action="pool.set_tiers", result="ok")
+    tiers_set(pool_name="demo", model_name=PIPELINE, versions=[1, 4], actor="rm")
+    assert Deployment.objects.get(pool=pool).standby_version == 4
+    assert again.count() == 1  # the same tiers, standing by already: nothing changed
 
 
 def test_on_a_protected_pool_tiers_wait_for_a_second_person_and_start_at_what_it_serves(
