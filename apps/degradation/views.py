@@ -24,19 +24,20 @@ PER_PAGE = 25
 
 def pool_tiers(request: HttpRequest, pool: str) -> HttpResponse:
     """A pool's degradation tiers, model by model: which tier it serves, and why (a pin, the
-    automation's last finding, a freeze); which tiers its deployment keeps loaded beside, and
-    which are cold (a switch to one loads it first)."""
+    automation's last finding, a freeze); which tiers its deployment keeps loaded beside, which
+    stands by (its steps loaded: a switch loads only the pipeline's config), and which are cold
+    (a switch to one loads it first)."""
     found = get_object_or_404(NodePool, name=pool)
     rows = Tiers.objects.filter(pool=found).select_related("model").order_by("model__name")
     page = Paginator(rows, PER_PAGE).get_page(request.GET.get("page"))
     deployments = Deployment.objects.filter(pool=found, model__in=[t.model for t in page])
     named = {
-        name: (version, {version, baseline, standby})
+        name: (version, {version, baseline}, standby)
         for name, version, baseline, standby in deployments.values_list(
             "model__name", "version", "baseline_version", "standby_version"
         )
     }
-    shown = [(tiers, *named.get(tiers.model.name, (None, set()))) for tiers in page]
+    shown = [(tiers, *named.get(tiers.model.name, (None, set(), None))) for tiers in page]
     context = {
         "pool": found,
         "page": page,

@@ -37,6 +37,8 @@ def test_on_call_pins_a_tier_and_the_page_says_why(page: Page, live_server: obje
     expect(card.get_by_role("listitem").first).to_contain_text("primary v2 serving")
     expect(card).to_contain_text(said)
     expect(card.locator("dd", has_text=probed)).to_be_visible()  # why it came back up
+    expect(card.get_by_role("listitem").nth(1)).to_contain_text("v4 standing by")
+    screenshot(page, "tiers-standing-by")
     card.get_by_label("Tier").select_option(label="1: v4")
     card.get_by_label("Reason").fill("reranker at 400 ms: skip it while it is looked at")
     page.once("dialog", lambda dialog: dialog.accept())

@@ -1,5 +1,5 @@
-"""A pool's tiers page: which tier each model serves and why, which are loaded beside it and
-which cold, on-call's pin, unpin and confirmation of a switch back from it, and as many queries
+"""A pool's tiers page: which tier each model serves and why, which are loaded beside it, which
+stands by and which is cold, on-call's pin, unpin and confirmation of a switch back from it, and as many queries
 for twelve models as for two."""
 
 import pytest
@@ -40,7 +40,10 @@ def test_the_page_says_what_each_model_serves_and_why(
     page = client.get(URL).content.decode()
     assert 'id="tiers-rag_pipeline"' in page
     assert "primary" in page and "serving" in page and "rag_pipeline on demo: within budget" in page
-    assert 'title="a switch to it loads it first">cold</span>' in page  # v4: nothing of it loaded
+    assert 'config">standing by</span>' in page  # v4: its steps loaded since the tiers were set
+    tiers_set(pool_name="demo", model_name="rag_pipeline", versions=[1, 4, 5], actor="rm")
+    page = client.get(URL).content.decode()
+    assert 'title="a switch to it loads it first">cold</span>' in page  # v5: two tiers below
     assert "<button>Pin</button>" not in page  # a viewer pins nothing
     assert client.post(f"{URL}rag_pipeline/pin/", {"tier": 1}).status_code == 403
 
