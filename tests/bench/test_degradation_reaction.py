@@ -33,7 +33,7 @@ from apps.audit.models import AuditEvent
 from apps.degradation import automation
 from apps.degradation.models import Tiers
 from apps.degradation.services import tier_serve, tiers_set
-from apps.degradation.triggers import Limits, judge
+from apps.degradation.triggers import judge
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState, Proc
 from apps.devtools.traffic import QUESTIONS
@@ -60,6 +60,7 @@ TARGET_S = 2.0
 POLL_S = 0.1
 BUDGET_MS = 250
 SHORT_S, LONG_S = 4, 10  # the worker's, tests/support/services.py
+MIN_REQUESTS = 5  # the worker's too
 TTFT_MS = 300  # llm 1's first tokens come within about 110 ms; slowed by SLOWER_MS, not
 SLOWER_MS = 400
 STEPS_V10 = {("embedder", 2), ("retriever", 2), ("reranker", 2), ("llm", 1), ("rag_pipeline", 10)}
@@ -70,11 +71,13 @@ SURGE_BUDGET_MS = 200
 
 
 def breached(tiers: Tiers) -> bool:
-    limits = Limits(budget_ms=BUDGET_MS, max_error_ratio=None, min_requests=5)
-    steps = automation._steps(tiers, 2)
+    """The automation's own judgement of the pipeline as it serves now, with its worker's
+    minimum of requests (the test's `settings`)."""
+    serving = Deployment.objects.get(pool=tiers.pool, model=tiers.model).version
+    steps = automation._steps(tiers, serving)
     nodes = [node.name for node in tiers.pool.nodes.in_traffic()]
     short, long = (automation._window(tiers, steps, nodes, window) for window in (SHORT_S, LONG_S))
-    return judge(short, long, limits).breached
+    return judge(short, long, automation._limits(tiers.model, steps)).breached
 
 
 def one_breach(pool: NodePool, devfleet: Devfleet, tiers: Tiers) -> float:
@@ -104,6 +107,7 @@ def tiers(
     _, state = trio
     celery.use_prometheus(state.prometheus_url)
     settings.PROMETHEUS_URL = state.prometheus_url  # type: ignore[attr-defined]
+    settings.DEGRADATION_MIN_REQUESTS = MIN_REQUESTS  # type: ignore[attr-defined]
     deployment_set(model_name="rag_pipeline", version=2, pool=pool, actor="system:bench")
     model_set_budget(model_name="rag_pipeline", latency_budget_ms=BUDGET_MS, actor="sre")
     return tiers_set(pool_name=pool.name, model_name="rag_pipeline", versions=[2, 4], actor="rm")
@@ -165,17 +169,6 @@ def test_a_fault_flapping_for_5_minutes_switches_twice_then_freezes(
     assert incident is not None and incident.status == Incident.Status.OPEN
 
 
-def first_tokens_breached(tiers: Tiers) -> bool:
-    """The automation's own judgement of the pipeline as it serves now (its worker's minimum
-    of requests)."""
-    serving = Deployment.objects.get(pool=tiers.pool, model=tiers.model).version
-    steps = automation._steps(tiers, serving)
-    nodes = [node.name for node in tiers.pool.nodes.in_traffic()]
-    short, long = (automation._window(tiers, steps, nodes, window) for window in (SHORT_S, LONG_S))
-    limits = automation._limits(tiers.model, steps)
-    return judge(short, long, limits).breached
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.django_db(transaction=True)
 def test_a_slower_first_token_steps_every_node_to_the_lighter_llm_within_2_s_and_back_once(
@@ -187,7 +180,7 @@ def test_a_slower_first_token_steps_every_node_to_the_lighter_llm_within_2_s_and
 ) -> None:
     devfleet, state = trio
     pool = weighted
-    settings.DEGRADATION_MIN_REQUESTS = 5  # type: ignore[attr-defined]  # as the worker's
+    settings.DEGRADATION_MIN_REQUESTS = MIN_REQUESTS  # type: ignore[attr-defined]
     deployment_set(model_name="rag_pipeline", version=10, pool=pool, actor="system:bench")
     model_set_slo(
         model_name="llm", availability=None, latency=None, ttft=(0.99, TTFT_MS), actor="sre"
@@ -196,12 +189,12 @@ def test_a_slower_first_token_steps_every_node_to_the_lighter_llm_within_2_s_and
     wait_for("v10 served, llm 5 standing by", settled(pool, STEPS_V10 | STANDING_BY), timeout=240)
     on_v14 = lambda: all(("rag_pipeline", 14) in ready_on(node) for node in pool.nodes.all())  # noqa: E731
     with traffic_to(state, balancer=haproxy, rps=8) as outcomes:
-        wait_for("first tokens within their objective", lambda: not first_tokens_breached(tiers))
+        wait_for("first tokens within their objective", lambda: not breached(tiers))
         devfleet.fault("llm", delay_ms=SLOWER_MS)
         try:
             wait_for(
                 "the slower first token measurable",
-                lambda: first_tokens_breached(tiers),
+                lambda: breached(tiers),
                 interval=POLL_S,
             )
             measurable = time.monotonic()
