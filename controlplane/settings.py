@@ -326,6 +326,9 @@ TRITON_CA_BUNDLE = env_str("TRITON_CA_BUNDLE", "")
 # Nodes started with --http-restricted-api=model-repository:NAME=VALUE want this header,
 # "NAME: VALUE", on every repository call (index, load, unload); empty: none.
 TRITON_REPOSITORY_HEADER = env_header("TRITON_REPOSITORY_HEADER")
+# Triton's perf_analyzer, which measures a version before traffic (apps/fleet/perf.py);
+# `make` installs one that runs on Debian 12 as `perf-analyzer` (deploy/bin/os-deps).
+PERF_ANALYZER = env_str("PERF_ANALYZER", "perf-analyzer")
 
 FLEET_UNREACHABLE_AFTER = 3
 # A flapping node: past FLEET_FLAP_LIMIT up/down events within the window, changes are counted,

@@ -1,5 +1,6 @@
 """A real tritonserver is the judge: each ensemble case must load exactly when the validator says
-it is valid, and each model of a repository exactly when its import says it is valid."""
+it is valid, each model on its own (a decoupled one with the response cache, say) too, and each
+model of a repository exactly when its import says it is valid."""
 
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -9,9 +10,12 @@ import pytest
 
 from apps.devtools.devfleet import Devfleet
 from apps.fleet.triton import TritonClient, TritonRejected
+from apps.registry.codec import parse_pbtxt
 from apps.registry.imports import candidates_import, read_candidates
+from apps.registry.validation import errors, validate_config
 from tests.support.ensemble_cases import (
     CASES,
+    MODEL_CASES,
     REPOSITORY_CASES,
     STEPS,
     Case,
@@ -60,6 +64,15 @@ def test_validator_agrees_with_tritonserver(oracle: Oracle, case: Case) -> None:
     loaded, message = triton_loads(oracle, name)
     ours = verdict(case)
     assert loaded == (not ours), f"triton: {loaded} {message!r}; validator: {ours}"
+
+
+@pytest.mark.parametrize("name", list(MODEL_CASES))
+def test_validator_agrees_with_tritonserver_on_models_alone(oracle: Oracle, name: str) -> None:
+    text, valid = MODEL_CASES[name]
+    write_repository(oracle.repository, {name: text})
+    loaded, message = triton_loads(oracle, name)
+    ours = errors(validate_config(parse_pbtxt(text), expected_name=name))
+    assert (loaded, not ours) == (valid, valid), f"triton: {loaded} {message!r}; ours: {ours}"
 
 
 @pytest.mark.django_db

@@ -411,6 +411,24 @@ REPOSITORY_CASES = [
     ),
 ]
 
+# Models on their own, as Triton takes or refuses them whatever calls them: by name, the config
+# (named so) and whether the validator must take it.
+MODEL_CASES = {
+    "dec_cached": (
+        STEPS["dec"].replace('"dec"', '"dec_cached"') + " response_cache { enable: true }",
+        False,
+    ),
+    "tok_cached": (
+        STEPS["tok"].replace('"tok"', '"tok_cached"') + " response_cache { enable: true }",
+        True,
+    ),
+    "dec_batched": (
+        STEPS["dec"].replace('"dec"', '"dec_batched"')
+        + " dynamic_batching { max_queue_delay_microseconds: 100 }",
+        True,
+    ),
+}
+
 # Loading is all the cases need: the steps never run.
 STEP_MODEL = """class TritonPythonModel:
     def execute(self, requests):
