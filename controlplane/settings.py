@@ -80,6 +80,7 @@ INSTALLED_APPS = [
     "apps.fleet",
     "apps.quality",
     "apps.observability",
+    "apps.performance",
     "apps.rollouts",
     "apps.approvals",
     "apps.degradation",
@@ -326,7 +327,7 @@ TRITON_CA_BUNDLE = env_str("TRITON_CA_BUNDLE", "")
 # Nodes started with --http-restricted-api=model-repository:NAME=VALUE want this header,
 # "NAME: VALUE", on every repository call (index, load, unload); empty: none.
 TRITON_REPOSITORY_HEADER = env_header("TRITON_REPOSITORY_HEADER")
-# Triton's perf_analyzer, which measures a version before traffic (apps/fleet/perf.py);
+# Triton's perf_analyzer, which measures a version before traffic (apps/performance/analyzer.py);
 # `make` installs one that runs on Debian 12 as `perf-analyzer` (deploy/bin/os-deps).
 PERF_ANALYZER = env_str("PERF_ANALYZER", "perf-analyzer")
 

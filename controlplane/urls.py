@@ -16,6 +16,7 @@ urlpatterns = [
     path("accounts/", include("apps.accounts.urls")),
     path("models/", include("apps.registry.urls")),
     path("", include("apps.quality.urls")),  # a model's evaluations, a version's quality, runs
+    path("", include("apps.performance.urls")),  # a pool's throughput: pools/<pool>/throughput/
     path("rollouts/approvals/", include("apps.approvals.urls")),
     path("rollouts/", include("apps.rollouts.urls")),
     path("metrics/", include("apps.observability.urls")),

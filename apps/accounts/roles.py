@@ -36,6 +36,7 @@ ROLE_GRANTS: dict[Role, list[str]] = {
         "registry.change_modelversion",
         "quality.add_evaluationset",  # import a set
         "quality.add_evaluationrun",  # send a set's cases to a node
+        "performance.add_perfrun",  # measure a version on a node with perf_analyzer
         "rollouts.add_rollout",
         "rollouts.change_rollout",
     ],

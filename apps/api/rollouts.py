@@ -15,7 +15,7 @@ from apps.api.errors import ERRORS, WAITS, ApiError
 from apps.rollouts.models import Rollout
 from apps.rollouts.plans import PlanError
 from apps.rollouts.proposals import rollout_start
-from apps.rollouts.selectors import quality_gate, rollout_rounds, switch_evaluations
+from apps.rollouts.selectors import perf_gate, quality_gate, rollout_rounds, switch_evaluations
 from apps.rollouts.services import (
     RolloutError,
     release_fallback,
@@ -133,6 +133,34 @@ class GateOut(Schema):
     failing: list[str]
 
 
+class PerfPointOut(Schema):
+    concurrency: int
+    throughput: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    queue_us: float
+    compute_us: float
+
+
+class PerfRunOut(Schema):
+    """One of the performance gate's perf_analyzer runs: a version on the drained canary node."""
+
+    id: int
+    version: int
+    node: str
+    status: str
+    error: str
+    points: list[PerfPointOut]
+
+
+class PerfGateOut(Schema):
+    """The performance gate before traffic: its runs in their order, its verdict once judged."""
+
+    runs: list[PerfRunOut]
+    verdict: str | None
+
+
 class SwitchOut(Schema):
     """A blue-green release's evaluation runs before its switch, one a node and changed step."""
 
@@ -147,6 +175,7 @@ class RolloutDetailOut(RolloutOut):
 
     rounds: list[RoundOut]
     gate: GateOut | None
+    perf: PerfGateOut | None
     switch: SwitchOut | None
 
 
@@ -173,7 +202,7 @@ def _rollout_out(rollout: Rollout) -> dict[str, Any]:
 def _rollout_detail(rollout: Rollout) -> dict[str, Any]:
     """A rollout as its page reads it (apps/rollouts/selectors.py)."""
     rounds = rollout_rounds(rollout, ROUNDS)
-    gate, switch = quality_gate(rollout), switch_evaluations(rollout)
+    gate, perf, switch = quality_gate(rollout), perf_gate(rollout), switch_evaluations(rollout)
     return _rollout_out(rollout) | {
         "measurements": [m for r in rounds for m in r.measurements.all()],
         "rounds": [
@@ -197,6 +226,21 @@ def _rollout_detail(rollout: Rollout) -> dict[str, Any]:
             "failed": gate.run.failed,
             "verdict": gate.measured.verdict if gate.measured else None,
             "failing": [shown.row.case.name for shown in gate.failing],
+        },
+        "perf": perf
+        and {
+            "runs": [
+                {
+                    "id": run.pk,
+                    "version": run.version,
+                    "node": run.node_name,
+                    "status": run.status,
+                    "error": run.error,
+                    "points": run.points.all(),
+                }
+                for run in perf.runs
+            ],
+            "verdict": perf.verdict,
         },
         "switch": switch
         and {

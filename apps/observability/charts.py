@@ -252,3 +252,37 @@ def distributions(title: str, sides: dict[str, list[float]], *, unit: str, note:
         },
     }
     return Chart(title=title, figure_json=script_json(fig), note=note)
+
+
+def curves(
+    title: str, lines: dict[str, list[tuple[float, float, str]]], *, x: str, y: str, note: str
+) -> Chart:
+    """Lines of points (x, y, the point's label), each named: a latency-throughput curve per
+    measurement, the label its concurrency."""
+    if not any(lines.values()):
+        return Chart(title=title, message="No figures yet.")
+    fig = {
+        "data": [
+            {
+                "type": "scatter",
+                "mode": "lines+markers+text",
+                "name": name,
+                "x": [p[0] for p in points],
+                "y": [p[1] for p in points],
+                "text": [p[2] for p in points],
+                "textposition": "top left",
+                "hovertemplate": f"%{{x:.4g}} {x}, %{{y:.4g}} {y} (%{{text}})<extra>{name}</extra>",
+            }
+            for name, points in lines.items()
+        ],
+        "layout": {
+            "height": 300,
+            "margin": {"l": 60, "r": 10, "t": 10, "b": 40},
+            "legend": {"orientation": "h", "y": -0.25},
+            "xaxis": {"title": {"text": x}, "rangemode": "tozero"},
+            "yaxis": {"title": {"text": y}, "rangemode": "tozero"},
+            "paper_bgcolor": "rgba(0,0,0,0)",
+            "plot_bgcolor": "rgba(0,0,0,0)",
+        },
+    }
+    return Chart(title=title, figure_json=script_json(fig), note=note)

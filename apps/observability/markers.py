@@ -284,6 +284,8 @@ def _kind(event: _Event) -> str:
 
 def _label(event: _Event) -> str:
     """`deployment.set pool:demo:rag_pipeline {version: 2}` reads `deploy rag_pipeline v2`."""
+    if event.action == "perf.start":  # perf_analyzer's requests, one run on one node
+        return f"perf_analyzer v{event.after.get('version')} on {event.after.get('node', '')}"
     if event.action in SYNTHETIC:
         nodes = ", ".join(event.after.get("nodes", []))
         return f"synthetic {event.after.get('rps', 0):g} req/s to {nodes}"

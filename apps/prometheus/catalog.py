@@ -220,6 +220,15 @@ def failed_rate_by_model() -> str:
     return _rate_by_model("nv_inference_request_failure")
 
 
+CAPACITY_WINDOW = "5m"
+
+
+def pool_rates_query(pool: str) -> str:
+    """Requests per second each model of `pool` served, over the last CAPACITY_WINDOW."""
+    selector = _selector(pool=pool)
+    return f"sum by (model) (rate(nv_inference_request_success{{{selector}}}[{CAPACITY_WINDOW}]))"
+
+
 # The step breakdown ---------------------------------------------------------------------------
 
 BREAKDOWN_WINDOW = "5m"

@@ -123,8 +123,36 @@ class RolloutForm(forms.Form):
         label="Tolerance below the baseline",
     )
 
+    perf_concurrency = forms.CharField(
+        required=False,
+        max_length=20,
+        label="Concurrency range",
+        help_text="perf_analyzer's start:end:step, such as 1:4 or 2:8:2; empty: no gate, unless "
+        "the analysis template asks for one.",
+    )
+    perf_requests = forms.IntegerField(
+        required=False,
+        min_value=1,
+        initial=DEFAULTS.perf_requests,
+        label="Requests at each concurrency",
+    )
+    perf_throughput_tolerance = forms.FloatField(
+        required=False,
+        min_value=0,
+        max_value=1,
+        initial=DEFAULTS.perf_throughput_tolerance,
+        label="Throughput tolerance below the baseline",
+    )
+    perf_p99_tolerance = forms.FloatField(
+        required=False,
+        min_value=0,
+        initial=DEFAULTS.perf_p99_tolerance,
+        label="P99 tolerance above the baseline",
+    )
+
     TARGET = ["model", "pool", "canary_version", "strategy", "lockstep", "template"]
     QUALITY = ["quality_set", "quality_min_score", "quality_tolerance"]
+    PERF = ["perf_concurrency", "perf_requests", "perf_throughput_tolerance", "perf_p99_tolerance"]
     ANALYSIS = [
         "interval_s",
         "window_s",
@@ -138,6 +166,7 @@ class RolloutForm(forms.Form):
         "dry_run",
         "strict_budget",
         *QUALITY,
+        *PERF,
     ]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -182,10 +211,14 @@ class RolloutForm(forms.Form):
         return [self[name] for name in self.TARGET]
 
     def analysis_fields(self) -> list[forms.BoundField]:
-        return [self[name] for name in self.ANALYSIS if name not in self.QUALITY]
+        grouped = self.QUALITY + self.PERF
+        return [self[name] for name in self.ANALYSIS if name not in grouped]
 
     def quality_fields(self) -> list[forms.BoundField]:
         return [self[name] for name in self.QUALITY]
+
+    def perf_fields(self) -> list[forms.BoundField]:
+        return [self[name] for name in self.PERF]
 
     def analysis(self) -> dict[str, object]:
         """The values changed from the defaults the form shows: over a template, only those

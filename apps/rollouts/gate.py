@@ -1,8 +1,9 @@
-"""A rollout's evaluation runs and the gates they make: the gate before traffic (once the first
-step's canary is READY, before any user request reaches it, the rollout's evaluation set runs
-against canary and baseline, case by case, each version asked by number: it passes, and the
-step's share goes out, or the rollout is rolled back before a single user request reached the
-canary), the set again during the steps, and each changed step's set on every node before a
+"""A rollout's gates before traffic, quality then performance (apps/rollouts/perf_gate.py), and
+its evaluation runs and the gates they make: the quality gate (once the first step's canary is
+READY, before any user request reaches it, the rollout's evaluation set runs against canary and
+baseline, case by case, each version asked by number: it passes, and the step's share goes
+out, or the rollout is rolled back before a single user request reached the canary), the set
+again during the steps, and each changed step's set on every node before a
 blue-green switch; when a run is given up, and the verdict of a run."""
 
 from datetime import datetime, timedelta
@@ -19,6 +20,7 @@ from apps.registry.models import Model
 from apps.rollouts.ending import roll_back
 from apps.rollouts.members import ChangedStep, Scope
 from apps.rollouts.models import Rollout, Round
+from apps.rollouts.perf_gate import perf_gate
 from apps.rollouts.plans import Analysis
 from apps.rollouts.results import Kind, Result
 from apps.rollouts.transitions import ACTOR, pause, record
@@ -26,14 +28,30 @@ from apps.rollouts.verdicts import Verdict
 
 
 def gate_pending(rollout: Rollout) -> bool:
-    """Whether the canary still has its quality gate to pass before any traffic."""
+    """Whether the canary still has a gate to pass before any traffic: quality, performance."""
     spec = Analysis.from_dict(rollout.analysis)
-    return bool(spec.quality_set) and rollout.step == 0 and rollout.gate_passed_at is None
+    return rollout.step == 0 and (
+        (bool(spec.quality_set) and rollout.gate_passed_at is None)
+        or (bool(spec.perf_concurrency) and rollout.perf_passed_at is None)
+    )
 
 
 def gate(rollout: Rollout, where: Scope, spec: Analysis, now: datetime) -> bool:
-    """Whether the gate passed now; until then its run starts, is waited on (paused when it did
-    not finish in time), and is judged: a failure rolls back, too little evidence pauses."""
+    """Whether the gates before traffic passed now: the quality gate, then the performance
+    gate (apps/rollouts/perf_gate.py)."""
+    if spec.quality_set and rollout.gate_passed_at is None:
+        if not quality_gate(rollout, where, spec, now):
+            return False
+        rollout.save()  # passed: kept, whatever the performance gate does next
+    if spec.perf_concurrency and rollout.perf_passed_at is None:
+        return perf_gate(rollout, where, spec, now)
+    return True
+
+
+def quality_gate(rollout: Rollout, where: Scope, spec: Analysis, now: datetime) -> bool:
+    """Whether the quality gate passed now; until then its run starts, is waited on (paused when
+    it did not finish in time), and is judged: a failure rolls back, too little evidence
+    pauses."""
     run = rollout.gate_run
     if run is None:
         try:

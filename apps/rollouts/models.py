@@ -4,6 +4,7 @@ from django.db import models
 from django.db.models import Q
 
 from apps.fleet.models import NodePool
+from apps.performance.models import PerfRun
 from apps.quality.models import EvaluationRun, SyntheticLoad
 from apps.registry.models import Model
 from apps.rollouts.plans import CustomMetric
@@ -107,7 +108,14 @@ class Rollout(models.Model):
         related_name="+",
         help_text="a blue-green release's evaluations: each changed step, on every node",
     )
-    gate_passed_at = models.DateTimeField(null=True, blank=True)
+    gate_passed_at = models.DateTimeField(null=True, blank=True, help_text="the quality gate")
+    perf_runs = models.ManyToManyField(
+        PerfRun,
+        blank=True,
+        related_name="+",
+        help_text="the performance gate's runs, canary and baseline, in their order",
+    )
+    perf_passed_at = models.DateTimeField(null=True, blank=True, help_text="the performance gate")
     quality_run = models.ForeignKey(
         EvaluationRun,
         null=True,
@@ -184,12 +192,13 @@ class Rollout(models.Model):
 
 class Round(models.Model):
     """One judgement of a rollout's step, with its verdict (the round's whole: a marginal round
-    is marginal, whatever its measurements): an analysis during the step, the quality gate
-    before any traffic, or the evaluation before a blue-green switch."""
+    is marginal, whatever its measurements): an analysis during the step, the quality or the
+    performance gate before any traffic, or the evaluation before a blue-green switch."""
 
     class Kind(models.TextChoices):
         ANALYSIS = "analysis"
         GATE = "gate"  # quality before traffic
+        PERF = "perf"  # performance before traffic
         SWITCH = "switch"  # quality before a blue-green switch
 
     rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="rounds")
@@ -215,6 +224,7 @@ class Measurement(models.Model):
 
     class Kind(models.TextChoices):
         REQUESTS = "requests"  # how many requests each side served: enough to judge?
+        THROUGHPUT = "throughput"  # requests a second, a node at a concurrency (performance gate)
         LATENCY = "latency"  # P99, or latency samples
         ERRORS = "errors"  # the share of requests that failed, or its samples
         STEP = "step"  # a pipeline step's latency, at the version each release pins

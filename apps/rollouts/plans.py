@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from apps.performance.analyzer import PerfError, concurrency_range
 from apps.prometheus.catalog import PLACEHOLDERS
 
 
@@ -38,6 +39,7 @@ class Step:
 
 UNITS = {"s": 1, "m": 60, "h": 3600}
 JUDGES = ("threshold", "statistical")
+MAX_PERF_REQUESTS = 10_000  # at each concurrency, for each of the performance gate's runs
 POSITIVE = (
     "interval_s",
     "window_s",
@@ -45,6 +47,8 @@ POSITIVE = (
     "slo_short_s",
     "quality_timeout_s",
     "quality_concurrency",
+    "perf_requests",
+    "perf_timeout_s",
 )  # analysis fields, 1 at least
 LINE = re.compile(
     r"^\s*(?:(?P<nodes>\d+)\s*nodes?|(?P<percent>\d+)\s*%)\s*"
@@ -241,6 +245,17 @@ class Analysis:
     quality_timeout_s: float = 10.0  # per case: one that takes longer fails, with that reason
     quality_concurrency: int = 4
     quality_every: int = 0  # during steps, the set again every this many rounds; 0: never
+    # The performance gate (apps/rollouts/perf_gate.py): once the first step's canary is READY
+    # and still drained, perf_analyzer measures canary and baseline on that node, each served
+    # with its own config, in the order canary, baseline, baseline, canary, at each concurrency
+    # of this range ("4", "1:4", "2:8:2"), `perf_requests` requests at each (`perf_timeout_s` at
+    # most). The canary's throughput may be `perf_throughput_tolerance` below the baseline's, its
+    # P99 `perf_p99_tolerance` above it (or `latency_margin_ms`). None given: no gate.
+    perf_concurrency: str = ""
+    perf_requests: int = 200
+    perf_throughput_tolerance: float = 0.1
+    perf_p99_tolerance: float = 0.25
+    perf_timeout_s: int = 60
     # Where a side served fewer than `min_requests` in a round, the set's inputs are sent to its
     # nodes at this rate (requests per second) for the rest of the step; 0: never.
     synthetic_rps: float = 0.0
@@ -270,6 +285,9 @@ class Analysis:
             if name == "metrics":
                 values[name] = _metrics(raw_value)
                 continue
+            if name == "perf_concurrency":
+                values[name] = str(raw_value).strip()
+                continue
             if name in ("dry_run", "strict_budget"):
                 if raw_value not in (True, False, "true", "false"):
                     raise PlanError(f"analysis.{name}: {raw_value!r} is not true or false")
@@ -288,7 +306,15 @@ class Analysis:
             raise PlanError("analysis.synthetic_rps: needs a quality_set, whose inputs it sends")
         if values.get("synthetic_rps", 0) > 100:
             raise PlanError("analysis.synthetic_rps: 100 requests per second at most")
-        return cls(**values)
+        found = cls(**values)
+        if found.perf_concurrency:
+            try:
+                concurrency_range(found.perf_concurrency, found.perf_timeout_s)
+            except PerfError as exc:
+                raise PlanError(f"analysis.perf_concurrency: {exc}") from None
+        if found.perf_requests > MAX_PERF_REQUESTS:
+            raise PlanError(f"analysis.perf_requests: {MAX_PERF_REQUESTS} at most")
+        return found
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON, as a JSONField keeps it: `from_dict` reads it back equal."""
@@ -300,6 +326,11 @@ class Analysis:
         found += ["a dry run"] if self.dry_run and not other.dry_run else []
         if other.quality_set and self.quality_set != other.quality_set:
             found.append(f"quality set {self.quality_set or 'none'!r}, not {other.quality_set!r}")
+        if other.perf_concurrency and self.perf_concurrency != other.perf_concurrency:
+            found.append(
+                f"performance gate at concurrency {self.perf_concurrency or 'none'!r}, not "
+                f"{other.perf_concurrency!r}"
+            )
         for name, higher_is_looser in LOOSER_WHEN_HIGHER.items():
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs and (mine > theirs) == higher_is_looser:
@@ -344,6 +375,9 @@ LOOSER_WHEN_HIGHER = {
     "slo_burn_limit": True,
     "quality_min_score": False,
     "quality_tolerance": True,
+    "perf_requests": False,
+    "perf_throughput_tolerance": True,
+    "perf_p99_tolerance": True,
     "switch_hold_s": False,
     "strict_budget": False,
 }

@@ -124,6 +124,8 @@ def rollout_propose(
     judged = Analysis.from_dict((chosen.analysis if chosen else {}) | (analysis or {}))
     if pool.protected:
         _as_strict_as_the_pool(judged, pool)
+    if judged.perf_concurrency:
+        _perf_gate_checks(pool, model, blue_green)
     if blue_green:
         gated = _blue_green_checks(releases, judged)
         # Each node with the new release's steps standing by beside what it serves.
@@ -215,6 +217,27 @@ def _blue_green_checks(releases: list[Member], analysis: Analysis) -> list[Model
             )
         gated.append(found)
     return gated
+
+
+def _perf_gate_checks(pool: NodePool, model: Model, blue_green: bool) -> None:
+    """The performance gate measures a canary no user reaches yet: only a pool whose balancer
+    holds its traffic back can give it that, and only a canary's first step."""
+    if blue_green:
+        raise RolloutError(
+            "the performance gate measures a canary before its first step; a blue-green release "
+            "has none (perf_concurrency)"
+        )
+    if not pool.traffic:
+        raise RolloutError(
+            f"the performance gate needs the canary drained while it is measured, and pool "
+            f"{pool.name} has no balancer to hold its traffic back (perf_concurrency); give the "
+            "pool a traffic strategy, or release without the gate"
+        )
+    if not model.sample_inputs:
+        raise RolloutError(
+            f"the performance gate sends {model.name}'s own inputs, and it has none; import an "
+            "evaluation set for it first"
+        )
 
 
 def _as_strict_as_the_pool(analysis: Analysis, pool: NodePool) -> None:

@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, NodePool, Release
+from apps.performance.models import PerfRun
 from apps.quality.models import EvaluationRun
 from apps.quality.selectors import Shown, run_rows, shown_rows
 from apps.registry.models import Model
@@ -97,6 +98,25 @@ def quality_gate(rollout: Rollout) -> Gate | None:
     failing = run_rows(run, only="failing", limit=GATE_CASES) if run.finished else []
     shown = shown_rows(failing, judged_only=True)
     return Gate(run, Analysis.from_dict(rollout.analysis), measured, shown)
+
+
+@dataclass(frozen=True)
+class PerfGate:
+    spec: Analysis
+    runs: list[PerfRun]  # in their order (canary, baseline, baseline, canary), with their points
+    measured: list[Measurement]  # the verdict's, at each concurrency, once judged
+    verdict: str | None  # the round's: its measurements' worst
+
+
+def perf_gate(rollout: Rollout) -> PerfGate | None:
+    """The performance gate's runs so far and its last verdict; none without a gate."""
+    spec = Analysis.from_dict(rollout.analysis)
+    if not spec.perf_concurrency:
+        return None
+    runs = rollout.perf_runs.select_related("model").prefetch_related("points").order_by("id")
+    last = rollout.rounds.filter(kind=Round.Kind.PERF).first()
+    measured = list(last.measurements.order_by("id")) if last else []
+    return PerfGate(spec, list(runs), measured, last.verdict if last else None)
 
 
 SWITCH_RUNS = 20  # nodes' evaluation runs listed with a blue-green switch, worst first

@@ -24,6 +24,7 @@ from apps.rollouts.evidence import drive_evidence
 from apps.rollouts.gate import gate, gate_pending
 from apps.rollouts.members import scope
 from apps.rollouts.models import Rollout
+from apps.rollouts.perf_gate import perf_under_way
 from apps.rollouts.plans import Analysis
 from apps.rollouts.rounds import Measured, judged, measure_ahead
 from apps.rollouts.steps import apply_share, canary_ready, step_begin, step_done
@@ -88,7 +89,10 @@ def _forward(rollout: Rollout, reading: Measured | None = None) -> None:
     if down:
         return pause(rollout, f"node {', '.join(down)} is unreachable; resume when it is back")
     if rollout.step_ready_at is None:
-        if not canary_ready(rollout, where, spec, now):
+        # Once the performance gate measures, its node switches between the two versions: it
+        # was read back READY, and is not a canary stalled meanwhile.
+        measuring = spec.perf_concurrency and perf_under_way(rollout)
+        if not measuring and not canary_ready(rollout, where, spec, now):
             return None
         if gate_pending(rollout):
             if not gate(rollout, where, spec, now):

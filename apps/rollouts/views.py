@@ -18,7 +18,7 @@ from apps.audit.models import AuditEvent
 from apps.audit.services import audit_record
 from apps.fleet.models import Deployment, NodePool
 from apps.observability.bottleneck import BottleneckUnread, bottleneck_in
-from apps.observability.charts import Chart, distributions
+from apps.observability.charts import Chart, curves, distributions
 from apps.registry.models import Model
 from apps.rollouts.forms import DEFAULT_PLAN, RolloutForm
 from apps.rollouts.models import Rollout
@@ -26,9 +26,11 @@ from apps.rollouts.plans import PlanError, parse_plan, preview
 from apps.rollouts.proposals import RolloutError, rollout_propose, rollout_start
 from apps.rollouts.results import Kind
 from apps.rollouts.selectors import (
+    PerfGate,
     canary_share,
     judge_evidence,
     last_good_versions,
+    perf_gate,
     quality_gate,
     rollout_events,
     rollout_rounds,
@@ -120,6 +122,7 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
     steps = preview(parse_plan(rollout.plan), nodes, weighted=bool(rollout.pool.traffic))
     events = rollout_events(rollout)
     now = timezone.now()
+    perf = perf_gate(rollout)
     context = {
         "rollout": rollout,
         "steps": steps,
@@ -131,6 +134,8 @@ def rollout_detail(request: HtmxHttpRequest, pk: int) -> HttpResponse:
         "events": events,
         "tuning": tuning(rollout, events, now),
         "gate": quality_gate(rollout),
+        "perf": perf,
+        "perf_chart": perf_chart(rollout, perf) if perf and perf.runs else None,
         "switch": switch_evaluations(rollout),
         "chart_query": chart_query(rollout, now),
     }
@@ -193,6 +198,19 @@ def evidence_charts(rollout: Rollout) -> list[tuple[str, Chart]]:
         chart = distributions(f"{found.metric}: {found.verdict}", sides, unit=unit, note=note)
         charts.append((f"evidence-{len(charts)}", chart))
     return charts
+
+
+def perf_chart(rollout: Rollout, gate: PerfGate) -> Chart:
+    """The performance gate's runs as latency-throughput curves, canary against baseline."""
+    lines = {
+        f"{'canary' if run.version == rollout.canary_version else 'baseline'} v{run.version}, "
+        f"run #{run.pk}": [(p.throughput, p.p99_ms, f"c{p.concurrency}") for p in run.points.all()]
+        for run in gate.runs
+    }
+    note = "Each point a concurrency (c): requests a second served, and their P99."
+    return curves(
+        "P99 against throughput, before traffic", lines, x="requests/s", y="ms", note=note
+    )
 
 
 def tuning(rollout: Rollout, events: list[AuditEvent], now: datetime) -> dict[str, Any] | None:

@@ -90,7 +90,8 @@ def test_a_pools_capacity_page_warns_of_what_will_not_fit(page: Page, live_serve
     sign_in(page, str(live_server), make_user(Role.VIEWER).username)
     page.goto(f"{live_server}/deployments/")
     page.locator(f"#pool-{pool.name}").get_by_role("link", name="memory").click()
-    expect(page.get_by_role("heading", name=f"Memory of pool {pool.name}")).to_be_visible()
+    expect(page.get_by_role("heading", name=f"Capacity of pool {pool.name}")).to_be_visible()
+    expect(page.locator("#throughput")).to_contain_text("not measured yet")  # its releases
     expect(page.locator("#short")).to_contain_text(f"{tight.node.name} needs")
     expect(page.locator("#capacity tbody tr")).to_have_count(50)
     expect(page.locator(f"#capacity-{tight.node.name}")).to_contain_text("does not fit")

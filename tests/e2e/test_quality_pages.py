@@ -1,6 +1,6 @@
 """The quality pages in a browser: a model's evaluation sets with a refused upload, a set, a
 run's changed answers side by side, a version's quality, a rollout rolled back by its quality
-gate, and the rollout form's published versions. Runs and answers are written straight to the
+gate or by its performance gate, and the rollout form's published versions. Runs and answers are written straight to the
 database (rag_pipeline v7, whose reranker ranks the worst passage first, against v1): no Triton."""
 
 import pytest
@@ -9,15 +9,17 @@ from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.fleet.models import Node, NodePool
+from apps.performance.models import PerfRun
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.gate import gate_measured
 from apps.rollouts.models import Rollout, Round
+from apps.rollouts.perf_gate import perf_results
 from apps.rollouts.plans import Analysis
 from apps.rollouts.transitions import record
 from apps.rollouts.verdicts import Verdict
 from tests.support.browser import screenshot, sign_in
-from tests.support.quality import demo_faq, wrong_answers
+from tests.support.quality import demo_faq, perf_gate_runs, wrong_answers
 from tests.support.users import make_user
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -193,6 +195,50 @@ def test_a_rollout_rolled_back_by_its_quality_gate_lists_the_failing_cases(
     screenshot(page, "quality-rollout-gate")
     gate.get_by_role("link", name=f"evaluation run #{run.pk}").click()
     expect(page.locator("h1")).to_contain_text(f"Evaluation run #{run.pk}")
+    assert page.console_errors == []  # type: ignore[attr-defined]
+
+
+def test_a_rollout_stopped_by_its_performance_gate_draws_its_runs_as_curves(
+    page: Page, signed_in: str, faq: EvaluationSet
+) -> None:
+    rollout = Rollout.objects.create(
+        model=Model.objects.get(name="rag_pipeline"),
+        pool=trio(),
+        baseline_version=15,
+        canary_version=16,
+        plan=[{"nodes": 1, "hold_s": 600}, {"percent": 100}],
+        analysis={"perf_concurrency": "1:4:3", "perf_requests": 120},
+        state=Rollout.State.ROLLED_BACK,
+        canary_nodes=["trio-1"],
+        started_by="release_manager-user",
+        reason="performance gate failed before any traffic",
+        finished_at=timezone.now(),
+    )
+    # At 1 user as fast as the baseline; at 4, half its requests a second.
+    runs = perf_gate_runs(
+        rollout, [(16, 25.5, 170.0), (15, 50.2, 90.0), (15, 49.0, 92.0), (16, 24.9, 168.0)]
+    )
+    for run, rate in zip(runs, (22.0, 22.6, 22.4, 21.8), strict=True):
+        run.points.create(
+            concurrency=1,
+            throughput=rate,
+            p50_ms=43,
+            p90_ms=46,
+            p99_ms=49,
+            queue_us=80,
+            compute_us=42000,
+        )
+    PerfRun.objects.update(concurrencies=[1, 4, 3])
+    spec = Analysis.from_dict(rollout.analysis)
+    record(rollout, perf_results(runs, spec), Verdict.FAILURE, Round.Kind.PERF)
+    page.goto(f"{signed_in}/rollouts/{rollout.pk}/")
+    gate = page.locator("#perf-gate")
+    expect(page.locator("#perf-verdict")).to_have_text("failure")
+    expect(gate).to_contain_text("the canary served 25.2 requests a second, the baseline 49.6")
+    expect(gate.locator("#perf-runs tbody tr")).to_have_count(8)
+    expect(gate.locator(".plot .main-svg").first).to_be_visible()
+    expect(gate.locator(".plot .scatterlayer .trace")).to_have_count(4)
+    screenshot(page, "perf-gate")
     assert page.console_errors == []  # type: ignore[attr-defined]
 
 

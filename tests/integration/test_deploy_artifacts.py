@@ -563,7 +563,12 @@ def test_haproxy_accepts_the_demo_fleets_config_with_every_node_in_both_backends
 
 # What `make demo` runs before the fleet starts: every such line must parse and succeed.
 DEMO_SETUP = ("setup_roles", "import_repository", "set_budgets", "set_fallback", "set_slo")
-DEMO_SETUP += ("import_evaluation_set", "import_evaluation_set", "analysis_template")
+DEMO_SETUP += (
+    "import_evaluation_set",
+    "import_evaluation_set",
+    "analysis_template",
+    "analysis_template",
+)
 
 
 @pytest.mark.django_db

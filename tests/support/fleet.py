@@ -4,6 +4,7 @@ import csv
 import io
 import json
 import random
+import shutil
 import threading
 import time
 import urllib.request
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc
@@ -449,3 +451,22 @@ def join_watched(
 
     wait_for(f"{proc.name} found, loaded, warmed and in traffic", serving, interval=0.1)
     return Joined(proc, time.monotonic() - since, weights)
+
+
+PERF_DRILLS = Path(__file__).parent / "perf_drills"
+# rag_pipeline v15 as every node serves it: its reranker 40 ms a request, two instances.
+STEPS_V15 = {
+    ("embedder", 2),
+    ("retriever", 2),
+    ("reranker", 7),
+    ("generator", 2),
+    ("rag_pipeline", 15),
+}
+
+
+def with_perf_drills(repository: Path) -> None:
+    """The performance gate's drills added to a copy of the demo repository: reranker v7 (v2
+    taking 40 ms a request, two instances) and v8 (the same, one instance: as fast alone, half
+    the requests a second under load); rag_pipeline v15 pinning v7, v16 pinning v8, and v17
+    pinning v7 again (a healthy release)."""
+    shutil.copytree(PERF_DRILLS, repository, dirs_exist_ok=True)

@@ -1,15 +1,17 @@
-"""Evaluation data for tests: the demo's FAQ set, and finished runs written straight to the
-database (no Triton)."""
+"""Evaluation data for tests: the demo's FAQ set, and finished runs (evaluations, the
+performance gate's) written straight to the database (no Triton)."""
 
 from datetime import timedelta
 
 from django.utils import timezone
 
 from apps.fleet.models import Node
+from apps.performance.models import PerfRun
 from apps.quality.models import CaseResult, EvaluationRun, EvaluationSet
 from apps.quality.rules import score
 from apps.quality.services import evaluation_set_import
 from apps.registry.models import ModelVersion
+from apps.rollouts.models import Rollout
 from tests.support import ROOT
 from tests.support.registry import import_demo
 
@@ -85,3 +87,32 @@ def wrong_answers(
             )
     CaseResult.objects.bulk_create(results)
     return run
+
+
+def perf_gate_runs(rollout: Rollout, figures: list[tuple[int, float, float]]) -> list[PerfRun]:
+    """The gate's four runs at concurrency 4, each (version, throughput, P99 ms), stored as a
+    worker would."""
+    runs = []
+    for version, rate, p99 in figures:
+        run = PerfRun.objects.create(
+            model=rollout.model,
+            version=version,
+            node_name="trio-1",
+            concurrencies=[4, 4, 1],
+            requests=120,
+            timeout_s=60,
+            status=PerfRun.Status.DONE,
+            requested_by="system:rollout-controller",
+        )
+        run.points.create(
+            concurrency=4,
+            throughput=rate,
+            p50_ms=p99 / 2,
+            p90_ms=p99 * 0.8,
+            p99_ms=p99,
+            queue_us=900,
+            compute_us=41000,
+        )
+        runs.append(run)
+    rollout.perf_runs.add(*runs)
+    return runs

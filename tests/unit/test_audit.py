@@ -30,6 +30,7 @@ from apps.audit.models import AuditEvent
 from apps.audit.services import audit_event, audit_record, audit_update
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.services import deployments, nodes, pools
+from apps.performance import services as performance
 from apps.quality import services as quality
 from apps.quality.models import EvaluationSet
 from apps.registry import imports
@@ -216,7 +217,10 @@ def test_every_service_is_an_audited_action_and_is_in_a_table() -> None:
 
 
 SERVICE_MODULES = [
-    *(f"apps.{app}.services" for app in ("accounts", "audit", "quality", "registry", "rollouts")),
+    *(
+        f"apps.{app}.services"
+        for app in ("accounts", "audit", "quality", "performance", "registry", "rollouts")
+    ),
     *(f"apps.fleet.services.{part}" for part in ("deployments", "nodes", "pools")),
     "apps.rollouts.proposals",
     "apps.approvals.services",
@@ -257,6 +261,7 @@ FLEET_REGISTRY_SERVICES = {
     quality.evaluation_set_import,
     quality.evaluation_start,
     quality.synthetic_load_start,
+    performance.perf_start,
 }
 
 
@@ -286,6 +291,15 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
     deployed = lambda: Deployment.objects.get(pool=pool).pk  # noqa: E731
     ann = lambda: User.objects.get(username="ann")  # noqa: E731
     smoke = lambda: EvaluationSet.objects.get(name="smoke").pk  # noqa: E731
+    perf_asked = {
+        "model_name": "rag",
+        "node": node,
+        "concurrencies": (1, 2, 1),
+        "requests": 100,
+        "timeout_s": 60,
+        "purpose": "a check",
+        "actor": "ops",
+    }
     evaluation_case = json.dumps(
         {
             "inputs": {"IMAGE": [1, 2, 3, 4]},
@@ -541,6 +555,12 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             lambda: quality.synthetic_load_start(
                 set_id=smoke(), nodes=[node], rps=2, seconds=60, actor="ops"
             ),
+        ),
+        Case(
+            performance.perf_start,
+            "perf.start",
+            lambda: performance.perf_start(version=9, **perf_asked),
+            lambda: performance.perf_start(version=2, **perf_asked),
         ),
     ]
     assert {case.service for case in cases} == FLEET_REGISTRY_SERVICES

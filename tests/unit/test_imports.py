@@ -63,7 +63,7 @@ LAYERS: list[set[str]] = [
     {"degradation"},
     {"incidents"},
     {"rollouts"},
-    {"quality", "observability"},
+    {"quality", "observability", "performance"},
     {"fleet"},
     {"registry"},
     {"accounts"},

@@ -27,6 +27,7 @@ from apps.fleet.owners import owner_let_go
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.traffic import balancer as balancing
 from apps.fleet.traffic.balancer import Synced
+from apps.performance.models import PerfRun
 from apps.prometheus.client import PrometheusUnavailable
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts import analysis, rounds, transitions
@@ -1354,3 +1355,95 @@ def test_a_rollout_names_a_template_it_may_use(fleet: Fleet) -> None:
     template_save(name="cpu-only", analysis={}, pool_name="cpu", actor="ops")
     with pytest.raises(RolloutError, match="analysis template cpu-only v1 is for cpu, not gpu"):
         start(template="cpu-only")
+
+
+# The performance gate before traffic: each side with its own config, in turn ------------------
+
+
+def measured(run: PerfRun, rate: float) -> None:
+    """The run as a worker leaves it: done, its figures at concurrency 4."""
+    run.points.create(
+        concurrency=4, throughput=rate, p50_ms=20, p90_ms=25, p99_ms=30, queue_us=0, compute_us=0
+    )
+    PerfRun.objects.filter(pk=run.pk).update(status="done", finished_at=timezone.now())
+
+
+def next_run(fleet: Fleet, rollout: Rollout) -> tuple[Rollout, PerfRun]:
+    """Ticks (the fleet converging between them) until the gate starts its next run."""
+    runs = PerfRun.objects.filter(purpose__startswith=f"rollout #{rollout.pk},")
+    before = runs.count()
+    for _ in range(3):
+        fleet.converge()
+        rollout = tick(rollout)
+        if runs.count() > before:
+            return rollout, runs.latest("id")
+    raise AssertionError(f"no run started: {rollout.state} {rollout.reason}")
+
+
+@pytest.fixture
+def perf_gated(fleet: Fleet, weighted: Weights) -> Rollout:
+    """rag v1 -> v2 on the weighted pool, with the performance gate at 4 users."""
+    inputs = [{"X": {"datatype": "FP32", "shape": [1], "data": [1.0]}}]
+    Model.objects.filter(name="rag").update(sample_inputs=inputs)
+    rollout = tick(start(perf_concurrency="4", plan="1 node, hold 10m\n100%"))
+    assert synced(rollout)["gpu-1"] == 0  # drained before the canary loads
+    return rollout
+
+
+@pytest.mark.parametrize(("rate", "verdict"), [(48.0, "success"), (30.0, "failure")])
+def test_the_performance_gate_measures_each_side_with_its_own_config_in_turn(
+    fleet: Fleet, perf_gated: Rollout, rate: float, verdict: str
+) -> None:
+    rollout, sides = perf_gated, []
+    for each in (rate, 50.0, 50.0, rate):  # canary, baseline, baseline, canary
+        rollout, run = next_run(fleet, rollout)
+        sides.append((run.version, run.node_name, fleet.served["gpu-1"], synced(rollout)["gpu-1"]))
+        measured(run, each)
+    # Each side served alone with its own config: the baseline without the canary beside it.
+    assert sides == [
+        (2, "gpu-1", {1, 2}, 0),
+        (1, "gpu-1", {1}, 0),
+        (1, "gpu-1", {1}, 0),
+        (2, "gpu-1", {1, 2}, 0),
+    ]
+    rollout = tick(rollout)
+    gate = Measurement.objects.get(rollout=rollout, metric="throughput at concurrency 4")
+    assert (gate.round.kind, gate.verdict, gate.canary_value, gate.baseline_value) == (
+        "perf",
+        verdict,
+        rate,
+        50.0,
+    )
+    if verdict == "success":
+        assert rollout.perf_passed_at is not None and rollout.state == State.PROGRESSING
+        assert synced(rollout)["gpu-1"] > 0  # passed: the step's share of requests
+    else:
+        assert rollout.state == State.ABORTING and synced(rollout)["gpu-1"] == 0
+        assert rollout.reason == (
+            "performance gate failed before any traffic: at concurrency 4, the canary served "
+            "30.0 requests a second, the baseline 50.0: more than 10% fewer"
+        )
+
+
+def test_a_gate_run_that_fails_pauses_with_its_reason_and_a_resume_measures_afresh(
+    fleet: Fleet, perf_gated: Rollout
+) -> None:
+    rollout, run = next_run(fleet, perf_gated)
+    measured(run, 50.0)
+    rollout, run = next_run(fleet, rollout)  # the baseline, the node switched to it
+    PerfRun.objects.filter(pk=run.pk).update(
+        status="failed", error="gpu-1: rag v1: perf_analyzer did not finish in 60 s"
+    )
+    rollout = tick(rollout)
+    assert (rollout.state, rollout.reason) == (
+        State.PAUSED,
+        "performance gate: gpu-1: rag v1: perf_analyzer did not finish in 60 s; resume to run "
+        "it again",
+    )
+    assert rollout.perf_passed_at is None and not rollout.perf_runs.exists()
+    assert synced(rollout)["gpu-1"] == 0
+    fleet.converge()  # the node asked to serve the canary again, drained
+    assert fleet.served["gpu-1"] == {1, 2}
+    rollout_resume(rollout_id=rollout.pk, actor="release-manager")
+    rollout, run = next_run(fleet, Rollout.objects.get(pk=rollout.pk))
+    assert (run.version, rollout.perf_runs.count()) == (2, 1)  # from the first run again

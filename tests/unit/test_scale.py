@@ -44,6 +44,7 @@ def pages() -> list[str]:
         f"/nodes/{node.name}/",
         "/deployments/",
         f"/pools/{pool.name}/capacity/",  # the largest pool
+        f"/pools/{pool.name}/throughput/",
         f"/pools/{pool.name}/fit/?model_version=a-model-000:2",
         "/models/",
         "/models/a-model-000/",
