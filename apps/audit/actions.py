@@ -89,7 +89,7 @@ _BY_KIND: dict[Kind, list[str]] = {
         "node.depart",
         "node.quarantine",
     ],
-    Kind.SYNTHETIC: ["synthetic_load.start", "perf.start"],
+    Kind.SYNTHETIC: ["synthetic_load.start", "perf.start", "perf.search"],
     Kind.UPKEEP: [
         "node.drift",
         "node.drain",

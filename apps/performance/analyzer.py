@@ -25,6 +25,10 @@ class PerfError(Exception):
     node and model, and perf_analyzer's last words."""
 
 
+class SearchError(Exception):
+    """A search that cannot start, or cannot go on; says what and where."""
+
+
 @dataclass(frozen=True)
 class Point:
     """One concurrency's figures."""

@@ -77,3 +77,73 @@ class PerfPoint(models.Model):
     @property
     def compute_ms(self) -> float:
         return self.compute_us / 1000
+
+
+class PerfSearch(models.Model):
+    """A search over one step's config on one node held aside (apps/fleet/trials.py): each
+    config tried is a trial, the pipeline measured end to end with it at one concurrency; the
+    winner serves the most within the pipeline's latency budget."""
+
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"  # could not search: why in `error`, the trials so far kept
+
+    OPEN = [Status.QUEUED, Status.RUNNING]
+
+    pipeline = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="perf_searches")
+    version = models.PositiveIntegerField(help_text="the pipeline version measured")
+    step = models.CharField(max_length=120, help_text="the step whose config is searched")
+    pool_name = models.CharField(max_length=200, help_text="where the tuning is released")
+    node = models.ForeignKey(Node, null=True, on_delete=models.SET_NULL, related_name="searches")
+    node_name = models.CharField(max_length=200, help_text="kept when the node is removed")
+    concurrency = models.PositiveIntegerField()
+    requests = models.PositiveIntegerField(help_text="a trial")
+    budget_ms = models.PositiveIntegerField(null=True, blank=True, help_text="P99, end to end")
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.QUEUED)
+    requested_by = models.CharField(max_length=150)
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    winner = models.ForeignKey(
+        "PerfTrial", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"search #{self.pk}: {self.step} in {self.pipeline.name} v{self.version}"
+
+    @property
+    def finished(self) -> bool:
+        return self.status not in self.OPEN
+
+
+class PerfTrial(models.Model):
+    """One config tried: the fields laid over the step's config ({} for the config it serves),
+    and the pipeline's figures with it, or why it could not be measured."""
+
+    search = models.ForeignKey(PerfSearch, on_delete=models.CASCADE, related_name="trials")
+    fields = models.JSONField(default=dict)
+    label = models.CharField(max_length=200, help_text='"2 instances, batch 8, delay 2000 us"')
+    throughput = models.FloatField(null=True, blank=True, help_text="requests a second")
+    p99_ms = models.FloatField(null=True, blank=True)
+    queue_us = models.FloatField(null=True, blank=True)
+    compute_us = models.FloatField(null=True, blank=True)
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["search", "id"]
+
+    def __str__(self) -> str:
+        return self.label
+
+    @property
+    def queue_ms(self) -> float | None:
+        return None if self.queue_us is None else self.queue_us / 1000
+
+    @property
+    def compute_ms(self) -> float | None:
+        return None if self.compute_us is None else self.compute_us / 1000

@@ -90,3 +90,22 @@ def int_parameter(config: Any, key: str) -> int | None:
         return None
     value = config.parameters[key].string_value.strip()
     return int(value) if value.isdecimal() else None
+
+
+def tuned(config: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """`config` (the JSON shape) with `fields` laid over it: objects field by field, lists of
+    objects item by item (an instance group keeps its kind when only its count is advised),
+    anything else replaced."""
+    merged = dict(config)
+    for name, value in fields.items():
+        here = merged.get(name)
+        if isinstance(value, dict) and isinstance(here, dict):
+            merged[name] = tuned(here, value)
+        elif isinstance(value, list) and isinstance(here, list):
+            merged[name] = [
+                tuned(here[i], item) if i < len(here) and isinstance(item, dict) else item
+                for i, item in enumerate(value)
+            ] + here[len(value) :]
+        else:
+            merged[name] = value
+    return merged

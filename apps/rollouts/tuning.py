@@ -22,9 +22,10 @@ from apps.accounts.permissions import authorize, second_person
 from apps.audit.services import Actor, audit_record, audited
 from apps.fleet.models import Deployment, NodePool
 from apps.observability.bottleneck import Advice
+from apps.performance.models import PerfSearch
 from apps.prometheus.catalog import tuning_queries
 from apps.registry.archives import inside_roots
-from apps.registry.codec import from_dict, to_pbtxt
+from apps.registry.codec import from_dict, to_pbtxt, tuned
 from apps.registry.models import ModelVersion
 from apps.registry.selectors import next_version, registry_resolver
 from apps.registry.services import RegistryError, version_create
@@ -36,25 +37,6 @@ from apps.rollouts.proposals import RolloutError, rollout_start
 # longer, before the tuning counts as worse (the queue's is wider: it is the noisier of the two).
 THROUGHPUT_TOLERANCE = 0.05
 QUEUE_TOLERANCE = 0.25
-
-
-def tuned(config: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-    """`config` (the JSON shape) with `fields` laid over it: objects field by field, lists of
-    objects item by item (an instance group keeps its kind when only its count is advised),
-    anything else replaced."""
-    merged = dict(config)
-    for name, value in fields.items():
-        here = merged.get(name)
-        if isinstance(value, dict) and isinstance(here, dict):
-            merged[name] = tuned(here, value)
-        elif isinstance(value, list) and isinstance(here, list):
-            merged[name] = [
-                tuned(here[i], item) if i < len(here) and isinstance(item, dict) else item
-                for i, item in enumerate(value)
-            ] + here[len(value) :]
-        else:
-            merged[name] = value
-    return merged
 
 
 def tuning_metrics(pipeline: str, step: str) -> list[dict[str, Any]]:
@@ -209,3 +191,39 @@ def _template_metrics(name: str) -> list[dict[str, Any]]:
     """The chosen template's own metrics, kept beside the tuning's."""
     found = AnalysisTemplate.objects.filter(name=name).order_by("-version").first()
     return list(found.analysis.get("metrics", [])) if found else []
+
+
+def search_advice(search_id: int) -> tuple[PerfSearch, Advice]:
+    """A search's winner as an advice to release: refused for a search not done, one whose
+    winner is the config it started from, and one of a pipeline version the pool no longer
+    serves (what it measured is not what the tuning would change)."""
+    search = PerfSearch.objects.select_related("pipeline", "winner").filter(pk=search_id).first()
+    if search is None:
+        raise RolloutError(f"no search #{search_id}")
+    first = search.trials.order_by("id").first()
+    winner = search.winner
+    if search.status != PerfSearch.Status.DONE or winner is None or first is None:
+        raise RolloutError(f"search #{search.pk} is {search.status}: it has no winner yet")
+    if winner.pk == first.pk or not (winner.throughput and first.throughput):
+        raise RolloutError(f"search #{search.pk} found nothing better than the config it serves")
+    serving = Deployment.objects.filter(
+        pool__name=search.pool_name, node=None, model=search.pipeline
+    ).first()
+    if serving is None or serving.version != search.version:
+        now = f"v{serving.version}" if serving else "nothing"
+        raise RolloutError(
+            f"search #{search.pk} measured {search.pipeline.name} v{search.version}; pool "
+            f"{search.pool_name} serves {now} now: search again"
+        )
+    budget = f", within {search.budget_ms} ms" if search.budget_ms else ""
+    return search, Advice(
+        step=search.step,
+        change=winner.label,
+        because=(
+            f"search #{search.pk} on {search.node_name} measured {winner.throughput:.1f} "
+            f"requests a second at P99 {winner.p99_ms:.0f} ms against {first.throughput:.1f} at "
+            f"{first.p99_ms:.0f} ms with {first.label}, {search.concurrency} users{budget}"
+        ),
+        expect=f"{winner.throughput / first.throughput - 1:.0%} more requests a second a node",
+        fields=winner.fields,
+    )

@@ -7,6 +7,7 @@ urlpatterns = [
     path("", views.rollout_list, name="rollout_list"),
     path("new/", views.rollout_new, name="rollout_new"),
     path("tune/<str:name>/", views.tune, name="tune"),
+    path("tune/searches/<int:pk>/", views.search_release, name="search_release"),
     path("<int:pk>/", views.rollout_detail, name="rollout_detail"),
     path("<int:pk>/<slug:action>/", views.rollout_act, name="rollout_act"),
     path(

@@ -45,7 +45,7 @@ from apps.rollouts.services import (
     rollout_resume,
     rollout_retry,
 )
-from apps.rollouts.tuning import tuning_start
+from apps.rollouts.tuning import search_advice, tuning_start
 from apps.web.htmx import HtmxHttpRequest, back, refused
 
 
@@ -309,4 +309,25 @@ def tune(request: HttpRequest, name: str) -> HttpResponse:
     except (BottleneckUnread, RolloutError, PlanError) as exc:
         return refused(request, str(exc), here)
     messages.success(request, f"Rollout #{rollout.pk}: {advice.change} for {step}, as a release.")
+    return back(request, reverse("rollouts:rollout_detail", args=[rollout.pk]))
+
+
+@require_POST
+@require("rollouts.add_rollout", "rollout.tune")
+def search_release(request: HttpRequest, pk: int) -> HttpResponse:
+    """A search's winner released as a tuning rollout, as an accepted advice is."""
+    here = reverse("performance:search_detail", args=[pk])
+    try:
+        search, advice = search_advice(pk)
+        rollout = tuning_start(
+            pipeline=search.pipeline.name,
+            pool_name=search.pool_name,
+            advice=advice,
+            plan=request.POST.get("plan") or DEFAULT_PLAN,
+            template=request.POST.get("template", ""),
+            actor=current_user(request),
+        )
+    except (RolloutError, PlanError) as exc:
+        return refused(request, str(exc), here)
+    messages.success(request, f"Rollout #{rollout.pk}: {advice.change} for {advice.step}.")
     return back(request, reverse("rollouts:rollout_detail", args=[rollout.pk]))

@@ -1,6 +1,7 @@
 """The quality pages in a browser: a model's evaluation sets with a refused upload, a set, a
 run's changed answers side by side, a version's quality, a rollout rolled back by its quality
-gate or by its performance gate, and the rollout form's published versions. Runs and answers are written straight to the
+gate or by its performance gate, a search of a step's config, and the rollout form's published
+versions. Runs and answers are written straight to the
 database (rag_pipeline v7, whose reranker ranks the worst passage first, against v1): no Triton."""
 
 import pytest
@@ -9,7 +10,7 @@ from playwright.sync_api import Page, expect
 
 from apps.accounts.roles import Role
 from apps.fleet.models import Node, NodePool
-from apps.performance.models import PerfRun
+from apps.performance.models import PerfRun, PerfSearch
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.gate import gate_measured
@@ -239,6 +240,69 @@ def test_a_rollout_stopped_by_its_performance_gate_draws_its_runs_as_curves(
     expect(gate.locator(".plot .main-svg").first).to_be_visible()
     expect(gate.locator(".plot .scatterlayer .trace")).to_have_count(4)
     screenshot(page, "perf-gate")
+    assert page.console_errors == []  # type: ignore[attr-defined]
+
+
+def test_a_search_page_shows_each_configuration_against_the_budget_and_its_winner(
+    page: Page, signed_in: str, faq: EvaluationSet
+) -> None:
+    pipeline = Model.objects.get(name="rag_pipeline")
+    Model.objects.filter(pk=pipeline.pk).update(latency_budget_ms=300)
+    search = PerfSearch.objects.create(
+        pipeline=pipeline,
+        version=16,
+        step="reranker",
+        pool_name=trio().name,
+        node=Node.objects.get(name="trio-3"),
+        node_name="trio-3",
+        concurrency=4,
+        requests=120,
+        budget_ms=300,
+        status=PerfSearch.Status.DONE,
+        requested_by="release_manager-user",
+        finished_at=timezone.now(),
+    )
+    # One instance, 40 ms a request: 4 users are served 25 a second; two instances twice that,
+    # four a little more, eight nothing more; a larger batch nothing more either.
+    trials = [
+        search.trials.create(
+            fields={"instance_group": [{"count": n}]} if n > 1 else {},
+            label=f"{n} instance{'s' if n > 1 else ''}, batch 8",
+            throughput=rate,
+            p99_ms=p99,
+            queue_us=queue,
+            compute_us=41000,
+        )
+        for n, rate, p99, queue in [
+            (1, 24.8, 168.0, 118000),
+            (2, 49.5, 86.0, 39000),
+            (4, 90.1, 47.0, 900),
+            (8, 91.0, 47.5, 850),
+        ]
+    ]
+    search.trials.create(
+        fields={"instance_group": [{"count": 4}], "max_batch_size": 16},
+        label="4 instances, batch 16",
+        error="trio-3: Triton refused the load: max_batch_size 16 exceeds the ensemble's",
+    )
+    PerfSearch.objects.filter(pk=search.pk).update(winner=trials[2])
+    page.goto(f"{signed_in}/pipelines/rag_pipeline/searches/")
+    expect(page.locator("#searches tbody tr")).to_contain_text("4 instances, batch 8 90.1/s")
+    expect(page.locator("#no-pool")).to_have_text(
+        "No pool runs rag_pipeline: there is no node to search on."
+    )
+    screenshot(page, "searches")
+    page.get_by_role("link", name=f"#{search.pk}").click()
+    expect(page.get_by_role("heading", level=1)).to_have_text(
+        f"Search #{search.pk}: reranker in rag_pipeline v16"
+    )
+    expect(page.locator("#trials tbody tr")).to_have_count(5)
+    expect(page.locator("#trials tr.winner")).to_contain_text("4 instances, batch 8")
+    expect(page.locator("#trials")).to_contain_text("max_batch_size 16 exceeds the ensemble's")
+    expect(page.locator("#winner")).to_contain_text("263% more")
+    expect(page.locator("#search .plot .scatterlayer .trace")).to_have_count(3)
+    expect(page.get_by_role("button", name="Release it as a tuning rollout")).to_be_visible()
+    screenshot(page, "search")
     assert page.console_errors == []  # type: ignore[attr-defined]
 
 

@@ -7,7 +7,8 @@ send, and its throughput is what Triton counted over the same run. A binary that
 node that does not answer, a run out of time: a PerfError that says which node and model, and
 why. The gate stops a release as fast alone but slower under load before a single user request
 reaches it, passes a healthy one, and pauses, never passes, where it cannot measure; what it
-measured says how many nodes the pool's request rate needs."""
+measured says how many nodes the pool's request rate needs. A search of the reranker's config,
+on a node held out of traffic, finds the instances its tuning release then passes the gate with."""
 
 import json
 import re
@@ -22,15 +23,17 @@ from django.test import Client
 
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState, Proc
-from apps.fleet.models import NodePool
+from apps.fleet.models import Node, NodePool
 from apps.fleet.services.deployments import deployment_set
 from apps.fleet.triton import TritonClient
 from apps.performance.analyzer import PerfError, perf_measure
-from apps.performance.models import PerfRun
+from apps.performance.models import PerfRun, PerfSearch
+from apps.performance.services import search_start
 from apps.quality.services import evaluation_set_import
 from apps.rollouts.models import Measurement, Rollout
 from apps.rollouts.proposals import rollout_start
 from apps.rollouts.services import rollout_abort, rollout_resume
+from apps.rollouts.tuning import search_advice, tuning_start
 from tests.support.fleet import (
     ANALYSIS,
     HEALTHY,
@@ -268,3 +271,78 @@ def test_a_gate_that_cannot_measure_pauses_and_never_passes(
     assert (weights(haproxy) or {}).get(CANARY) == 0 and current().perf_passed_at is None
     rollout_abort(rollout_id=rollout.pk, actor="release-manager")
     wait_for("rolled back", lambda: current().state == State.ROLLED_BACK, timeout=120)
+
+
+# The search (last in the module: its tuning adds versions to the module's repository) ----------
+
+
+@pytest.mark.timeout(600)  # a search of four configurations, then a release gated before traffic
+def test_a_search_finds_the_reranker_instances_that_its_tuning_release_confirms(
+    on_v15: NodePool,
+    haproxy: Proc,
+    trio: tuple[Devfleet, FleetState],
+    repository: Path,
+    settings: object,
+) -> None:
+    _, state = trio
+    settings.REGISTRY_ARTIFACT_ROOTS = [str(repository)]  # type: ignore[attr-defined]
+    deployment_set(model_name="rag_pipeline", version=16, pool=on_v15, actor="system:test")
+    v16 = STEPS_V15 - {("reranker", 7), ("rag_pipeline", 15)} | {
+        ("reranker", 8),
+        ("rag_pipeline", 16),
+    }
+    back = lambda: settled(on_v15, v16)() and weights(haproxy) == equal(state)  # noqa: E731
+    wait_for("v16 on every node, back in traffic", back, timeout=240)
+    # The reranker (40 ms a request, one instance, no batching) is what limits 4 users.
+    search = search_start(
+        pipeline="rag_pipeline",
+        pool_name="trio",
+        step="reranker",
+        concurrency=4,
+        requests=120,
+        actor="release-manager",
+    )
+    current = lambda: PerfSearch.objects.get(pk=search.pk)  # noqa: E731
+    wait_for("the search ends", lambda: current().finished, timeout=300)
+    search = current()
+    assert search.status == PerfSearch.Status.DONE, search.error
+    trials = list(search.trials.order_by("id"))
+    labels = [t.label for t in trials]
+    assert labels[:3] == ["1 instance, batch 8", "2 instances, batch 8", "4 instances, batch 8"]
+    assert all(t.error == "" for t in trials), [t.error for t in trials]
+    winner, first = search.winner, trials[0]
+    assert winner is not None and winner.fields["instance_group"][0]["count"] >= 2
+    assert winner.throughput > 1.5 * first.throughput, (winner.throughput, first.throughput)
+    # Each trial a load on the node, read back; the reranker loaded back as it was; the node in
+    # traffic again.
+    node = Node.objects.get(name=search.node_name)
+    loads = list(node.operations.filter(requested_by=f"search #{search.pk}").order_by("id"))
+    assert [op.status for op in loads] == ["succeeded"] * (len(trials) + 1)
+    before = node.operations.exclude(requested_by=f"search #{search.pk}")
+    served = before.filter(model_name="reranker", status="succeeded").order_by("id").last()
+    assert served is not None and loads[-1].config_digest == served.config_digest
+    config = TritonClient(
+        state.node_urls(next(p for p in state.nodes if p.name == node.name))["http_url"]
+    ).model_config("reranker")
+    assert config["instance_group"][0]["count"] == 1
+    assert weights(haproxy) == equal(state)
+    # Released as a tuning rollout, gated before traffic: the tuned reranker serves more at
+    # concurrency 4 than the one it tunes, at no worse P99.
+    _, advice = search_advice(search.pk)
+    rollout = tuning_start(
+        pipeline="rag_pipeline",
+        pool_name="trio",
+        advice=advice,
+        plan="33%, hold 10m\n100%",
+        analysis={**ANALYSIS, **HEALTHY, **GATE},
+        actor="release-manager",
+    )
+    current_rollout = lambda: Rollout.objects.get(pk=rollout.pk)  # noqa: E731
+    passed = lambda: current_rollout().perf_passed_at is not None  # noqa: E731
+    wait_for("the gate passed", passed, timeout=240)
+    rate = Measurement.objects.get(rollout=rollout, metric="throughput at concurrency 4")
+    p99 = Measurement.objects.get(rollout=rollout, metric="P99 at concurrency 4")
+    assert rate.canary_value > 1.3 * rate.baseline_value, (rate.canary_value, rate.baseline_value)
+    assert p99.canary_value <= p99.baseline_value, (p99.canary_value, p99.baseline_value)
+    rollout_abort(rollout_id=rollout.pk, actor="release-manager")
+    wait_for("rolled back", lambda: current_rollout().state == State.ROLLED_BACK, timeout=120)

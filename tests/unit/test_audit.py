@@ -262,6 +262,7 @@ FLEET_REGISTRY_SERVICES = {
     quality.evaluation_start,
     quality.synthetic_load_start,
     performance.perf_start,
+    performance.search_start,  # started in tests/unit/test_search.py
 }
 
 
@@ -561,6 +562,14 @@ def test_every_fleet_and_registry_service_records_one_event_refused_or_done(db: 
             "perf.start",
             lambda: performance.perf_start(version=9, **perf_asked),
             lambda: performance.perf_start(version=2, **perf_asked),
+        ),
+        Case(
+            performance.search_start,
+            "perf.search",
+            lambda: performance.search_start(
+                pipeline="rag", pool_name="gpu", step="x", concurrency=4, requests=99, actor="ops"
+            ),
+            None,
         ),
     ]
     assert {case.service for case in cases} == FLEET_REGISTRY_SERVICES

@@ -63,7 +63,8 @@ LAYERS: list[set[str]] = [
     {"degradation"},
     {"incidents"},
     {"rollouts"},
-    {"quality", "observability", "performance"},
+    {"performance"},  # perf_analyzer's runs and searches, drawn as the observability pages draw
+    {"quality", "observability"},
     {"fleet"},
     {"registry"},
     {"accounts"},

@@ -18,12 +18,12 @@ from apps.fleet.services.deployments import deployment_set
 from apps.fleet.services.pools import pool_role_set
 from apps.observability import bottleneck as pipeline
 from apps.observability.bottleneck import Advice, Bottleneck, Gpus
-from apps.registry.codec import parse_pbtxt, to_dict
+from apps.registry.codec import parse_pbtxt, to_dict, tuned
 from apps.registry.imports import repository_import
 from apps.registry.models import ModelVersion
 from apps.rollouts.models import Rollout
 from apps.rollouts.proposals import RolloutError
-from apps.rollouts.tuning import tuned, tuning_start
+from apps.rollouts.tuning import tuning_start
 from tests.support import REPOSITORY
 from tests.support.users import make_user
 
