@@ -286,6 +286,8 @@ def _label(event: _Event) -> str:
     """`deployment.set pool:demo:rag_pipeline {version: 2}` reads `deploy rag_pipeline v2`."""
     if event.action == "perf.start":  # perf_analyzer's requests, one run on one node
         return f"perf_analyzer v{event.after.get('version')} on {event.after.get('node', '')}"
+    if event.action == "perf.search":  # a step's configs tried on one node, out of traffic
+        return f"search of {event.after.get('step')} on {event.after.get('node', '')}"
     if event.action in SYNTHETIC:
         nodes = ", ".join(event.after.get("nodes", []))
         return f"synthetic {event.after.get('rps', 0):g} req/s to {nodes}"

@@ -101,6 +101,15 @@ def test_synthetic_requests_a_rollout_made_are_a_marker_of_their_own_kind() -> N
     assert drawn["layout"]["shapes"][0]["line"]["color"] == "#6d28d9"
 
 
+def test_perf_analyzers_runs_and_a_search_are_synthetic_markers_naming_their_node() -> None:
+    event("perf.start", "model:rag_pipeline", after={"version": 16, "node": "trio-1"})
+    event("perf.search", "pool:trio", after={"step": "reranker", "node": "trio-3"})
+    assert [(m.kind, m.label) for m in change_markers(**window())] == [
+        ("synthetic", "perf_analyzer v16 on trio-1"),
+        ("synthetic", "search of reranker on trio-3"),
+    ]
+
+
 def test_a_rollout_tick_without_a_request_id_is_one_marker_with_its_canary_loads() -> None:
     event("deployment.set", "node:demo-1:rag_pipeline", after={"version": 3, "baseline": 2})
     event("rollout.step", "rollout:7:rag_pipeline", after={"step": 0, "version": 3})
