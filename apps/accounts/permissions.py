@@ -82,6 +82,18 @@ def authorize(actor: Actor, permission: str, pool: Any) -> None:
         )
 
 
+def authorize_audited(actor: Actor, permission: str, pool: Any, action: str) -> None:
+    """`authorize`, a refusal recorded as `action` denied: for a view that checks the pool a
+    request names before it does anything on the person's behalf (asks Prometheus, validates
+    a form against what the pool runs)."""
+    try:
+        authorize(actor, permission, pool)
+    except PermissionDenied as exc:
+        target = f"pool:{pool.name}" if pool else ""
+        audit_record(actor=actor, action=action, target=target, result="denied", message=str(exc))
+        raise
+
+
 # The approval whose action is being carried out (apps.approvals.services), if any.
 APPROVING: ContextVar[int | None] = ContextVar("approving", default=None)
 # A move back under way (an abort, a rollback, a fallback): whatever it changes on the way (the

@@ -11,7 +11,7 @@ from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
-from apps.accounts.permissions import current_user, require
+from apps.accounts.permissions import authorize_audited, current_user, require
 from apps.fleet.models import Deployment, NodePool
 from apps.observability.charts import curves
 from apps.performance.analyzer import SearchError
@@ -109,6 +109,9 @@ def _search_form(pipeline: Model, data: Any = None) -> SearchForm:
 @require("performance.add_perfrun", "perf.search")
 def search_new(request: HttpRequest, name: str) -> HttpResponse:
     pipeline = get_object_or_404(Model, name=name, kind=Model.Kind.ENSEMBLE)
+    where = NodePool.objects.filter(name=request.POST.get("pool", "")).first()
+    if where is not None:  # before the form is checked against what the pool runs
+        authorize_audited(current_user(request), "performance.add_perfrun", where, "perf.search")
     form = _search_form(pipeline, request.POST)
     if not form.is_valid():
         return _search_list(request, pipeline, form, status=422)

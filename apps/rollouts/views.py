@@ -3,7 +3,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.contrib import messages
-from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
@@ -13,12 +12,12 @@ from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme, urlencode
 from django.views.decorators.http import require_POST
 
-from apps.accounts.permissions import authorize, current_user, require
+from apps.accounts.permissions import authorize_audited, current_user, require
 from apps.audit.models import AuditEvent
-from apps.audit.services import audit_record
 from apps.fleet.models import Deployment, NodePool
 from apps.observability.bottleneck import BottleneckUnread, bottleneck_in
 from apps.observability.charts import Chart, curves, distributions
+from apps.performance.models import PerfSearch
 from apps.registry.models import Model
 from apps.rollouts.forms import DEFAULT_PLAN, RolloutForm
 from apps.rollouts.models import Rollout
@@ -280,17 +279,8 @@ def tune(request: HttpRequest, name: str) -> HttpResponse:
     where = NodePool.objects.filter(name=pool).first()
     if where is None:
         return refused(request, f"no pool {pool!r}", here, status=404)
-    try:  # before Prometheus is asked anything on this person's behalf
-        authorize(actor, "rollouts.add_rollout", where)
-    except PermissionDenied as exc:
-        audit_record(
-            actor=actor,
-            action="rollout.tune",
-            target=f"pool:{pool}",
-            result="denied",
-            message=str(exc),
-        )
-        raise
+    # Before Prometheus is asked anything on this person's behalf.
+    authorize_audited(actor, "rollouts.add_rollout", where, "rollout.tune")
     try:
         _, found = bottleneck_in(ensemble, pool)
         advice = next((a for a in found.advice if (a.step, a.change) == (step, change)), None)
@@ -317,6 +307,9 @@ def tune(request: HttpRequest, name: str) -> HttpResponse:
 def search_release(request: HttpRequest, pk: int) -> HttpResponse:
     """A search's winner released as a tuning rollout, as an accepted advice is."""
     here = reverse("performance:search_detail", args=[pk])
+    pool_name = get_object_or_404(PerfSearch, pk=pk).pool_name
+    where = NodePool.objects.filter(name=pool_name).first()
+    authorize_audited(current_user(request), "rollouts.add_rollout", where, "rollout.tune")
     try:
         search, advice = search_advice(pk)
         rollout = tuning_start(

@@ -23,6 +23,7 @@ from apps.audit.models import AuditEvent
 from apps.degradation.models import Tiers
 from apps.fleet.models import Deployment, Node, NodePool, Operation
 from apps.fleet.services.pools import pool_role_set
+from apps.performance.models import PerfSearch
 from apps.quality.models import EvaluationRun, EvaluationSet
 from apps.registry.models import ModelVersion
 from apps.rollouts.forms import RolloutForm
@@ -48,6 +49,7 @@ class World:
     node_a: Node
     token_id: int
     approval_b: Approval
+    search_b: PerfSearch
 
 
 @pytest.fixture
@@ -83,7 +85,19 @@ def world() -> World:
     )
     deployment_b = Deployment.objects.get(pool=b)
     Tiers.objects.create(pool=b, model=model, versions=[1, 2])
-    return World(b, node_b, deployment_b, rollout_b, node_a, token.pk, approval_b)
+    search_b = PerfSearch.objects.create(
+        pipeline=ModelVersion.objects.get(model__name="rag_pipeline", version=1).model,
+        version=1,
+        step="reranker",
+        pool_name="b",
+        node=node_b,
+        node_name="b-1",
+        concurrency=4,
+        requests=100,
+        status=PerfSearch.Status.DONE,
+        requested_by="ops",
+    )
+    return World(b, node_b, deployment_b, rollout_b, node_a, token.pk, approval_b, search_b)
 
 
 def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
@@ -117,6 +131,11 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "degradation:confirm": (pool_model, {}),
         "degradation:set": ({"pool": "b"}, {"model": "embedder", "versions": "1,2"}),
         "fleet:pool_roles": ({}, {"user": viewer, "pool": "b", "role": "operator"}),
+        "performance:search_start": (
+            {"name": "rag_pipeline"},
+            {"pool": "b", "step": "reranker", "concurrency": 4, "requests": 100},
+        ),
+        "rollouts:search_release": ({"pk": world.search_b.pk}, {}),
         "rollouts:tune": (
             {"name": "rag_pipeline"},
             {"pool": "b", "step": "reranker", "change": "more instances: 1 -> 2"},
@@ -158,6 +177,7 @@ def changes() -> tuple[int, ...]:
         EvaluationRun.objects.count(),
         Tiers.objects.filter(pinned__isnull=False).count(),
         PoolRole.objects.count(),
+        PerfSearch.objects.count(),
     )
 
 
