@@ -84,6 +84,7 @@ INSTALLED_APPS = [
     "apps.rollouts",
     "apps.approvals",
     "apps.degradation",
+    "apps.scaling",
     "apps.incidents",
     "apps.api",
     "apps.retention",
@@ -266,6 +267,15 @@ DISCOVERY_HTTP_PORT = env_int("DISCOVERY_HTTP_PORT", 8000)
 DISCOVERY_GRPC_PORT = env_int("DISCOVERY_GRPC_PORT", 8001)
 DISCOVERY_GRACE_S = env_float("DISCOVERY_GRACE_S", 120.0)
 DISCOVERY_DEPARTURES_PER_PASS = env_int("DISCOVERY_DEPARTURES_PER_PASS", 100)
+# The nodes each pool needs (apps/scaling), computed every SCALING_TICK_S from the last
+# SCALING_WINDOW_S of Prometheus: each served release at SCALING_TARGET_LOAD of its measured
+# capacity a node, the worst step's queue time at most SCALING_QUEUE_RATIO of its compute time
+# (Triton's Kubernetes recipe), the GPUs at SCALING_GPU_UTILIZATION.
+SCALING_TICK_S = env_float("SCALING_TICK_S", 15.0)
+SCALING_WINDOW_S = env_float("SCALING_WINDOW_S", 60.0)
+SCALING_TARGET_LOAD = env_float("SCALING_TARGET_LOAD", 0.8)
+SCALING_QUEUE_RATIO = env_float("SCALING_QUEUE_RATIO", 1.0)
+SCALING_GPU_UTILIZATION = env_float("SCALING_GPU_UTILIZATION", 0.7)
 # /readyz wants a heartbeat that went from beat through a worker to the database this recently.
 HEARTBEAT_INTERVAL_S = 10.0
 READY_HEARTBEAT_MAX_AGE_S = env_float("READY_HEARTBEAT_MAX_AGE_S", 60.0)
@@ -276,6 +286,7 @@ CELERY_BEAT_SCHEDULE = {
     "reconcile": {"task": "fleet.reconcile_all", "schedule": FLEET_RECONCILE_INTERVAL_S},
     "rollouts": {"task": "rollouts.advance_all", "schedule": ROLLOUT_TICK_S},
     "degradation": {"task": "degradation.tick_all", "schedule": DEGRADATION_TICK_S},
+    "scaling": {"task": "scaling.tick", "schedule": SCALING_TICK_S},
     "retention": {"task": "retention.prune", "schedule": 3600.0},
     "lost-notifications": {"task": "rollouts.deliver_lost", "schedule": 60.0},
     "unsent-evaluations": {"task": "quality.resend_queued", "schedule": 60.0},

@@ -13,6 +13,7 @@ urlpatterns = [
     path("metrics", metrics, name="self-metrics"),
     path("", include("apps.fleet.urls")),
     path("", include("apps.degradation.urls")),  # a pool's tiers: pools/<pool>/tiers/
+    path("", include("apps.scaling.urls")),  # the nodes a pool needs: pools/<pool>/scaling/
     path("accounts/", include("apps.accounts.urls")),
     path("models/", include("apps.registry.urls")),
     path("", include("apps.quality.urls")),  # a model's evaluations, a version's quality, runs

@@ -37,6 +37,7 @@ from apps.fleet.models import Heartbeat, Node, NodePool, Operation
 from apps.fleet.queues import ROLLOUTS_QUEUE, TICK_HEARTBEAT
 from apps.rollouts.models import Measurement, Notification, Rollout
 from apps.rollouts.verdicts import Verdict
+from apps.scaling.models import Scaling
 
 # A scrape must answer within Prometheus' timeout (10 s by default) even when the broker does
 # not: one short try, then the depth series are left out and broker_up says why.
@@ -73,6 +74,7 @@ class ControlPlaneCollector(Collector):
         yield _durations()
         yield _reconcile_lag(pools)
         yield from _nodes(pools)
+        yield from _scaling()
         yield _per_choice(
             "controlplane_analysis_verdicts",
             f"Analysis measurements per verdict, among the last {RECENT_ROWS} taken.",
@@ -177,6 +179,35 @@ def _nodes(pools: list[tuple[int, str, str]]) -> Iterator[GaugeMetricFamily]:
             for choice in choices:
                 family.add_metric([name, choice.value], counted[pool_id, choice.value])
         yield family
+
+
+def _scaling() -> Iterator[GaugeMetricFamily]:
+    """The nodes each pool needs (apps/scaling), the series an autoscaler follows: the chart's
+    HPA through prometheus-adapter as an External metric, or KEDA's Prometheus scaler. A pool
+    whose signal was never computed has none: an HPA without its metric changes nothing."""
+    rows = (
+        Scaling.objects.filter(wanted__isnull=False)
+        .order_by("pool__name")
+        .values_list("pool__name", "wanted", "held", "pinned")
+    )
+    wanted = GaugeMetricFamily(
+        "controlplane_pool_nodes_wanted",
+        "Nodes the pool needs: its request rate against each release's measured capacity, its"
+        " steps' queue-to-compute ratio and GPU utilization; never fewer than it has while a"
+        " release runs on it; a person's pin where pinned.",
+        labels=["pool"],
+    )
+    held = GaugeMetricFamily(
+        "controlplane_pool_nodes_held",
+        "1 while a release on the pool (a rollout, a degradation episode, a search) holds its"
+        " nodes from a scale-in, 2 while a person pins the count; 0 otherwise.",
+        labels=["pool"],
+    )
+    for name, count, why, pinned in rows:
+        wanted.add_metric([name], count or 0)
+        held.add_metric([name], 2 if pinned is not None else 1 if why else 0)
+    yield wanted
+    yield held
 
 
 def _heartbeats() -> Iterator[GaugeMetricFamily]:

@@ -1,5 +1,5 @@
 """Two people for a protected pool: a person's deployment, rollout start or retry, promotion,
-degradation tiers, opening to discovery, override of a refused load or adoption there is
+degradation tiers, opening to discovery, its scaling bounds, override of a refused load or adoption there is
 refused by its service with ApprovalRequired (a move back never is:
 apps.accounts.permissions.moving_back); it becomes a request that someone else with a release
 manager's role on the pool approves before it expires, which carries it out as the
@@ -33,6 +33,7 @@ from apps.rollouts.plans import PlanError
 from apps.rollouts.proposals import rollout_start
 from apps.rollouts.services import RolloutError, rollout_promote, rollout_retry
 from apps.rollouts.tuning import tuning_start
+from apps.scaling.services import scaling_set
 from apps.web.clock import database_now
 
 APPROVER_PERMISSION = "rollouts.change_rollout"  # a release manager's, on the pool
@@ -94,6 +95,9 @@ ACTIONS: dict[str, Callable[[dict[str, Any], User], object]] = {
     ),
     "pool.set_discoverable": lambda p, actor: pool_set_discoverable(
         pool_name=p["pool"], discoverable=p["discoverable"], actor=actor
+    ),
+    "pool.set_scaling": lambda p, actor: scaling_set(
+        pool_name=p["pool"], least=p["least"], most=p["most"], actor=actor
     ),
     "node.adopt": lambda p, actor: node_adopt(
         node_id=Node.objects.get(name=p["node"]).pk, model_name=p["model"], actor=actor

@@ -98,6 +98,7 @@ _BY_KIND: dict[Kind, list[str]] = {
         "pool.traffic_drift",
         "deployment.close_window",
         "pool.freeze_tiers",
+        "pool.scale",
     ],
     Kind.SETTING: [
         "node.register",
@@ -111,6 +112,8 @@ _BY_KIND: dict[Kind, list[str]] = {
         "pool.set_traffic",
         "pool.set_tiers",
         "pool.unpin_tier",
+        "pool.set_scaling",
+        "pool.pin_scaling",
         "registry.import",
         "version.set_memory",
         "model.set_slo",

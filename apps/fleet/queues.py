@@ -14,6 +14,7 @@ ROLLOUT_TASKS = (
     "rollouts.advance",
     "degradation.tick_all",
     "degradation.tick",
+    "scaling.tick",
     "fleet.heartbeat",
 )
 # The Heartbeat row the last completed tick writes; /metrics reports its age.

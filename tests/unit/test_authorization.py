@@ -130,6 +130,8 @@ def forms(world: World) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "degradation:unpin": (pool_model, {}),
         "degradation:confirm": (pool_model, {}),
         "degradation:set": ({"pool": "b"}, {"model": "embedder", "versions": "1,2"}),
+        "scaling:pin": ({"pool": "b"}, {"nodes": "2", "reason": "drill"}),
+        "scaling:bounds": ({"pool": "b"}, {"least": "2", "most": "4"}),
         "fleet:pool_roles": ({}, {"user": viewer, "pool": "b", "role": "operator"}),
         "performance:search_start": (
             {"name": "rag_pipeline"},

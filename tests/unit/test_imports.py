@@ -60,6 +60,7 @@ LAYERS: list[set[str]] = [
     {"api"},  # the JSON API and the self-metrics exporter: they read every app
     {"retention"},
     {"approvals"},
+    {"scaling"},  # the nodes each pool needs: it reads what runs on a pool, changes none of it
     {"degradation"},
     {"incidents"},
     {"rollouts"},
