@@ -61,7 +61,7 @@ def readings(pools: dict[int, str]) -> dict[int, Reading]:
             if value > queues.get(pk, ("", -1.0))[1]:
                 queues[pk] = (model, value)
         elif measure == "gpu":
-            gpus[pk] = value / 100 if value > 1 else value  # Triton's is 0 to 1
+            gpus[pk] = value
     served = list(
         Deployment.objects.filter(pool_id__in=pools, node__isnull=True)
         .order_by("model__name")

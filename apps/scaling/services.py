@@ -55,6 +55,7 @@ def scaling_tick() -> int:
             targets=aims,
             bounds=bounds,
             holds=held.get(pk),
+            last=row.wanted if row.pinned is None else None,
         )
         if signal.wanted != row.wanted:
             events.append(

@@ -9,7 +9,7 @@ its bounds:
   worst step, scaled proportionally to SCALING_QUEUE_RATIO (an HPA's rule, its tolerance too);
 - **GPU**: the pool's mean GPU utilization scaled proportionally to SCALING_GPU_UTILIZATION.
 With none of them (Prometheus down, no series of the pool) there is no evidence: the signal
-holds at the nodes the pool has and says why. While a release runs on the pool (a rollout, a
+keeps the count it last had evidence for (the nodes the pool has, before any) and says why. While a release runs on the pool (a rollout, a
 blue-green switch, a degradation episode, a search) it never asks for fewer nodes than the pool
 has: scale-out only, said so. A person's pin replaces it all."""
 
@@ -69,15 +69,18 @@ def nodes_wanted(
     targets: Targets,
     bounds: Bounds = Bounds(),
     holds: list[str] | None = None,
+    last: int | None = None,
 ) -> Signal:
     """`nodes`: the pool's nodes (what a scale-in removes from); `serving`: those in traffic
-    (what carries the load the readings saw)."""
+    (what carries the load the readings saw); `last`: the count asked for before."""
     if bounds.pinned is not None:
         return Signal(bounds.pinned, [f"pinned at {_nodes(bounds.pinned)}: {bounds.pinned_why}"])
     asks, reasons = _asks(serving, reading, targets)
     if not asks:
         why = reading.unavailable or "no request series of the pool in Prometheus"
-        return Signal(nodes, [f"no evidence ({why}): held at its {_nodes(nodes)}"])
+        if last is None:
+            return Signal(nodes, [f"no evidence ({why}): held at its {_nodes(nodes)}"])
+        return Signal(last, [f"no evidence ({why}): keeps the {_nodes(last)} it last asked for"])
     wanted = max(asks)
     if wanted < bounds.least:
         wanted = bounds.least

@@ -77,6 +77,8 @@ def test_without_evidence_the_signal_holds_at_the_nodes_the_pool_has() -> None:
         signal = nodes_wanted(nodes=7, serving=7, reading=reading, targets=TARGETS)
         assert signal.wanted == 7
         assert why in signal.reasons[0] and "held at its 7 nodes" in signal.reasons[0]
+    kept = nodes_wanted(nodes=7, serving=7, reading=away, targets=TARGETS, last=9)
+    assert kept.wanted == 9 and kept.reasons[0].endswith("keeps the 9 nodes it last asked for")
     # Nodes out of traffic carried none of the load read: no proportional ask from them.
     idle = nodes_wanted(nodes=2, serving=0, reading=Reading(queue=("r", 3.0)), targets=TARGETS)
     assert idle.wanted == 2
