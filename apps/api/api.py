@@ -23,6 +23,7 @@ from apps.api import (
     quality,
     registry,
     rollouts,
+    scaling,
 )
 from apps.api.auth import ALERTS_ONLY
 
@@ -63,7 +64,17 @@ api = NinjaAPI(
     docs_decorator=signed_in,
 )
 errors.install(api)
-for module in (registry, fleet, rollouts, degradation, approvals, audit, incidents, quality):
+for module in (
+    registry,
+    fleet,
+    rollouts,
+    degradation,
+    scaling,
+    approvals,
+    audit,
+    incidents,
+    quality,
+):
     api.add_router("", module.router)
 
 

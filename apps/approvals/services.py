@@ -1,6 +1,6 @@
 """Two people for a protected pool: a person's deployment, rollout start or retry, promotion,
-degradation tiers, opening to discovery, its scaling bounds, override of a refused load or adoption there is
-refused by its service with ApprovalRequired (a move back never is:
+degradation tiers, opening to discovery, scaling bounds, override of a refused load or adoption
+there is refused by its service with ApprovalRequired (a move back never is:
 apps.accounts.permissions.moving_back); it becomes a request that someone else with a release
 manager's role on the pool approves before it expires, which carries it out as the
 requester's, with the approver named in the trail."""

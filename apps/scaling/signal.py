@@ -9,7 +9,8 @@ its bounds:
   worst step, scaled proportionally to SCALING_QUEUE_RATIO (an HPA's rule, its tolerance too);
 - **GPU**: the pool's mean GPU utilization scaled proportionally to SCALING_GPU_UTILIZATION.
 With none of them (Prometheus down, no series of the pool) there is no evidence: the signal
-keeps the count it last had evidence for (the nodes the pool has, before any) and says why. While a release runs on the pool (a rollout, a
+keeps the count it last had evidence for (the nodes the pool has, before any) and says why.
+While a release runs on the pool (a rollout, a
 blue-green switch, a degradation episode, a search) it never asks for fewer nodes than the pool
 has: scale-out only, said so. A person's pin replaces it all."""
 

@@ -289,6 +289,8 @@ API_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("put", "/api/pools/{pool}/models/{model}/tiers"): {"versions": [1, 2]},
     ("post", "/api/pools/{pool}/models/{model}/tiers/pin"): {"tier": 0, "reason": "drill"},
     ("post", "/api/pools/{pool}/discoverable"): {"discoverable": True},
+    ("put", "/api/pools/{pool}/scaling/pin"): {"nodes": 2, "reason": "drill"},
+    ("put", "/api/pools/{pool}/scaling/bounds"): {"least": 2, "most": 4},
     ("put", "/api/pools/{pool}/roles/{username}"): {"role": "release_manager"},
 }
 

@@ -24,7 +24,7 @@ from apps.scaling.selectors import scale_in_order
 from apps.scaling.services import ScalingError, scaling_pin, scaling_set, scaling_tick
 from apps.scaling.signal import Bounds, Load, Reading, Targets, nodes_wanted
 from tests.support.metrics import matching, scrape, scrape_headers
-from tests.support.users import make_user
+from tests.support.users import bearer, make_user
 
 TARGETS = Targets(load=0.8, queue_ratio=1.0, gpu=0.7)
 Series = list[tuple[dict[str, str], float]]
@@ -343,3 +343,43 @@ def test_pin_and_bounds_forms_answer_bad_input_with_the_field(
     response = client.post("/pools/gpu/scaling/pin/", {"nodes": "2", "reason": "quota"})
     assert response.status_code == 302
     assert Scaling.objects.get(pool=fleet).pinned == 2
+
+
+# The API -------------------------------------------------------------------------------------------
+
+
+def test_the_api_reads_the_signal_and_the_nodes_a_scale_in_takes_first(
+    fleet: NodePool, monkeypatch: pytest.MonkeyPatch, client: Client
+) -> None:
+    answer(monkeypatch, gpu_series(rate=8.0, reranker=0.5))
+    scaling_tick()  # 8/s at 8 a node: 1; the reranker's 0.5 on 3 nodes in traffic: 2
+    headers = bearer(make_user(Role.OPERATOR))
+    body = client.get("/api/pools/gpu/scaling", headers=headers).json()
+    assert (body["wanted"], body["nodes"], body["serving"]) == (2, 5, 3)
+    assert body["remove_first"] == ["gpu-5", "gpu-4", "gpu-3"]  # out of traffic first
+    assert client.get("/api/pools/nowhere/scaling", headers=headers).status_code == 404
+
+    pinned = client.put(
+        "/api/pools/gpu/scaling/pin",
+        {"nodes": 4, "reason": "drill"},
+        content_type="application/json",
+        headers=headers,
+    )
+    assert pinned.status_code == 200
+    assert (pinned.json()["wanted"], pinned.json()["remove_first"]) == (4, ["gpu-5"])
+    refused = client.put(
+        "/api/pools/gpu/scaling/pin", {"nodes": 4}, content_type="application/json", headers=headers
+    )
+    assert (refused.status_code, refused.json()["error"]["message"]) == (
+        409,
+        "a pin needs a reason: the page and the trail show it",
+    )
+    fleet.protected = True
+    fleet.save()
+    waits = client.put(
+        "/api/pools/gpu/scaling/bounds",
+        {"least": 2, "most": 6},
+        content_type="application/json",
+        headers=bearer(make_user(Role.RELEASE_MANAGER)),
+    )
+    assert waits.status_code == 202 and waits.json()["status"] == "pending"
