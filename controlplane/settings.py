@@ -88,6 +88,7 @@ INSTALLED_APPS = [
     "apps.incidents",
     "apps.api",
     "apps.retention",
+    "apps.statefiles",
     "apps.devtools",  # the local fleet, simulator, load generator, seeding: no app imports it
     "ninja",  # the API docs' own static files (Swagger UI): no CDN
 ]

@@ -114,6 +114,7 @@ _BY_KIND: dict[Kind, list[str]] = {
         "pool.unpin_tier",
         "pool.set_scaling",
         "pool.pin_scaling",
+        "desired.apply",
         "registry.import",
         "version.set_memory",
         "model.set_slo",

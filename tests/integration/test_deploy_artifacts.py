@@ -8,7 +8,6 @@ import json
 import re
 import shlex
 import shutil
-import subprocess
 from collections import Counter
 from functools import cache
 from pathlib import Path
@@ -21,6 +20,7 @@ from django.core.management import call_command
 from apps.devtools.processes import HAPROXY_BACKENDS, FleetState, Proc, haproxy_config
 from apps.quality.models import EvaluationSet
 from apps.rollouts.models import AnalysisTemplate
+from tests.support.tools import run, tool
 
 pytestmark = pytest.mark.integration
 
@@ -56,17 +56,6 @@ def documented_commands() -> list[list[str]]:
         [re.sub(r"\$\{(\w+):-[^}]*\}", r"${\1}", word) for word in shlex.split(line)]
         for line in lines
     ]
-
-
-def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} is not on PATH: deploy/bin/os-deps installs it")
-    return path
-
-
-def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
 
 
 def test_the_settings_collector_finds_the_secrets_the_app_reads() -> None:

@@ -17,8 +17,8 @@ from django.test import Client
 from apps.fleet.models import Node, NodePool
 from apps.scaling import hpa
 from apps.scaling.models import Scaling
-from tests.integration.test_deploy_artifacts import run, tool
 from tests.support.metrics import scrape_headers
+from tests.support.tools import run, tool
 
 pytestmark = [pytest.mark.integration]
 

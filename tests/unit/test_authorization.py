@@ -37,7 +37,7 @@ pytestmark = pytest.mark.django_db
 # tokens, open to every role, and a dry run; the same dry run in the API.
 PERSONAL = {"accounts:login", "accounts:logout", "accounts:tokens", "accounts:token_revoke"}
 DRY_RUNS = {"registry:version_validate"}
-READ_ONLY_POSTS = {("post", "/api/models/{name}/validate")}
+READ_ONLY_POSTS = {("post", "/api/models/{name}/validate"), ("post", "/api/desired/validate")}
 
 
 @dataclass
@@ -290,6 +290,7 @@ API_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/api/pools/{pool}/models/{model}/tiers/pin"): {"tier": 0, "reason": "drill"},
     ("post", "/api/pools/{pool}/discoverable"): {"discoverable": True},
     ("put", "/api/pools/{pool}/scaling/pin"): {"nodes": 2, "reason": "drill"},
+    ("post", "/api/desired/apply"): {"files": {"b.yaml": "pool: b\nqueue: q\n"}, "commit": "c"},
     ("put", "/api/pools/{pool}/scaling/bounds"): {"least": 2, "most": 4},
     ("put", "/api/pools/{pool}/roles/{username}"): {"role": "release_manager"},
 }

@@ -58,6 +58,7 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
 LAYERS: list[set[str]] = [
     {"devtools"},  # the local fleet, simulator, load generator, seeding: no product app's
     {"api"},  # the JSON API and the self-metrics exporter: they read every app
+    {"statefiles"},  # each pool's desired state as files: applied through every app's services
     {"retention"},
     {"approvals"},
     {"scaling"},  # the nodes each pool needs: it reads what runs on a pool, changes none of it
