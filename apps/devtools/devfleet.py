@@ -173,9 +173,17 @@ class Devfleet:
 
     def remove_node(self, name: str) -> Proc:
         """A node no longer listed for Prometheus, then stopped (a pod scaled away)."""
-        proc = self._proc(name)
+        self.unlist(name)
+        return self.stop(name)
+
+    def unlist(self, name: str) -> None:
+        """The node's target gone from Prometheus' list: discovery takes it out of traffic."""
         kept = [line for line in self.targets.read_text().splitlines() if f'"{name}"' not in line]
         _write_whole(self.targets, "".join(f"{line}\n" for line in kept))
+
+    def stop(self, name: str) -> Proc:
+        """SIGTERM, as a pod's container gets, and its end waited for."""
+        proc = self._proc(name)
         if proc.running:
             os.killpg(proc.pid, signal.SIGTERM)
             wait_gone(proc, 15.0)

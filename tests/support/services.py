@@ -145,6 +145,9 @@ class Celery:
             "DEGRADATION_LONG_S": "10",
             "DEGRADATION_MIN_REQUESTS": "5",
             "DEGRADATION_DWELL_UP_S": "65",
+            # The nodes each pool needs: computed only where a test asks (its trail stays its
+            # own elsewhere).
+            "SCALING_TICK_S": "3600",
             "ROLLOUT_WEBHOOK_URL": webhook_url,
         }
         self.worker: subprocess.Popen[bytes] | None = None

@@ -4,6 +4,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from apps.devtools.autoscaler import Follower
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import POOL_BACKENDS, DevfleetError, Proc
 from apps.devtools.traffic import send_traffic
@@ -13,6 +14,7 @@ from apps.fleet.selectors import node_list
 from apps.fleet.services.nodes import node_register
 from apps.fleet.services.pools import pool_set_discoverable, pool_set_traffic
 from apps.fleet.triton import TritonClient, TritonError
+from apps.scaling.hpa import Autoscaler
 
 SIMULATED_MAX = 5000  # one asyncio process starts 5,000 nodes in under a second
 
@@ -92,6 +94,17 @@ class Command(BaseCommand):
         sub.add_parser(
             "remove-node", help="stop listing a node for Prometheus, and stop it"
         ).add_argument("node")
+        scale = sub.add_parser(
+            "autoscale",
+            help="follow the pool's wanted nodes as an HPA would (apps/devtools/autoscaler.py)",
+        )
+        scale.add_argument("--pool", default="demo")
+        scale.add_argument("--least", type=int, default=1, help="as an HPA's minReplicas")
+        scale.add_argument("--most", type=int, default=6, help="as an HPA's maxReplicas")
+        scale.add_argument("--period", type=float, default=15.0, help="seconds between syncs")
+        scale.add_argument(
+            "--window", type=float, default=300.0, help="scale-down stabilization, seconds"
+        )
         fault = sub.add_parser(
             "fault",
             help="slow a demo model down or make it fail, at runtime on every node (0 0: heal)",
@@ -228,6 +241,26 @@ class Command(BaseCommand):
     def _remove_node(self, fleet: Devfleet, *, node: str, **options: object) -> None:
         fleet.remove_node(node)
         self.stdout.write(f"{node}: no longer listed, stopped")
+
+    def _autoscale(
+        self,
+        fleet: Devfleet,
+        *,
+        pool: str,
+        least: int,
+        most: int,
+        period: float,
+        window: float,
+        **options: object,
+    ) -> None:
+        if not 0 <= least <= most:
+            raise CommandError("--least must be 0 or more and at most --most")
+        scaler = Autoscaler(least=least, most=most, scale_down_window_s=window, tolerance=0)
+        follower = Follower(fleet, pool, scaler)
+        while True:  # until Ctrl-C, as a controller runs
+            self.stdout.write(follower.step(time.monotonic()))
+            self.stdout.flush()
+            time.sleep(period)
 
     def _restart(self, fleet: Devfleet, *, node: str, **options: object) -> None:
         proc = fleet.restart(node)
