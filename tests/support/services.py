@@ -123,6 +123,11 @@ def database_url() -> str:
     return f"postgres://{auth}@{db['HOST'] or 'localhost'}:{db['PORT'] or 5432}/{db['NAME']}"
 
 
+# The nodes each pool needs: computed only where a test asks (`scaling`), so that every other
+# test's audit trail stays its own.
+SCALING_TICK_S = "3600"
+
+
 class Celery:
     """Real `celery worker` (prefork, 3 processes) and `celery beat` processes on the test database
     and a private Redis, with short intervals so that periodic work shows up within seconds."""
@@ -145,9 +150,7 @@ class Celery:
             "DEGRADATION_LONG_S": "10",
             "DEGRADATION_MIN_REQUESTS": "5",
             "DEGRADATION_DWELL_UP_S": "65",
-            # The nodes each pool needs: computed only where a test asks (its trail stays its
-            # own elsewhere).
-            "SCALING_TICK_S": "3600",
+            "SCALING_TICK_S": SCALING_TICK_S,
             "ROLLOUT_WEBHOOK_URL": webhook_url,
         }
         self.worker: subprocess.Popen[bytes] | None = None

@@ -34,7 +34,13 @@ from tests.support.fleet import (
     wait_for,
     weights,
 )
-from tests.support.services import Celery, Webhook, database_url, redis_server
+from tests.support.services import (
+    SCALING_TICK_S,
+    Celery,
+    Webhook,
+    database_url,
+    redis_server,
+)
 
 
 @pytest.fixture(scope="session")
@@ -234,6 +240,17 @@ def discovering(weighted: NodePool, celery: Celery) -> Iterator[NodePool]:
         yield weighted
     finally:
         celery.use_env(**dict.fromkeys(discovery))
+
+
+@pytest.fixture
+def scaling(discovering: NodePool, celery: Celery) -> Iterator[NodePool]:
+    """The discovering trio, and beat computing the nodes each pool needs every second, over
+    the last 10 s."""
+    celery.use_env(SCALING_TICK_S="1", SCALING_WINDOW_S="10")
+    try:
+        yield discovering
+    finally:
+        celery.use_env(SCALING_TICK_S=SCALING_TICK_S, SCALING_WINDOW_S=None)
 
 
 @pytest.fixture
