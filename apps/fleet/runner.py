@@ -338,7 +338,7 @@ def _execute(node: Node, op: Operation, claimed: bool, following: Following) -> 
     except TritonRejected as exc:
         return _finish(op, following, exc.message)
     try:
-        error = _read_back(client, op)
+        error = read_back(client, op)
     except TritonError as exc:
         return _finish(
             op,
@@ -376,7 +376,7 @@ def _memory_check(
     return "", None if before is None else (version, before)
 
 
-def _read_back(client: TritonClient, op: Operation) -> str:
+def read_back(client: TritonClient, op: Operation) -> str:
     """Empty when the index shows exactly what the operation promised, else what it shows."""
     entries = [e for e in client.repository_index() if e.model == op.model_name]
     ready = sorted(ready_in(entries).get(op.model_name, set()))

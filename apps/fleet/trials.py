@@ -17,8 +17,9 @@ from apps.audit.services import audit_record
 from apps.fleet.desired import digest
 from apps.fleet.lease import Lease
 from apps.fleet.models import Node, Operation
+from apps.fleet.runner import read_back
 from apps.fleet.traffic.balancer import PoolAtCapacity, balancer, drained
-from apps.fleet.triton import TritonClient, TritonError, ready_in
+from apps.fleet.triton import TritonClient, TritonError
 from apps.registry.codec import tuned
 
 
@@ -90,12 +91,7 @@ def _load(node: Node, base: Operation, config: dict[str, Any], actor: str) -> st
     client = TritonClient.of(node)
     try:
         client.load(base.model_name, config_json=json.dumps(config))
-        index = client.repository_index()
-        ready = sorted(ready_in(index).get(base.model_name, set()))
-        error = "" if ready == sorted(base.versions) else f"index shows READY {ready}"
-        if error:
-            reasons = [e.reason for e in index if e.model == base.model_name and e.reason]
-            error += f", expected {sorted(base.versions)}" + (f": {reasons[0]}" if reasons else "")
+        error = read_back(client, op)
     except TritonError as exc:
         error = str(exc)
     status = Operation.Status.FAILED if error else Operation.Status.SUCCEEDED
