@@ -9,6 +9,8 @@ its batching delay raised, each while the pipeline serves GAIN more requests a s
 latency budget; the best so far is what the next change starts from. The winner is offered as a
 tuning release (apps/rollouts/tuning.py), judged again before and after traffic."""
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from django.utils import timezone
@@ -53,13 +55,13 @@ def search_failed(*, search_id: int, error: str) -> None:
 
 
 def _search(search: PerfSearch, aside: Aside) -> None:
-    config = aside.base.config or {}
-    best = _trial(search, aside, config, {})
+    config, measure = aside.base.config or {}, _measurer(search)
+    best = _trial(search, aside, measure, config, {})
     if best.throughput is None:
         raise SearchError(f"the config {search.step} serves could not be measured: {best.error}")
     for change in (_instances, _batch, _delay):
         for fields in change(tuned(config, best.fields)):
-            trial = _trial(search, aside, config, best.fields | fields)
+            trial = _trial(search, aside, measure, config, best.fields | fields)
             if not better(trial, best, search.budget_ms):
                 break
             best = trial
@@ -112,14 +114,18 @@ def label(config: dict[str, Any]) -> str:
 
 
 def _trial(
-    search: PerfSearch, aside: Aside, config: dict[str, Any], fields: dict[str, Any]
+    search: PerfSearch,
+    aside: Aside,
+    measure: Callable[[], list[Any]],
+    config: dict[str, Any],
+    fields: dict[str, Any],
 ) -> PerfTrial:
     """The step loaded with `fields` over `config` and the pipeline measured; stored."""
     trial = PerfTrial(search=search, fields=fields, label=label(tuned(config, fields)))
     trial.error = aside.load(fields)
     if not trial.error:
         try:
-            (point,) = _measure(search)
+            (point,) = measure()
         except PerfError as exc:
             trial.error = str(exc)
         else:
@@ -129,12 +135,14 @@ def _trial(
     return trial
 
 
-def _measure(search: PerfSearch) -> list[Any]:
+def _measurer(search: PerfSearch) -> Callable[[], list[Any]]:
+    """perf_analyzer's run of the pipeline on the search's node, as every trial measures it."""
     node, pipeline = search.node, search.pipeline
     if node is None:
-        raise PerfError(f"{search.node_name} was removed")
+        raise SearchError(f"{search.node_name} was removed")
     config = ModelVersion.objects.get(model=pipeline, version=search.version).config
-    return perf_measure(
+    return partial(
+        perf_measure,
         grpc_url=node.grpc_url,
         model=pipeline.name,
         version=search.version,

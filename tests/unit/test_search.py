@@ -79,14 +79,17 @@ class Aside:
 def measured_as(aside: Aside, figures: Any) -> Any:
     """perf_analyzer replaced: the figures of whatever the node has loaded last."""
 
-    def measure(search: PerfSearch) -> list[Point]:
-        config = tuned(aside.base.config, aside.loaded[-1])
-        rate, p99 = figures(config)
-        if rate is None:
-            raise PerfError(f"{search.node_name}: rag_pipeline v1: perf_analyzer failed: gone")
-        return [Point(search.concurrency, rate, p99 / 2, p99 / 1.5, p99, 100.0, 900.0)]
+    def measurer(search: PerfSearch) -> Any:
+        def measure() -> list[Point]:
+            config = tuned(aside.base.config, aside.loaded[-1])
+            rate, p99 = figures(config)
+            if rate is None:
+                raise PerfError(f"{search.node_name}: rag_pipeline v1: perf_analyzer failed: gone")
+            return [Point(search.concurrency, rate, p99 / 2, p99 / 1.5, p99, 100.0, 900.0)]
 
-    return measure
+        return measure
+
+    return measurer
 
 
 def instances(config: dict[str, Any]) -> int:
@@ -94,7 +97,7 @@ def instances(config: dict[str, Any]) -> int:
 
 
 def run(search: PerfSearch, aside: Aside, figures: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(searching, "_measure", measured_as(aside, figures))
+    monkeypatch.setattr(searching, "_measurer", measured_as(aside, figures))
     searching._search(search, aside)  # type: ignore[arg-type]
     search.refresh_from_db()
 
