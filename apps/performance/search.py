@@ -10,9 +10,12 @@ latency budget; the best so far is what the next change starts from. The winner 
 tuning release (apps/rollouts/tuning.py), judged again before and after traffic."""
 
 from collections.abc import Callable
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
+from django.conf import settings
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from apps.fleet.trials import Aside, TrialError, held_aside
@@ -28,6 +31,20 @@ MAX_INSTANCES = 8
 MAX_BATCH = 64
 DELAYS_US = (1_000, 5_000, 20_000)
 TRIAL_TIMEOUT_S = 60  # perf_analyzer's, a trial
+# The most trials a search runs: the config served, then at most three of each change.
+MOST_TRIALS = 1 + 3 + 3 + len(DELAYS_US)
+
+
+def search_lost_after() -> timedelta:
+    """The longest a search may take, every trial's load and run at their timeouts: one still
+    open past it (from its request) lost its worker or its message, and holds nothing."""
+    return MOST_TRIALS * timedelta(seconds=TRIAL_TIMEOUT_S + settings.FLEET_LOAD_TIMEOUT_S)
+
+
+def searches_holding() -> QuerySet[PerfSearch]:
+    """The searches that hold a node aside now."""
+    since = timezone.now() - search_lost_after()
+    return PerfSearch.objects.filter(status__in=PerfSearch.OPEN, created_at__gt=since)
 
 
 def search_execute(*, search_id: int) -> None:

@@ -9,7 +9,7 @@ from django.db.models import Case, Count, Q, QuerySet, Value, When
 
 from apps.degradation.models import Tiers
 from apps.fleet.models import Deployment, Node, NodePool
-from apps.performance.models import PerfSearch
+from apps.performance.search import searches_holding
 from apps.performance.selectors import capacities
 from apps.prometheus.catalog import scaling_query
 from apps.prometheus.client import PrometheusUnavailable, instant_query
@@ -110,7 +110,7 @@ def holds() -> dict[int, list[str]]:
         degraded = served.get((pool_id, model_id))
         if degraded is not None and degraded != versions[0]:
             held[pool_id].append(f"{model} is degraded to v{degraded} (primary v{versions[0]})")
-    searches = PerfSearch.objects.filter(status__in=PerfSearch.OPEN).order_by("pk")
+    searches = searches_holding().order_by("pk")
     for pk, pool_id, node in searches.values_list("pk", "node__pool_id", "node_name"):
         if pool_id is not None:
             held[pool_id].append(f"search {pk} holds {node} aside")
@@ -126,11 +126,7 @@ def scale_in_order(pool: NodePool) -> QuerySet[Node]:
         "canary_nodes", flat=True
     ):
         kept.update(names)
-    kept.update(
-        PerfSearch.objects.filter(node__pool=pool, status__in=PerfSearch.OPEN).values_list(
-            "node_name", flat=True
-        )
-    )
+    kept.update(searches_holding().filter(node__pool=pool).values_list("node_name", flat=True))
     return (
         pool.nodes.exclude(stage=Node.Stage.DEPARTED)
         .exclude(name__in=kept)

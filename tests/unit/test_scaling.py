@@ -3,18 +3,22 @@ without evidence; never a scale-in while a release runs; a pin over all), an HPA
 the exported series, the tick against stubbed Prometheus answers (tests/integration has a real
 one), the page and who may pin or bound it."""
 
+from datetime import timedelta
+
 import pytest
 from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from apps.accounts.permissions import ApprovalRequired
 from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool
-from apps.performance.models import PerfRun
+from apps.performance.models import PerfRun, PerfSearch
+from apps.performance.search import search_lost_after
 from apps.prometheus.client import PrometheusUnavailable
 from apps.registry.models import Model
 from apps.rollouts.models import Rollout
@@ -383,3 +387,30 @@ def test_the_api_reads_the_signal_and_the_nodes_a_scale_in_takes_first(
         headers=bearer(make_user(Role.RELEASE_MANAGER)),
     )
     assert waits.status_code == 202 and waits.json()["status"] == "pending"
+
+
+def test_a_search_holds_its_pool_until_it_ends_or_is_lost(
+    fleet: NodePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    search = PerfSearch.objects.create(
+        pipeline=Model.objects.get(name="rag_pipeline"),
+        version=3,
+        step="reranker",
+        pool_name="gpu",
+        node=Node.objects.get(name="gpu-1"),
+        node_name="gpu-1",
+        concurrency=4,
+        requests=100,
+        status=PerfSearch.Status.RUNNING,
+        requested_by="ann",
+    )
+    answer(monkeypatch, gpu_series(rate=4.0, reranker=0.1))
+    scaling_tick()
+    assert Scaling.objects.get(pool=fleet).held == f"search {search.pk} holds gpu-1 aside"
+    assert "gpu-1" not in scale_in_order(fleet).values_list("name", flat=True)
+    # Its worker lost: past the longest a search may take, it holds nothing.
+    lost = timezone.now() - search_lost_after() - timedelta(seconds=1)
+    PerfSearch.objects.filter(pk=search.pk).update(created_at=lost)
+    scaling_tick()
+    assert Scaling.objects.get(pool=fleet).held == ""
+    assert "gpu-1" in scale_in_order(fleet).values_list("name", flat=True)
