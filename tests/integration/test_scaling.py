@@ -9,11 +9,11 @@ import pytest
 
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool
-from apps.performance.models import PerfRun
 from apps.registry.models import Model
 from apps.scaling.models import Scaling
 from apps.scaling.services import scaling_tick
 from tests.support.backfill import backfilled_prometheus, pipeline_steps
+from tests.support.quality import perf_measured
 from tests.support.registry import import_demo
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
@@ -39,19 +39,7 @@ def test_the_queueing_reranker_asks_for_more_nodes_than_the_load_does(
     Node.objects.filter(name="gpu-3").update(draining=True)  # in the pool, out of traffic
     pipeline = Model.objects.get(name="rag_pipeline")
     Deployment.objects.create(pool=pool, model=pipeline, version=1)
-    run = PerfRun.objects.create(
-        model=pipeline,
-        version=1,
-        node_name="gpu-1",
-        concurrencies=[4, 4, 1],
-        requests=100,
-        timeout_s=60,
-        status=PerfRun.Status.DONE,
-        requested_by="ann",
-    )
-    run.points.create(
-        concurrency=4, throughput=25.0, p50_ms=1, p90_ms=2, p99_ms=3, queue_us=0, compute_us=0
-    )
+    run = perf_measured(pipeline, 1, rate=25.0, node="gpu-1")
 
     assert scaling_tick() == 1
     scaling = Scaling.objects.get(pool=pool)

@@ -10,13 +10,13 @@ from apps.devtools.autoscaler import Follower
 from apps.devtools.devfleet import Devfleet
 from apps.devtools.processes import FleetState, Proc
 from apps.fleet.models import Node, NodePool
-from apps.performance.models import PerfRun
 from apps.registry.models import Model
 from apps.rollouts.models import Rollout
 from apps.scaling.hpa import Autoscaler
 from apps.scaling.models import Scaling
 from apps.scaling.services import scaling_set
 from tests.support.fleet import answered_through, recording, runtime, wait_for
+from tests.support.quality import perf_measured
 
 WINDOW_S = 20  # the autoscaler's scale-down stabilization
 
@@ -38,19 +38,7 @@ def ramp(scaling: NodePool, haproxy: Proc, trio: tuple[Devfleet, FleetState]) ->
     once a paused rollout on the fourth has ended (none goes while it runs); no request fails."""
     devfleet, _ = trio
     pipeline = Model.objects.get(name="rag_pipeline")
-    measured = PerfRun.objects.create(  # as perf_analyzer measured it: 2 requests a second a node
-        model=pipeline,
-        version=1,
-        node_name="trio-1",
-        concurrencies=[1, 1, 1],
-        requests=50,
-        timeout_s=60,
-        status=PerfRun.Status.DONE,
-        requested_by="system:test",
-    )
-    measured.points.create(
-        concurrency=1, throughput=2.0, p50_ms=1, p90_ms=1, p99_ms=1, queue_us=0, compute_us=0
-    )
+    perf_measured(pipeline, 1, rate=2.0)  # 2 requests a second a node, within the budget
     scaling_set(pool_name="trio", least=3, most=4, actor="system:test")
     follower = Follower(
         devfleet, "trio", Autoscaler(least=3, most=4, scale_down_window_s=WINDOW_S, tolerance=0)

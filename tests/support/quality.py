@@ -10,7 +10,7 @@ from apps.performance.models import PerfRun
 from apps.quality.models import CaseResult, EvaluationRun, EvaluationSet
 from apps.quality.rules import score
 from apps.quality.services import evaluation_set_import
-from apps.registry.models import ModelVersion
+from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Rollout
 from tests.support import ROOT
 from tests.support.registry import import_demo
@@ -89,30 +89,35 @@ def wrong_answers(
     return run
 
 
+def perf_measured(
+    model: Model, version: int, rate: float, p99: float = 3.0, node: str = "trio-1"
+) -> PerfRun:
+    """perf_analyzer's run at concurrency 4, stored as a worker would: `rate` requests a second
+    at a P99 of `p99` ms (within any budget by default): the version's capacity a node."""
+    run = PerfRun.objects.create(
+        model=model,
+        version=version,
+        node_name=node,
+        concurrencies=[4, 4, 1],
+        requests=120,
+        timeout_s=60,
+        status=PerfRun.Status.DONE,
+        requested_by="system:rollout-controller",
+    )
+    run.points.create(
+        concurrency=4,
+        throughput=rate,
+        p50_ms=p99 / 2,
+        p90_ms=p99 * 0.8,
+        p99_ms=p99,
+        queue_us=900,
+        compute_us=41000,
+    )
+    return run
+
+
 def perf_gate_runs(rollout: Rollout, figures: list[tuple[int, float, float]]) -> list[PerfRun]:
-    """The gate's four runs at concurrency 4, each (version, throughput, P99 ms), stored as a
-    worker would."""
-    runs = []
-    for version, rate, p99 in figures:
-        run = PerfRun.objects.create(
-            model=rollout.model,
-            version=version,
-            node_name="trio-1",
-            concurrencies=[4, 4, 1],
-            requests=120,
-            timeout_s=60,
-            status=PerfRun.Status.DONE,
-            requested_by="system:rollout-controller",
-        )
-        run.points.create(
-            concurrency=4,
-            throughput=rate,
-            p50_ms=p99 / 2,
-            p90_ms=p99 * 0.8,
-            p99_ms=p99,
-            queue_us=900,
-            compute_us=41000,
-        )
-        runs.append(run)
+    """The gate's four runs, each (version, throughput, P99 ms)."""
+    runs = [perf_measured(rollout.model, *figure) for figure in figures]
     rollout.perf_runs.add(*runs)
     return runs

@@ -17,7 +17,7 @@ from apps.accounts.permissions import ApprovalRequired
 from apps.accounts.roles import Role
 from apps.audit.models import AuditEvent
 from apps.fleet.models import Deployment, Node, NodePool
-from apps.performance.models import PerfRun, PerfSearch
+from apps.performance.models import PerfSearch
 from apps.performance.search import search_lost_after
 from apps.prometheus.client import PrometheusUnavailable
 from apps.registry.models import Model
@@ -28,6 +28,7 @@ from apps.scaling.selectors import scale_in_order
 from apps.scaling.services import ScalingError, scaling_pin, scaling_set, scaling_tick
 from apps.scaling.signal import Bounds, Load, Reading, Targets, nodes_wanted
 from tests.support.metrics import matching, scrape, scrape_headers
+from tests.support.quality import perf_measured
 from tests.support.users import bearer, make_user
 
 TARGETS = Targets(load=0.8, queue_ratio=1.0, gpu=0.7)
@@ -162,19 +163,7 @@ def fleet(db: None) -> NodePool:
     pipeline = Model.objects.create(name="rag_pipeline", kind=Model.Kind.ENSEMBLE)
     Model.objects.create(name="reranker")
     Deployment.objects.create(pool=pool, model=pipeline, version=3)
-    run = PerfRun.objects.create(
-        model=pipeline,
-        version=3,
-        node_name="gpu-1",
-        concurrencies=[4, 4, 1],
-        requests=100,
-        timeout_s=60,
-        status=PerfRun.Status.DONE,
-        requested_by="ann",
-    )
-    run.points.create(
-        concurrency=4, throughput=10.0, p50_ms=1, p90_ms=2, p99_ms=3, queue_us=0, compute_us=0
-    )
+    perf_measured(pipeline, 3, rate=10.0, node="gpu-1")
     NodePool.objects.create(name="cpu")  # no nodes, no series
     return pool
 
