@@ -95,7 +95,7 @@ def node_shapes(nodes: QuerySet[Node], desired: FleetDesired) -> list[Shape]:
     for group in nodes.order_by().values(*alike).annotate(ids=_Ids("pk")):
         key, ids = tuple(group[name] for name in alike), sorted(map(int, group["ids"].split(",")))
         groups.append((key, ids, _keys(key, ids, own)))
-    unseen = {ids[0]: (key, needed) for key, ids, needed in groups if needed - rows.keys()}
+    unseen = {ids[0]: (key, needed) for key, ids, needed in groups if _missing(needed, rows)}
     if unseen:
         firsts = Node.objects.filter(pk__in=unseen).values_list("pk", "index", "owned")
         for pk, index, owned in firsts:
@@ -108,12 +108,18 @@ def node_shapes(nodes: QuerySet[Node], desired: FleetDesired) -> list[Shape]:
                 rows[k] = node_row(node, desired)
     shapes = []
     for key, ids, needed in groups:
-        if needed - rows.keys():
+        if _missing(needed, rows):
             continue  # deleted since it was grouped: gone from the page at its next refresh
         if others := [pk for pk in ids if pk not in own]:
             shapes.append(Shape(rows[key], others))
         shapes += [Shape(rows[(key, pk)], [pk]) for pk in ids if pk in own]
     return shapes
+
+
+def _missing(needed: set[tuple], rows: dict[tuple, NodeRow]) -> bool:
+    """Whether a row `needed` is not computed yet: each looked up, as many lookups as the group
+    needs (a set less `rows.keys()` copies every row of the fleet, for every group)."""
+    return any(key not in rows for key in needed)
 
 
 def _keys(key: tuple, ids: list[int], own: set[int]) -> set[tuple]:

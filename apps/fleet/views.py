@@ -21,7 +21,6 @@ from apps.fleet.models import Deployment, Footprint, Node, NodePool, Operation
 from apps.fleet.selectors import (
     NodeFilters,
     failing_operations,
-    fleet_summary,
     node_models,
     node_search,
     nodes_read,
@@ -39,13 +38,18 @@ from apps.fleet.services.pools import pool_role_set
 from apps.registry.models import ModelVersion
 from apps.web.htmx import HtmxHttpRequest, back, refused
 
+OVERVIEW_POOLS_PER_PAGE = 50
+
 
 def overview(request: HttpRequest) -> HttpResponse:
-    """The fleet summarised per pool, each with a drill-down to its nodes."""
-    views = pool_views(NodePool.objects.all())
+    """The fleet summarised, then per pool a page at a time, each with a drill-down to its
+    nodes: 500 pools cost what 50 do."""
+    page = Paginator(NodePool.objects.all(), OVERVIEW_POOLS_PER_PAGE)
+    pools = page.get_page(request.GET.get("page"))
     context = {
-        "summary": fleet_summary(shape for view in views for shape in view.shapes),
-        "pools": views,
+        "summary": node_search().summary,  # the whole fleet's
+        "page": pools,
+        "pools": pool_views(pools),
         "failing": failing_operations(),
         "events": AuditEvent.objects.all()[:8],
     }

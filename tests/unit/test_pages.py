@@ -81,6 +81,24 @@ def test_node_list_query_count_does_not_grow_with_nodes(client: Client, viewer: 
     assert queries() == one
 
 
+def test_the_overview_shows_its_pools_a_page_at_a_time_and_sums_the_whole_fleet(
+    client: Client, viewer: User
+) -> None:
+    pools = NodePool.objects.bulk_create(NodePool(name=f"pool-{i:03}") for i in range(60))
+    Node.objects.bulk_create(
+        Node(name=f"node-{i}", pool=pool, http_url="http://10.0.0.1:8000", health="ready")
+        for i, pool in enumerate(pools)
+    )
+    client.force_login(viewer)
+    first = client.get("/")
+    rows = [p.pool.name for p in first.context["pools"]]
+    assert (len(rows), rows[0], rows[-1]) == (50, "pool-000", "pool-049")
+    assert first.context["summary"].ready == 60  # every pool's nodes, not the page's
+    assert "Page 1 of 2" in first.content.decode()
+    rows = [p.pool.name for p in client.get("/?page=2").context["pools"]]
+    assert rows == [f"pool-{i:03}" for i in range(50, 60)]
+
+
 def test_chart_fragment_says_prometheus_is_down(
     client: Client, viewer: User, settings: object
 ) -> None:

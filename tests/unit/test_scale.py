@@ -46,6 +46,7 @@ def pages() -> list[str]:
         f"/pools/{pool.name}/capacity/",  # the largest pool
         f"/pools/{pool.name}/throughput/",
         f"/pools/{pool.name}/fit/?model_version=a-model-000:2",
+        f"/pools/{pool.name}/scaling/",
         "/models/",
         "/models/a-model-000/",
         "/metrics/bottleneck/a-pipeline-00/",
@@ -67,6 +68,7 @@ def pages() -> list[str]:
         "/api/models",
         "/api/approvals",
         "/api/pool-roles",
+        f"/api/pools/{pool.name}/scaling",
     ]
 
 
