@@ -247,7 +247,8 @@ def differences(wanted: State, current: State | None) -> list[str]:
     for model in sorted(current["tiers"].keys() | wanted["tiers"].keys()):
         was, will = current["tiers"].get(model), wanted["tiers"].get(model)
         if was != will:
-            lines.append(f"pool {pool}: tiers of {model} {_shown(was)} -> {_shown(will)}")
+            kept = " (apply leaves them: nothing removes a pool's tiers)" if will is None else ""
+            lines.append(f"pool {pool}: tiers of {model} {_shown(was)} -> {_shown(will)}{kept}")
     return lines
 
 

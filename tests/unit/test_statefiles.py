@@ -98,6 +98,12 @@ def test_a_diff_names_every_difference(pools: list[NodePool], tmp_path: Path) ->
         "pool new: rollback_window_s 900 -> 0",
         "pool empty: in no file (apply leaves it)",
     ]
+    untiered = export(tmp_path)
+    untiered["demo.yaml"] = untiered["demo.yaml"].split("tiers:")[0]  # left out
+    assert plan(untiered).differences() == [
+        "pool demo: tiers of rag_pipeline [1, 4] -> none"
+        " (apply leaves them: nothing removes a pool's tiers)"
+    ]
     out = tmp_path / "out.txt"
     with out.open("w") as written:
         call_command("desired", "diff", "--dir", str(tmp_path), stdout=written)
