@@ -81,15 +81,16 @@ class NodePool(models.Model):
 
     @property
     def backends(self) -> list[str]:
-        return [name.partition(":")[0] for name in self._backend_entries]
+        return [name.partition(":")[0] for name in self.backend_entries]
 
     @property
     def grpc_backends(self) -> set[str]:
         """Backends whose servers are the nodes' gRPC endpoints (marked `name:grpc`)."""
-        return {e.partition(":")[0] for e in self._backend_entries if e.endswith(":grpc")}
+        return {e.partition(":")[0] for e in self.backend_entries if e.endswith(":grpc")}
 
     @property
-    def _backend_entries(self) -> list[str]:
+    def backend_entries(self) -> list[str]:
+        """The backends as set: `name`, or `name:grpc` for one of gRPC endpoints."""
         return [name.strip() for name in self.traffic_backends.split(",") if name.strip()]
 
 

@@ -80,7 +80,7 @@ def read(pools: list[NodePool]) -> dict[str, State]:
             state["traffic"] |= {
                 "strategy": pool.traffic,
                 "runtime": pool.traffic_runtime,
-                "backends": pool._backend_entries,
+                "backends": pool.backend_entries,
             }
         state["scaling"] = scaling.get(pool.pk, state["scaling"])
         found[pool.name] = state
