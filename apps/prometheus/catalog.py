@@ -455,21 +455,19 @@ def bottleneck_query(*, steps: list[str], pool: str, window_s: int) -> str:
 
 
 def scaling_query(window_s: int) -> str:
-    """One query for every pool, whatever their number: each model's request rate, each model's
-    queue time over its compute time (Triton's Kubernetes recipe; at least 1 us/s of compute,
-    as the recipe clamps it), and the GPUs' mean utilization, each series labelled with its
-    `measure`."""
+    """One query for every pool, whatever their number: per pool, model and version the requests,
+    queue time and compute time a second (Triton's Kubernetes recipe's ratio, taken apart so that
+    a step's batching delay can be set aside), and per pool the GPUs' mean utilization; each
+    series labelled with its `measure`."""
     window = f"{window_s}s"
-
-    def by_model(counter: str) -> str:
-        return f"sum by (pool, model) (rate({counter}[{window}]))"
-
     parts = {
-        "rate": by_model("nv_inference_request_success"),
-        "queue": f"{by_model('nv_inference_queue_duration_us')} / clamp_min("
-        f"{by_model('nv_inference_compute_infer_duration_us')}, 1)",
-        "gpu": f"avg by (pool) (avg_over_time(nv_gpu_utilization[{window}]))",
-    }
+        measure: f"sum by (pool, model, version) (rate({counter}[{window}]))"
+        for measure, counter in (
+            ("rate", "nv_inference_request_success"),
+            ("queue", "nv_inference_queue_duration_us"),
+            ("compute", "nv_inference_compute_infer_duration_us"),
+        )
+    } | {"gpu": f"avg by (pool) (avg_over_time(nv_gpu_utilization[{window}]))"}
     return " or ".join(
         f'label_replace({expr}, "measure", "{measure}", "", "")' for measure, expr in parts.items()
     )

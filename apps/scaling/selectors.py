@@ -13,7 +13,7 @@ from apps.performance.search import searches_holding
 from apps.performance.selectors import capacities
 from apps.prometheus.catalog import scaling_query
 from apps.prometheus.client import PrometheusUnavailable, instant_query
-from apps.registry.models import Model
+from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Rollout
 from apps.scaling.signal import Load, Reading
 
@@ -46,22 +46,32 @@ def readings(pools: dict[int, str]) -> dict[int, Reading]:
     except PrometheusUnavailable as exc:
         return {pk: Reading(unavailable=str(exc)) for pk in pools}
     ids = {name: pk for pk, name in pools.items()}
-    ensembles = set(Model.objects.filter(kind=Model.Kind.ENSEMBLE).values_list("name", flat=True))
-    rates: dict[tuple[int, str], float] = {}
-    queues: dict[int, tuple[str, float]] = {}
+    # (pool, model, version): requests, queue us and compute us a second
+    steps: dict[tuple[int, str, str], dict[str, float]] = defaultdict(dict)
     gpus: dict[int, float] = {}
     for labels, value in series:
         pk = ids.get(labels.get("pool", ""))
         if pk is None:
             continue
-        measure, model = labels.get("measure"), labels.get("model", "")
-        if measure == "rate":
-            rates[pk, model] = value
-        elif measure == "queue" and model not in ensembles:
-            if value > queues.get(pk, ("", -1.0))[1]:
-                queues[pk] = (model, value)
-        elif measure == "gpu":
+        if labels.get("measure") == "gpu":
             gpus[pk] = value
+        else:
+            key = (pk, labels.get("model", ""), labels.get("version", ""))
+            steps[key][labels.get("measure", "")] = value
+    rates: dict[tuple[int, str], float] = defaultdict(float)
+    for (pk, model, _), measures in steps.items():
+        rates[pk, model] += measures.get("rate", 0.0)
+    loads, queues = _loads(pools, rates), _queues(steps)
+    return {
+        pk: Reading(loads=loads[pk], queue=queues.get(pk), gpu=gpus.get(pk))
+        if pk in loads or pk in queues
+        else Reading()
+        for pk in pools
+    }
+
+
+def _loads(pools: dict[int, str], rates: dict[tuple[int, str], float]) -> dict[int, list[Load]]:
+    """Each pool's served releases: their request rates and measured capacities."""
     served = list(
         Deployment.objects.filter(pool_id__in=pools, node__isnull=True)
         .order_by("model__name")
@@ -81,12 +91,39 @@ def readings(pools: dict[int, str]) -> dict[int, Reading]:
                 run=capacity.run if capacity else None,
             )
         )
-    return {
-        pk: Reading(loads=loads[pk], queue=queues.get(pk), gpu=gpus.get(pk))
-        if pk in loads or pk in queues
-        else Reading()
-        for pk in pools
-    }
+    return loads
+
+
+def _queues(steps: dict[tuple[int, str, str], dict[str, float]]) -> dict[int, tuple[str, float]]:
+    """Each pool's worst step: its requests' time in queue beyond the batching delay its config
+    asks for (at low load a request waits out the delay, by design), over their compute time.
+    An ensemble is no step: its own series never queue."""
+    names = {model for _, model, _ in steps}
+    ensembles = set(
+        Model.objects.filter(name__in=names, kind=Model.Kind.ENSEMBLE).values_list(
+            "name", flat=True
+        )
+    )
+    delays: dict[tuple[str, str], int] = {}
+    for name, number, config in ModelVersion.objects.filter(model__name__in=names).values_list(
+        "model__name", "version", "config"
+    ):
+        batching = (config or {}).get("dynamic_batching") or {}
+        delays[name, str(number)] = int(batching.get("max_queue_delay_microseconds") or 0)
+    waited: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for (pk, model, version), measures in steps.items():
+        if model in ensembles or "queue" not in measures:
+            continue
+        delay = delays.get((model, version), 0) * measures.get("rate", 0.0)
+        sums = waited[pk, model]
+        sums[0] += max(measures["queue"] - delay, 0.0)
+        sums[1] += measures.get("compute", 0.0)
+    worst: dict[int, tuple[str, float]] = {}
+    for (pk, model), (queue, compute) in sorted(waited.items()):
+        ratio = queue / max(compute, 1.0)  # as the recipe clamps it: 1 us a second at least
+        if ratio > worst.get(pk, ("", -1.0))[1]:
+            worst[pk] = (model, ratio)
+    return worst
 
 
 def holds() -> dict[int, list[str]]:

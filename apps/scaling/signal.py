@@ -120,7 +120,8 @@ def _asks(serving: int, reading: Reading, targets: Targets) -> tuple[list[int], 
         wanted = _proportional(serving, ratio / targets.queue_ratio, targets.tolerance)
         asks.append(wanted)
         reasons.append(
-            f"queue: {step} waits {ratio:.2f}x its compute time on {_nodes(serving)} in traffic"
+            f"queue: {step} waits {ratio:.2f}x its compute time (its batching delay aside)"
+            f" on {_nodes(serving)} in traffic"
             f" (target {targets.queue_ratio:g}x): {_nodes(wanted)}"
         )
     if reading.gpu is not None and serving:

@@ -1,5 +1,5 @@
 """A pool scaled on the product's signal as a cluster scales it (tests/support/autoscaling.py):
-on the trio behind a real HAProxy, users ramp to 6 requests/s (a node measured at 2), the
+on the trio behind a real HAProxy, users ramp to 7 requests/s (a node measured at 2), the
 signal asks for a fourth node, the local fleet's autoscaler (an HPA's arithmetic) starts it and
 it joins; during a rollout the ramp down lets no node go; after it one is drained and stopped.
 

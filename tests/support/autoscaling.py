@@ -34,7 +34,7 @@ class Ramp:
 
 
 def ramp(scaling: NodePool, haproxy: Proc, trio: tuple[Devfleet, FleetState]) -> Ramp:
-    """Up to four nodes under 6 requests/s (2 a node measured); back to three under 1 a second
+    """Up to four nodes under 7 requests/s (2 a node measured); back to three under 1 a second
     once a paused rollout on the fourth has ended (none goes while it runs); no request fails."""
     devfleet, _ = trio
     pipeline = Model.objects.get(name="rag_pipeline")
@@ -46,7 +46,7 @@ def ramp(scaling: NodePool, haproxy: Proc, trio: tuple[Devfleet, FleetState]) ->
     through = f"http://127.0.0.1:{haproxy.ports['http']}"
     clock = time.monotonic()
 
-    with recording(through, rps=6) as users:  # 6 / (2 x 0.8) a node: 4 nodes
+    with recording(through, rps=7) as users:  # 7 / (2 x 0.8) a node: 5, at most 4
         began = time.monotonic()
         wait_for("the signal asks for 4 nodes", lambda: wanted() == 4, timeout=60)
         asked = time.monotonic() - began
@@ -86,7 +86,15 @@ def ramp(scaling: NodePool, haproxy: Proc, trio: tuple[Devfleet, FleetState]) ->
         assert follower.listed() == ["trio-1", "trio-2", "trio-3", "trio-4"]
 
         Rollout.objects.filter(pk=rollout.pk).update(state=Rollout.State.SUCCEEDED)
-        wait_for("the signal lets a node go", lambda: wanted() == 3, timeout=30)
+        try:
+            wait_for("the signal lets a node go", lambda: wanted() == 3, timeout=30)
+        except AssertionError:
+            print(
+                Scaling.objects.filter(pool=scaling)
+                .values_list("wanted", "reasons", "held")
+                .first()
+            )
+            raise
         began = time.monotonic()
         said = follower.step(clock + 2 * WINDOW_S + 2)
         let_go = time.monotonic() - began

@@ -245,12 +245,14 @@ def discovering(weighted: NodePool, celery: Celery) -> Iterator[NodePool]:
 @pytest.fixture
 def scaling(discovering: NodePool, celery: Celery) -> Iterator[NodePool]:
     """The discovering trio, and beat computing the nodes each pool needs every second, over
-    the last 10 s."""
-    celery.use_env(SCALING_TICK_S="1", SCALING_WINDOW_S="10")
+    the last 10 s, from the pool's load alone (a queue ratio 100 times the compute time would be
+    needed to ask for more: on a CPU shared with other tests, queues are the machine's)."""
+    scaling = {"SCALING_TICK_S": "1", "SCALING_WINDOW_S": "10", "SCALING_QUEUE_RATIO": "100"}
+    celery.use_env(**scaling)
     try:
         yield discovering
     finally:
-        celery.use_env(SCALING_TICK_S=SCALING_TICK_S, SCALING_WINDOW_S=None)
+        celery.use_env(**(dict.fromkeys(scaling) | {"SCALING_TICK_S": SCALING_TICK_S}))
 
 
 @pytest.fixture

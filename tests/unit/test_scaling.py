@@ -170,9 +170,7 @@ def fleet(db: None) -> NodePool:
 
 def answer(monkeypatch: pytest.MonkeyPatch, series: Series | Exception) -> None:
     def instant_query(query: str) -> Series:
-        assert (
-            "label_replace(sum by (pool, model) (rate(nv_inference_request_success[60s]))" in query
-        )
+        assert "sum by (pool, model, version) (rate(nv_inference_request_success[60s]))" in query
         if isinstance(series, Exception):
             raise series
         return series
@@ -181,11 +179,18 @@ def answer(monkeypatch: pytest.MonkeyPatch, series: Series | Exception) -> None:
 
 
 def gpu_series(rate: float, reranker: float, pipeline_queue: float = 9.0) -> Series:
+    """Pool gpu's series: `rate` requests a second of rag_pipeline, its reranker waiting
+    `reranker` times its compute time, the ensemble's own queue `pipeline_queue` times (never a
+    step's); another pool's too."""
+
+    def step(pool: str, model: str, version: str, **measures: float) -> Series:
+        labels = {"pool": pool, "model": model, "version": version}
+        return [(labels | {"measure": name}, value) for name, value in measures.items()]
+
     return [
-        ({"measure": "rate", "pool": "gpu", "model": "rag_pipeline"}, rate),
-        ({"measure": "queue", "pool": "gpu", "model": "reranker"}, reranker),
-        ({"measure": "queue", "pool": "gpu", "model": "rag_pipeline"}, pipeline_queue),
-        ({"measure": "rate", "pool": "elsewhere", "model": "rag_pipeline"}, 500.0),
+        *step("gpu", "rag_pipeline", "1", rate=rate, queue=pipeline_queue * 1000, compute=1000),
+        *step("gpu", "reranker", "1", rate=rate, queue=reranker * 1000, compute=1000),
+        *step("elsewhere", "rag_pipeline", "1", rate=500.0),
     ]
 
 
