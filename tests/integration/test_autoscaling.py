@@ -12,7 +12,9 @@ from apps.devtools.processes import FleetState, Proc
 from apps.fleet.models import NodePool
 from tests.support.autoscaling import ramp
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# Alone: five Triton nodes under a ramp of users load the host, and the requests a second it
+# reads are what it scales on.
+pytestmark = [pytest.mark.integration, pytest.mark.alone, pytest.mark.django_db(transaction=True)]
 
 
 def test_a_traffic_ramp_grows_the_pool_and_shrinks_it_drained_never_during_a_rollout(
