@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from django.db.models import IntegerField, Max, Q, QuerySet
+from django.db.models import IntegerField, Max, Q, QuerySet, TextField
 from django.db.models.expressions import RawSQL
+from django.db.models.functions import Cast
 
 from apps.fleet.models import Deployment, Node
 from apps.registry.codec import ensemble_steps, from_dict, pin_versions, to_dict
@@ -231,7 +232,9 @@ def fleet_desired(*, pool_ids: Iterable[int] | None = None) -> FleetDesired:
     deployments = Deployment.objects.all()
     ids = None if pool_ids is None else tuple(sorted(set(pool_ids)))
     if ids is not None:
-        deployments = deployments.filter(Q(pool_id__in=ids) | Q(node__pool_id__in=ids))
+        # The nodes by their pool's index: a join would read every node of the fleet.
+        nodes = Node.objects.filter(pool_id__in=ids).values("pk")
+        deployments = deployments.filter(Q(pool_id__in=ids) | Q(node_id__in=nodes))
     key = (ids, _fleet_inputs(deployments))
     if key in _FLEETS:
         _FLEETS.move_to_end(key)
@@ -257,8 +260,10 @@ def _fleet_inputs(deployments: QuerySet[Deployment]) -> tuple:
     (`_REGISTRY_STAMP`), in one statement; no deployment needs no stamp: nothing is wanted of
     the registry then."""
     fields = ("id", "pool_id", "node_id", "version", "baseline_version", "standby_version")
-    rows = deployments.order_by("id").annotate(stamp=_REGISTRY_STAMP)
-    return tuple(rows.values_list(*fields, "updated_at", "stamp"))
+    # The moment as the database writes it: compared, never read (thousands of deployments).
+    changed = Cast("updated_at", TextField())
+    rows = deployments.order_by("id").annotate(changed=changed, stamp=_REGISTRY_STAMP)
+    return tuple(rows.values_list(*fields, "changed", "stamp"))
 
 
 # Grows with every change of the registry's published versions (a step pinned to the latest): a

@@ -3,16 +3,23 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
-from typing import Any
 from weakref import WeakKeyDictionary
 
+from django.core.paginator import Paginator
 from django.db.models import (
-    Aggregate,
+    BooleanField,
+    Count,
+    Exists,
+    ExpressionWrapper,
     Max,
+    Min,
+    OuterRef,
     Q,
     QuerySet,
-    TextField,
+    Window,
 )
+from django.db.models.functions import Coalesce, RowNumber
+from django.utils import timezone
 
 from apps.fleet.desired import DesiredStateError, FleetDesired, fleet_desired, node_desired
 from apps.fleet.models import Deployment, Node, NodePool, Operation, PoolOwner
@@ -51,31 +58,26 @@ class NodeRow:
         return f"{done} of {wanted} models READY" if wanted else "nothing to load"
 
 
-class _Ids(Aggregate):
-    """A group's primary keys, comma-separated: STRING_AGG on PostgreSQL, GROUP_CONCAT on
-    SQLite."""
-
-    function = "STRING_AGG"
-    template = "%(function)s(CAST(%(expressions)s AS text), ',')"
-    output_field = TextField()
-
-    def as_sqlite(self, compiler: Any, connection: Any, **extra: Any) -> Any:
-        template = "GROUP_CONCAT(%(expressions)s)"
-        return self.as_sql(compiler, connection, template=template, **extra)
-
-
 # Nodes of one pool, in one stage and health, whose index, owned models and balancer weights
-# are the same drift alike: every node of a converged pool is one shape.
-_ALIKE = ("pool_id", "pool__traffic", "stage", "health", "weight", "served_weight", "draining")
+# are the same, listed by discovery or not, drift alike: every node of a converged pool is one
+# shape. Fields, and what the database computes to group by and to match on alike.
+_COMPUTED = {
+    "served": Coalesce("served_weight", -1),  # the balancer's weight; equal to itself unknown
+    "unlisted": ExpressionWrapper(Q(unlisted_since__isnull=False), output_field=BooleanField()),
+}
+_ALIKE = ("pool_id", "pool__traffic", "stage", "health", "weight", "draining", *_COMPUTED)
+_ALIKE += ("index_key", "owned_key")  # the documents' hashes
 
 
 @dataclass(frozen=True)
 class Shape:
-    """Nodes alike (`_ALIKE`): the pages count, filter and summarise shapes, so that 5,000 nodes
-    cost what 5 do; only the nodes of a page are read whole."""
+    """Nodes alike (`_ALIKE`): the pages count, filter and summarise shapes, so that 50,000
+    nodes cost what 5 do; only the nodes of a page are read whole."""
 
     row: NodeRow  # of a representative, built from the shape's fields
-    ids: list[int]
+    count: int
+    first: int  # its first node: the others are those alike it
+    alone: bool = False  # a node with deployments of its own (`first`), a shape by itself
 
 
 # Rows of shapes, kept with the desired state they were computed against: while no deployment
@@ -86,58 +88,77 @@ _ROWS: "WeakKeyDictionary[FleetDesired, dict[tuple, NodeRow]]" = WeakKeyDictiona
 
 
 def node_shapes(nodes: QuerySet[Node], desired: FleetDesired) -> list[Shape]:
-    """The shapes of `nodes`, in two queries however many nodes: the groups, then one node's
-    index and owned models for each shape not seen before (none, when a page is shown again and
-    nothing changed). A node with deployments of its own (a canary) is a shape alone."""
-    alike = (*_ALIKE, "index_key", "owned_key")  # the documents' hashes last
-    own, rows = desired.overridden, _ROWS.setdefault(desired, {})
-    groups = []  # each group's fields, its nodes, and the rows it needs
-    for group in nodes.order_by().values(*alike).annotate(ids=_Ids("pk")):
-        key, ids = tuple(group[name] for name in alike), sorted(map(int, group["ids"].split(",")))
-        groups.append((key, ids, _keys(key, ids, own)))
-    unseen = {ids[0]: (key, needed) for key, ids, needed in groups if _missing(needed, rows)}
-    if unseen:
-        firsts = Node.objects.filter(pk__in=unseen).values_list("pk", "index", "owned")
-        for pk, index, owned in firsts:
-            key, needed = unseen[pk]
-            fields: dict[str, Any] = dict(zip(_ALIKE, key, strict=False))
-            fields |= {"index": index, "owned": owned}
-            pool = NodePool(pk=fields.pop("pool_id"), traffic=fields.pop("pool__traffic"))
-            for k in needed:
-                node = Node(pool=pool, **fields) if k == key else Node(pk=k[1], pool=pool, **fields)
-                rows[k] = node_row(node, desired)
-    shapes = []
-    for key, ids, needed in groups:
-        if _missing(needed, rows):
-            continue  # deleted since it was grouped: gone from the page at its next refresh
-        if others := [pk for pk in ids if pk not in own]:
-            shapes.append(Shape(rows[key], others))
-        shapes += [Shape(rows[(key, pk)], [pk]) for pk in ids if pk in own]
-    return shapes
+    """The shapes of `nodes`, in three queries however many nodes: the groups (counted, which
+    PostgreSQL hashes in one pass), the nodes with deployments of their own (a canary: a shape
+    alone), then the documents of each shape not seen before (none, when a page is shown again
+    and nothing changed)."""
+    rows = _ROWS.setdefault(desired, {})
+    nodes = nodes.order_by().annotate(**_COMPUTED)
+    grouped = nodes.values(*_ALIKE).annotate(count=Count("pk"), first=Min("pk"))
+    groups = {tuple(group[name] for name in _ALIKE): group for group in grouped}
+    own = nodes.filter(pk__in=desired.overridden).values_list(*_ALIKE, "pk")
+    alone = []  # the nodes with deployments of their own: their fields, and their id
+    for *fields, pk in own:
+        if group := groups.get(tuple(fields)):  # else changed since it was grouped
+            group["count"] -= 1
+            alone.append((tuple(fields), pk))
+    # The rows needed, each by its key: its fields, and its node where it is alone.
+    needed = {key: (key, None) for key, group in groups.items() if group["count"]}
+    needed |= {(fields, pk): (fields, pk) for fields, pk in alone}
+    if unseen := {key: made for key, made in needed.items() if key not in rows}:
+        # A group's nodes have the same documents: its first one's make each of its rows.
+        firsts = {groups[fields]["first"] for fields, _ in unseen.values()}
+        read = Node.objects.filter(pk__in=firsts).values_list("pk", "index", "owned")
+        documents = {pk: (index, owned) for pk, index, owned in read}
+        for key, (fields, pk) in unseen.items():
+            if found := documents.get(groups[fields]["first"]):  # else deleted since grouped
+                rows[key] = node_row(_alike(fields, pk, *found), desired)
+    shapes = [
+        Shape(rows[key], group["count"], group["first"])
+        for key, group in groups.items()
+        if group["count"] and key in rows
+    ]
+    return shapes + [Shape(rows[f, pk], 1, pk, alone=True) for f, pk in alone if (f, pk) in rows]
 
 
-def _missing(needed: set[tuple], rows: dict[tuple, NodeRow]) -> bool:
-    """Whether a row `needed` is not computed yet: each looked up, as many lookups as the group
-    needs (a set less `rows.keys()` copies every row of the fleet, for every group)."""
-    return any(key not in rows for key in needed)
+def _alike(fields: tuple, pk: int | None, index: list, owned: list) -> Node:
+    """A node of a shape's row: the shape's fields and documents; the node's id where it has
+    deployments of its own."""
+    values = dict(zip(_ALIKE, fields, strict=True))
+    return Node(
+        pk=pk,
+        pool=NodePool(pk=values["pool_id"], traffic=values["pool__traffic"]),
+        stage=values["stage"],
+        health=values["health"],
+        weight=values["weight"],
+        served_weight=None if values["served"] == -1 else values["served"],
+        draining=values["draining"],
+        unlisted_since=timezone.now() if values["unlisted"] else None,
+        index=index,
+        owned=owned,
+    )
 
 
-def _keys(key: tuple, ids: list[int], own: set[int]) -> set[tuple]:
-    """The rows a group needs: one for its nodes alike, one for each node with its own state."""
-    mine = {(key, pk) for pk in ids if pk in own}
-    return mine | {key} if len(mine) < len(ids) else mine
+def shapes_nodes(
+    nodes: QuerySet[Node], shapes: list[Shape], desired: FleetDesired
+) -> QuerySet[Node]:
+    """The nodes of `shapes` among `nodes`: those alike a shape's first node (one hash join,
+    however many shapes and nodes) that have no deployment of their own, and those alone."""
+    firsts = [shape.first for shape in shapes if not shape.alone]
+    alike = Node.objects.filter(pk__in=firsts).alias(**_COMPUTED)
+    alike = alike.filter(**{name: OuterRef(name) for name in _ALIKE})
+    found = Q(Exists(alike)) & ~Q(pk__in=desired.overridden)
+    alone = Q(pk__in=[shape.first for shape in shapes if shape.alone])
+    return nodes.alias(**_COMPUTED).filter(found | alone)
 
 
 def nodes_serving(model: str, version: int | None) -> QuerySet[Node]:
     """The nodes whose last index shows `model` at `version` READY, found among the distinct
     indexes (one query, however many nodes share each) rather than read node by node."""
-    ids = [
-        int(pk)
-        for group in Node.objects.order_by().values("index").annotate(ids=_Ids("pk"))
-        if version in ready_in(group["index"]).get(model, set())
-        for pk in group["ids"].split(",")
-    ]
-    return node_list().filter(pk__in=ids)
+    firsts = Node.objects.order_by().values("index_key").annotate(first=Min("pk")).values("first")
+    distinct = Node.objects.filter(pk__in=firsts).values_list("index_key", "index")
+    keys = [key for key, index in distinct if version in ready_in(index).get(model, set())]
+    return node_list().filter(index_key__in=keys)
 
 
 def node_row(node: Node, desired: FleetDesired) -> NodeRow:
@@ -165,6 +186,22 @@ class NodeSearch:
         """A page's rows: its nodes as read for it."""
         return [node_row(node, self.desired) for node in nodes]
 
+    def paginator(self, per_page: int) -> Paginator:
+        """Pages of the nodes, counted by their shapes: a page is one query, not two."""
+        return _Counted(self.nodes, per_page, sum(shape.count for shape in self.shapes))
+
+
+class _Counted(Paginator):
+    """A paginator told how many objects it pages."""
+
+    def __init__(self, object_list: QuerySet, per_page: int, count: int) -> None:
+        super().__init__(object_list, per_page)
+        self.known = count
+
+    @cached_property
+    def count(self) -> int:
+        return self.known
+
 
 def node_search(filters: NodeFilters = NodeFilters()) -> NodeSearch:
     """The nodes that pass `filters`, in a handful of queries however many nodes."""
@@ -187,7 +224,7 @@ def node_search(filters: NodeFilters = NodeFilters()) -> NodeSearch:
     if filters.drift:
         shapes = [s for s in shapes if s.row.drift]
     if filters.model or filters.drift:
-        nodes = nodes.filter(pk__in=[pk for shape in shapes for pk in shape.ids])
+        nodes = shapes_nodes(nodes, shapes, desired)
     return NodeSearch(shapes, nodes, desired)
 
 
@@ -220,7 +257,7 @@ def fleet_summary(shapes: Iterable[Shape]) -> FleetSummary:
     healths: Counter[str] = Counter()
     drifted = models_ready = 0
     for shape in shapes:
-        node, n = shape.row.node, len(shape.ids)
+        node, n = shape.row.node, shape.count
         stages[node.stage] += n
         if node.stage != Node.Stage.DEPARTED:
             healths[node.health] += n
@@ -378,26 +415,33 @@ class PoolView:
         return fleet_summary(self.shapes)
 
 
-def pool_views(pools: Iterable[NodePool], *, glance: bool = False) -> list[PoolView]:
+def pool_views(
+    pools: Iterable[NodePool], *, glance: bool = False, fleet: NodeSearch | None = None
+) -> list[PoolView]:
     """Each pool with its deployments and its nodes' drift, in a bounded number of queries;
-    with `glance`, the first few drifting nodes of each read whole (`PoolView.drifting`)."""
+    with `glance`, the first few drifting nodes of each read whole (`PoolView.drifting`). The
+    nodes' shapes are `fleet`'s where given (the whole fleet's, read already)."""
     pools = list(pools)
-    desired = fleet_desired(pool_ids=[pool.pk for pool in pools])
+    if fleet:
+        desired, found = fleet.desired, fleet.shapes
+    else:
+        desired = fleet_desired(pool_ids=[pool.pk for pool in pools])
+        found = node_shapes(Node.objects.filter(pool__in=pools), desired)
     shapes: dict[int, list[Shape]] = {pool.pk: [] for pool in pools}
-    for shape in node_shapes(Node.objects.filter(pool__in=pools), desired):
-        shapes[shape.row.node.pool_id].append(shape)
+    for shape in found:
+        if shape.row.node.pool_id in shapes:
+            shapes[shape.row.node.pool_id].append(shape)
     drifting: dict[int, list[NodeRow]] = {pool.pk: [] for pool in pools}
     if glance:
-        first = []
-        for found in shapes.values():
-            ids = (
-                pk
-                for shape in found
-                if shape.row.drift and shape.row.node.stage != Node.Stage.DEPARTED
-                for pk in shape.ids
-            )
-            first += sorted(ids)[:DRIFTING_SHOWN]
-        for node in node_list().filter(pk__in=first):
+        drift = [
+            shape
+            for found in shapes.values()
+            for shape in found
+            if shape.row.drift and shape.row.node.stage != Node.Stage.DEPARTED
+        ]
+        rank = Window(RowNumber(), partition_by="pool_id", order_by="pk")
+        first = shapes_nodes(node_list().filter(pool__in=pools), drift, desired)
+        for node in first.annotate(rank=rank).filter(rank__lte=DRIFTING_SHOWN).order_by("pk"):
             drifting[node.pool_id].append(node_row(node, desired))
     deployments: dict[int, list[Deployment]] = {pool.pk: [] for pool in pools}
     for deployment in Deployment.objects.filter(pool__in=pools).select_related("model"):

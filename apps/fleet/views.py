@@ -46,10 +46,11 @@ def overview(request: HttpRequest) -> HttpResponse:
     nodes: 500 pools cost what 50 do."""
     page = Paginator(NodePool.objects.all(), OVERVIEW_POOLS_PER_PAGE)
     pools = page.get_page(request.GET.get("page"))
+    fleet = node_search()
     context = {
-        "summary": node_search().summary,  # the whole fleet's
+        "summary": fleet.summary,  # the whole fleet's
         "page": pools,
-        "pools": pool_views(pools),
+        "pools": pool_views(pools, fleet=fleet),
         "failing": failing_operations(),
         "events": AuditEvent.objects.all()[:8],
     }
@@ -99,7 +100,7 @@ def nodes(request: HtmxHttpRequest) -> HttpResponse:
         search=request.GET.get("q", "").strip(),
     )
     found = node_search(filters)
-    page = Paginator(found.nodes, NODES_PER_PAGE).get_page(request.GET.get("page"))
+    page = found.paginator(NODES_PER_PAGE).get_page(request.GET.get("page"))
     page.object_list = found.rows(page.object_list)  # type: ignore[assignment]
     query = urlencode({k: v for k, v in request.GET.items() if k != "page" and v})
     context = {

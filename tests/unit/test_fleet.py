@@ -410,6 +410,40 @@ def test_nodes_alike_are_counted_together_and_a_canary_node_apart(
     assert '<a href="/nodes/n3/">n3</a>' in glance and '<a href="/nodes/n2/">' not in glance
 
 
+def test_a_node_whose_target_is_gone_drifts_apart_from_its_listed_neighbours(
+    client: Client, viewer: User, node: Node
+) -> None:
+    """Alike but for discovery's listing: the balancer must give the unlisted node no weight,
+    and shows 100, while its neighbours get what they should."""
+    NodePool.objects.filter(pk=node.pool_id).update(traffic=NodePool.Traffic.HAPROXY)
+    for name in ("n2", "n3"):
+        Node.objects.create(name=name, pool=node.pool, http_url=f"http://{name}:8000")
+    Node.objects.update(health="ready", served_weight=100)
+    Node.objects.filter(name="n2").update(unlisted_since=timezone.now())
+    client.force_login(viewer)
+    assert "3 nodes: 3 ready, 0 unreachable, 1 drifting." in client.get("/nodes/").content.decode()
+    drifting = client.get("/nodes/?drift=1").content.decode()
+    assert re.findall(r'<tr id="node-([\w-]+)"', drifting) == ["n2"]
+    assert "weight 0, the balancer shows 100" in drifting
+
+
+def test_the_deployments_page_names_the_first_few_drifting_nodes_of_each_pool(
+    client: Client, viewer: User
+) -> None:
+    stray = [{"model": "stray", "version": "1", "state": "READY", "reason": ""}]
+    for pool in NodePool.objects.bulk_create(NodePool(name=p) for p in ("a", "b")):
+        Node.objects.bulk_create(
+            Node(name=f"{pool.name}{i}", pool=pool, http_url="http://10.0.0.1:8000", index=stray)
+            for i in range(8)
+        )
+    Node.objects.filter(name__in=["a0", "b7"]).update(health="ready")  # shapes of their own
+    client.force_login(viewer)
+    views = client.get("/deployments/").context["pools"]
+    names = {view.pool.name: [row.node.name for row in view.drifting] for view in views}
+    assert names == {"a": ["a0", "a1", "a2", "a3", "a4"], "b": ["b0", "b1", "b2", "b3", "b4"]}
+    assert [view.summary.drifted for view in views] == [8, 8]
+
+
 def test_an_unmanaged_model_can_be_adopted_and_only_then_unloaded(
     client: Client, operator: User, node: Node
 ) -> None:
