@@ -11,8 +11,7 @@ from apps.accounts.permissions import current_user
 from apps.api.auth import Token, can
 from apps.api.errors import ERRORS, WAITS, ApiError
 from apps.fleet.models import NodePool
-from apps.scaling.models import Scaling
-from apps.scaling.selectors import node_counts_of, scale_in_order
+from apps.scaling.selectors import pool_scaling
 from apps.scaling.services import ScalingError, scaling_pin, scaling_set
 
 router = Router(tags=["scaling"], auth=Token())
@@ -45,27 +44,14 @@ class PinIn(Schema):
 
 
 def _out(pool: NodePool) -> dict[str, Any]:
-    scaling = Scaling.objects.filter(pool=pool).first() or Scaling(pool=pool)
-    nodes, serving = node_counts_of(pool)
-    going = max(nodes - scaling.wanted, 0) if scaling.wanted is not None else 0
+    shown = pool_scaling(pool)
+    fields = ("wanted", "reasons", "held", "least", "most", "pinned", "pinned_by", "pinned_reason")
     return {
         "pool": pool.name,
-        "nodes": nodes,
-        "serving": serving,
-        "remove_first": list(scale_in_order(pool).values_list("name", flat=True)[:going]),
-        **{
-            name: getattr(scaling, name)
-            for name in (
-                "wanted",
-                "reasons",
-                "held",
-                "least",
-                "most",
-                "pinned",
-                "pinned_by",
-                "pinned_reason",
-            )
-        },
+        "nodes": shown.nodes,
+        "serving": shown.serving,
+        "remove_first": list(shown.going.values_list("name", flat=True)),
+        **{name: getattr(shown.scaling, name) for name in fields},
     }
 
 

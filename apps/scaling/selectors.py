@@ -3,6 +3,7 @@ which nodes a scale-in should take first. A fixed number of queries for every po
 a tick costs the same at 5 pools as at 500."""
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from django.conf import settings
 from django.db.models import Case, Count, Q, QuerySet, Value, When
@@ -15,6 +16,7 @@ from apps.prometheus.catalog import scaling_query
 from apps.prometheus.client import PrometheusUnavailable, instant_query
 from apps.registry.models import Model, ModelVersion
 from apps.rollouts.models import Rollout
+from apps.scaling.models import Scaling
 from apps.scaling.signal import Load, Reading
 
 IN_TRAFFIC = Q(stage=Node.Stage.SERVING, draining=False, unlisted_since__isnull=True, weight__gt=0)
@@ -33,8 +35,27 @@ def node_counts(pools: QuerySet[NodePool] | None = None) -> dict[int, tuple[int,
     return {pool_id: (count, serving) for pool_id, count, serving in rows}
 
 
-def node_counts_of(pool: NodePool) -> tuple[int, int]:
-    return node_counts(NodePool.objects.filter(pk=pool.pk)).get(pool.pk, (0, 0))
+@dataclass(frozen=True)
+class PoolScaling:
+    """What the pool's page and the API show: its count and bounds (`scaling`), its nodes now,
+    and the order a scale-in takes them in."""
+
+    scaling: Scaling
+    nodes: int  # not departed
+    serving: int  # of them, in traffic
+    order: QuerySet[Node]  # `scale_in_order`
+
+    @property
+    def going(self) -> QuerySet[Node]:
+        """The nodes a scale-in to the count wanted takes."""
+        wanted = self.scaling.wanted
+        return self.order[: max(self.nodes - wanted, 0) if wanted is not None else 0]
+
+
+def pool_scaling(pool: NodePool) -> PoolScaling:
+    scaling = Scaling.objects.filter(pool=pool).first() or Scaling(pool=pool)
+    nodes, serving = node_counts(NodePool.objects.filter(pk=pool.pk)).get(pool.pk, (0, 0))
+    return PoolScaling(scaling, nodes, serving, scale_in_order(pool))
 
 
 def readings(pools: dict[int, str]) -> dict[int, Reading]:

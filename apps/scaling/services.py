@@ -41,39 +41,39 @@ def scaling_tick() -> int:
     how many pools' counts changed."""
     pools = dict(NodePool.objects.order_by("pk").values_list("pk", "name"))
     counts, read, held = node_counts(), readings(pools), holds()
-    rows = {row.pool_id: row for row in Scaling.objects.filter(pool_id__in=pools)}
     now, aims, events = timezone.now(), targets(), []
-    for pk, name in pools.items():
-        row = rows.get(pk) or Scaling(pool_id=pk)
-        nodes, serving = counts.get(pk, (0, 0))
-        why = f"{row.pinned_reason} ({row.pinned_by})"
-        bounds = Bounds(row.least, row.most, row.pinned, why)
-        signal = nodes_wanted(
-            nodes=nodes,
-            serving=serving,
-            reading=read[pk],
-            targets=aims,
-            bounds=bounds,
-            holds=held.get(pk),
-            last=row.wanted if row.pinned is None else None,
-        )
-        if signal.wanted != row.wanted:
-            events.append(
-                audit_event(
-                    actor=AUTOSCALER,
-                    action="pool.scale",
-                    target=f"pool:{name}",
-                    before={"wanted": row.wanted, "nodes": nodes},
-                    after={"wanted": signal.wanted, "reasons": signal.reasons},
-                )
-            )
-        row.wanted, row.nodes, row.reasons = signal.wanted, nodes, signal.reasons
-        row.held, row.computed_at = signal.held, now
-        rows[pk] = row
     with transaction.atomic():
-        Scaling.objects.bulk_create(
-            rows.values(), update_conflicts=True, unique_fields=["pool"], update_fields=COMPUTED
+        # Every pool's row, locked: a pin or bounds set meanwhile wait for this tick's write,
+        # rather than being overwritten by a count computed without them.
+        Scaling.objects.bulk_create([Scaling(pool_id=pk) for pk in pools], ignore_conflicts=True)
+        rows = list(
+            Scaling.objects.filter(pool_id__in=pools).order_by("pool_id").select_for_update()
         )
+        for row in rows:
+            name, (nodes, serving) = pools[row.pool_id], counts.get(row.pool_id, (0, 0))
+            why = f"{row.pinned_reason} ({row.pinned_by})"
+            signal = nodes_wanted(
+                nodes=nodes,
+                serving=serving,
+                reading=read[row.pool_id],
+                targets=aims,
+                bounds=Bounds(row.least, row.most, row.pinned, why),
+                holds=held.get(row.pool_id),
+                last=row.wanted if row.pinned is None else None,
+            )
+            if signal.wanted != row.wanted:
+                events.append(
+                    audit_event(
+                        actor=AUTOSCALER,
+                        action="pool.scale",
+                        target=f"pool:{name}",
+                        before={"wanted": row.wanted, "nodes": nodes},
+                        after={"wanted": signal.wanted, "reasons": signal.reasons},
+                    )
+                )
+            row.wanted, row.nodes, row.reasons = signal.wanted, nodes, signal.reasons
+            row.held, row.computed_at = signal.held, now
+        Scaling.objects.bulk_update(rows, COMPUTED)
         audit_append(events)
     return len(events)
 

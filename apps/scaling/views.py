@@ -6,8 +6,7 @@ from django.views.decorators.http import require_POST
 
 from apps.accounts.permissions import current_user, require
 from apps.fleet.models import NodePool
-from apps.scaling.models import Scaling
-from apps.scaling.selectors import node_counts_of, scale_in_order
+from apps.scaling import selectors
 from apps.scaling.services import ScalingError, scaling_pin, scaling_set, targets
 from apps.web.htmx import back, refused
 
@@ -18,14 +17,13 @@ def pool_scaling(request: HttpRequest, pool: str) -> HttpResponse:
     """The nodes the pool needs and why: each reading's ask, what holds it, a pin; the nodes a
     scale-in would take first. The same reads for a pool of 5 nodes as of 5,000."""
     found = get_object_or_404(NodePool, name=pool)
-    scaling = Scaling.objects.filter(pool=found).first() or Scaling(pool=found)
-    nodes, serving = node_counts_of(found)
+    shown = selectors.pool_scaling(found)
     context = {
         "pool": found,
-        "scaling": scaling,
-        "nodes": nodes,
-        "serving": serving,
-        "first": scale_in_order(found)[:FIRST_SHOWN],
+        "scaling": shown.scaling,
+        "nodes": shown.nodes,
+        "serving": shown.serving,
+        "first": shown.order[:FIRST_SHOWN],
         "targets": targets(),
     }
     return render(request, "scaling/pool.html", context)

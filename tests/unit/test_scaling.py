@@ -3,7 +3,9 @@ without evidence; never a scale-in while a release runs; a pin over all), an HPA
 the exported series, the tick against stubbed Prometheus answers (tests/integration has a real
 one), the page and who may pin or bound it."""
 
+import threading
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
@@ -22,7 +24,7 @@ from apps.performance.search import search_lost_after
 from apps.prometheus.client import PrometheusUnavailable
 from apps.registry.models import Model
 from apps.rollouts.models import Rollout
-from apps.scaling import hpa, selectors
+from apps.scaling import hpa, selectors, services
 from apps.scaling.models import Scaling
 from apps.scaling.selectors import scale_in_order
 from apps.scaling.services import ScalingError, scaling_pin, scaling_set, scaling_tick
@@ -268,6 +270,39 @@ def test_a_pin_takes_effect_at_once_needs_a_reason_and_an_operator(fleet: NodePo
     assert event.after == {"pinned": 2, "pinned_by": "operator-user", "pinned_reason": "GPU quota"}
     scaling_pin(pool_name="gpu", nodes=None, reason="", actor=operator)
     assert Scaling.objects.get(pool=fleet).pinned is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pin_during_a_tick_waits_for_its_write_and_stands(
+    fleet: NodePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A person pins while a tick computes: the pin waits for the tick's write, then applies,
+    rather than a count computed without it replacing the pin's."""
+    answer(monkeypatch, gpu_series(rate=40.0, reranker=0.5))
+    scaling_tick()
+    operator = make_user(Role.OPERATOR)
+
+    def pin() -> None:
+        try:
+            scaling_pin(pool_name="gpu", nodes=2, reason="GPU quota", actor=operator)
+        finally:
+            connection.close()
+
+    pinning = threading.Thread(target=pin)
+    computed = services.nodes_wanted
+
+    def nodes_wanted(**kwargs: Any) -> Any:
+        if pinning.ident is None:  # not started: the tick's first pool
+            pinning.start()
+            pinning.join(timeout=1.0)  # it waits for the tick, or it has pinned already
+        return computed(**kwargs)
+
+    monkeypatch.setattr(services, "nodes_wanted", nodes_wanted)
+    answer(monkeypatch, gpu_series(rate=60.0, reranker=0.5))
+    scaling_tick()
+    pinning.join()
+    gpu = Scaling.objects.get(pool=fleet)
+    assert (gpu.pinned, gpu.wanted) == (2, 2), gpu.reasons
 
 
 def test_bounds_wait_for_a_second_person_on_a_protected_pool(fleet: NodePool) -> None:
