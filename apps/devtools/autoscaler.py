@@ -6,11 +6,11 @@ out of traffic until warm) or let go in the order the product gives (out of traf
 a running rollout's canary), each drained before it stops: its target unlisted, discovery's next
 pass takes its weight to 0, the balancer reads it back, then SIGTERM."""
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from apps.devtools import targets
 from apps.devtools.devfleet import Devfleet
 from apps.fleet.models import Node, NodePool
 from apps.scaling.hpa import Autoscaler
@@ -48,10 +48,7 @@ class Follower:
 
     def listed(self) -> list[str]:
         """The pool's nodes listed for Prometheus (the local fleet's replicas), in order."""
-        path = self.devfleet.targets
-        lines = path.read_text().splitlines() if path.exists() else []
-        groups = [json.loads(line.removeprefix("- ")) for line in lines if line]
-        return [g["labels"]["node"] for g in groups if g["labels"]["pool"] == self.pool]
+        return targets.listed(self.devfleet.targets, self.pool)
 
     def _let_go(self, name: str) -> None:
         self.devfleet.unlist(name)

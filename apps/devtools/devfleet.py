@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytriton
 
+from apps.devtools import targets
 from apps.devtools.processes import (
     DevfleetError,
     FleetState,
@@ -86,7 +87,7 @@ class Devfleet:
                 self._save(state)
             for i in range(nodes):
                 self._serving(state, i, repository_key, repick=base_port is None)
-            self._targets_write(state, pool)
+            targets.write(self.targets, state.nodes, pool)
             for attempt in range(PORT_PICKS):  # as `_serving` does for the nodes
                 web = ports_free(1, prometheus_port)[0]
                 state.prometheus = self._start_prometheus(prometheus, web)
@@ -153,11 +154,6 @@ class Devfleet:
         them from Prometheus' targets API)."""
         return self.home / "targets" / "nodes.yml"
 
-    def _targets_write(self, state: FleetState, pool: str) -> None:
-        self.targets.parent.mkdir(parents=True, exist_ok=True)
-        lines = [_target_line(proc, pool) for proc in state.nodes]
-        _write_whole(self.targets, "".join(f"{line}\n" for line in lines))
-
     def add_node(self, pool: str) -> Proc:
         """One more node, started, then listed for Prometheus: the control plane finds it."""
         state = self.state()
@@ -167,8 +163,7 @@ class Devfleet:
         self._save(state)
         self._serving(state, len(state.nodes) - 1, "", repick=True)
         proc = state.nodes[-1]
-        with self.targets.open("a") as listed:
-            listed.write(_target_line(proc, pool) + "\n")
+        targets.add(self.targets, proc, pool)
         return proc
 
     def remove_node(self, name: str) -> Proc:
@@ -178,8 +173,7 @@ class Devfleet:
 
     def unlist(self, name: str) -> None:
         """The node's target gone from Prometheus' list: discovery takes it out of traffic."""
-        kept = [line for line in self.targets.read_text().splitlines() if f'"{name}"' not in line]
-        _write_whole(self.targets, "".join(f"{line}\n" for line in kept))
+        targets.drop(self.targets, name)
 
     def stop(self, name: str) -> Proc:
         """SIGTERM, as a pod's container gets, and its end waited for."""
@@ -451,7 +445,7 @@ class Devfleet:
         faults.pop(model, None)
         if delay_ms or error_rate:
             faults[model] = {"delay_ms": delay_ms, "error_rate": error_rate}
-        _write_whole(path, json.dumps(faults))
+        targets.write_whole(path, json.dumps(faults))
 
     def load_release(self, client: TritonClient, model: str, version: int) -> None:
         """Load `model` at `version` from the repository; for an ensemble, its pinned steps first.
@@ -480,18 +474,3 @@ class Devfleet:
                 raise TritonError(
                     client.node, f"{name} v{each_version} is not READY after load: {reason}"
                 )
-
-
-def _target_line(node: Proc, pool: str) -> str:
-    """A node as one line of a file_sd list (a YAML list whose items are JSON objects)."""
-    labels = {"node": node.name, "pool": pool}
-    labels |= {"http_port": str(node.ports["http"]), "grpc_port": str(node.ports["grpc"])}
-    return "- " + json.dumps({"targets": [f"127.0.0.1:{node.ports['metrics']}"], "labels": labels})
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """`path` replaced at once, never seen half-written by whoever reads it (Prometheus' file_sd,
-    the demo models' fault file); the partial file's name matches neither's pattern."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)

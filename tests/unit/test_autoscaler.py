@@ -2,14 +2,15 @@
 starts real nodes): it follows the product's count through an HPA's arithmetic, starts what is
 missing, and lets nodes go in the product's order, each drained before it stops."""
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from django.utils import timezone
 
+from apps.devtools import targets
 from apps.devtools.autoscaler import Follower
+from apps.devtools.processes import Proc
 from apps.fleet.models import Node, NodePool
 from apps.scaling.hpa import Autoscaler
 from apps.scaling.models import Scaling
@@ -30,9 +31,10 @@ class Fleet:
 
     def _list(self, name: str) -> None:
         Node.objects.create(name=name, pool=self.pool, http_url="http://127.0.0.1:1")
-        line = json.dumps({"targets": ["x"], "labels": {"node": name, "pool": self.pool.name}})
-        with self.targets.open("a") as listed:
-            listed.write(f"- {line}\n")
+        ports = {"http": 1, "grpc": 2, "metrics": 3}
+        targets.add(
+            self.targets, Proc(name, pid=0, argv=[], log="", started=0, ports=ports), self.pool.name
+        )
 
     def add_node(self, pool: str) -> Any:
         name = f"p-{Node.objects.count() + 1}"
@@ -41,8 +43,7 @@ class Fleet:
         return type("Proc", (), {"name": name})
 
     def unlist(self, name: str) -> None:
-        lines = self.targets.read_text().splitlines()
-        self.targets.write_text("".join(f"{x}\n" for x in lines if f'"{name}"' not in x))
+        targets.drop(self.targets, name)
         Node.objects.filter(name=name).update(unlisted_since=timezone.now(), served_weight=0)
         self.calls.append(f"unlist {name}")
 
