@@ -34,6 +34,7 @@ from apps.devtools.processes import (
     wait_gone,
     wait_http,
     wait_simulator,
+    write_whole,
 )
 from apps.fleet.triton import TritonClient, TritonError
 from apps.registry.codec import pin_versions, to_json
@@ -445,7 +446,7 @@ class Devfleet:
         faults.pop(model, None)
         if delay_ms or error_rate:
             faults[model] = {"delay_ms": delay_ms, "error_rate": error_rate}
-        targets.write_whole(path, json.dumps(faults))
+        write_whole(path, json.dumps(faults))
 
     def load_release(self, client: TritonClient, model: str, version: int) -> None:
         """Load `model` at `version` from the repository; for an ensemble, its pinned steps first.

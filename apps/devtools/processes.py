@@ -310,6 +310,14 @@ def stop(processes: list[Proc], grace_s: float) -> list[str]:
     return lines
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`path` replaced at once, never seen half-written by whoever reads it (Prometheus' file_sd,
+    the demo models' fault file); the partial file's name matches neither's pattern."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Stop a local fleet at once (`devfleet down`).")
     parser.add_argument("action", choices=["down"])

@@ -1,13 +1,13 @@
 """Prometheus' file_sd list of the local fleet's nodes: one line each (a YAML list whose items
 are JSON objects), with `node` and `pool` labels and the ports of the node's HTTP and gRPC
-endpoints, which the control plane's discovery reads from Prometheus' targets API. Written
-whole, never seen half-written."""
+endpoints, which the control plane's discovery reads from Prometheus' targets API. A node comes
+as one line appended; otherwise the file is replaced whole, never seen half-written."""
 
 import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from apps.devtools.processes import Proc
+from apps.devtools.processes import Proc, write_whole
 
 
 def write(path: Path, nodes: Iterable[Proc], pool: str) -> None:
@@ -22,14 +22,17 @@ def add(path: Path, node: Proc, pool: str) -> None:
 
 def drop(path: Path, name: str) -> None:
     """The node's target gone from the list."""
-    kept = [line for line in path.read_text().splitlines() if _labels(line)["node"] != name]
+    kept = [line for line in _lines(path) if _labels(line)["node"] != name]
     write_whole(path, "".join(f"{line}\n" for line in kept))
 
 
 def listed(path: Path, pool: str) -> list[str]:
     """The pool's nodes in the list, in order."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [labels["node"] for labels in map(_labels, lines) if labels["pool"] == pool]
+    return [labels["node"] for labels in map(_labels, _lines(path)) if labels["pool"] == pool]
+
+
+def _lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def _line(node: Proc, pool: str) -> str:
@@ -40,11 +43,3 @@ def _line(node: Proc, pool: str) -> str:
 
 def _labels(line: str) -> dict[str, str]:
     return json.loads(line.removeprefix("- "))["labels"]
-
-
-def write_whole(path: Path, text: str) -> None:
-    """`path` replaced at once, never seen half-written by whoever reads it (Prometheus' file_sd,
-    the demo models' fault file); the partial file's name matches neither's pattern."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)

@@ -260,7 +260,7 @@ def _fleet_inputs(deployments: QuerySet[Deployment]) -> tuple:
     (`_REGISTRY_STAMP`), in one statement; no deployment needs no stamp: nothing is wanted of
     the registry then."""
     fields = ("id", "pool_id", "node_id", "version", "baseline_version", "standby_version")
-    # The moment as the database writes it: compared, never read (thousands of deployments).
+    # The moment as the database writes it: compared as text, never parsed (thousands of them).
     changed = Cast("updated_at", TextField())
     rows = deployments.order_by("id").annotate(changed=changed, stamp=_REGISTRY_STAMP)
     return tuple(rows.values_list(*fields, "changed", "stamp"))

@@ -76,7 +76,7 @@ class Shape:
 
     row: NodeRow  # of a representative, built from the shape's fields
     count: int
-    first: int  # its first node: the others are those alike it
+    first: int  # its first node; a group's may have deployments of its own, its fields alike
     alone: bool = False  # a node with deployments of its own (`first`), a shape by itself
 
 
@@ -146,7 +146,8 @@ def shapes_nodes(
     however many shapes and nodes) that have no deployment of their own, and those alone."""
     firsts = [shape.first for shape in shapes if not shape.alone]
     alike = Node.objects.filter(pk__in=firsts).alias(**_COMPUTED)
-    alike = alike.filter(**{name: OuterRef(name) for name in _ALIKE})
+    # The same pool, the same traffic strategy: the pool's is not compared again.
+    alike = alike.filter(**{name: OuterRef(name) for name in _ALIKE if name != "pool__traffic"})
     found = Q(Exists(alike)) & ~Q(pk__in=desired.overridden)
     alone = Q(pk__in=[shape.first for shape in shapes if shape.alone])
     return nodes.alias(**_COMPUTED).filter(found | alone)
@@ -156,9 +157,10 @@ def nodes_serving(model: str, version: int | None) -> QuerySet[Node]:
     """The nodes whose last index shows `model` at `version` READY, found among the distinct
     indexes (one query, however many nodes share each) rather than read node by node."""
     firsts = Node.objects.order_by().values("index_key").annotate(first=Min("pk")).values("first")
-    distinct = Node.objects.filter(pk__in=firsts).values_list("index_key", "index")
-    keys = [key for key, index in distinct if version in ready_in(index).get(model, set())]
-    return node_list().filter(index_key__in=keys)
+    distinct = Node.objects.filter(pk__in=firsts).values_list("pk", "index")
+    serving = [pk for pk, index in distinct if version in ready_in(index).get(model, set())]
+    # Their keys as the database has them (on SQLite, the document itself, not a number).
+    return node_list().filter(index_key__in=Node.objects.filter(pk__in=serving).values("index_key"))
 
 
 def node_row(node: Node, desired: FleetDesired) -> NodeRow:
@@ -192,7 +194,8 @@ class NodeSearch:
 
 
 class _Counted(Paginator):
-    """A paginator told how many objects it pages."""
+    """A paginator told how many objects it pages (read moments before its page: a node that
+    changed in between shows at the next refresh)."""
 
     def __init__(self, object_list: QuerySet, per_page: int, count: int) -> None:
         super().__init__(object_list, per_page)
@@ -422,7 +425,7 @@ def pool_views(
     with `glance`, the first few drifting nodes of each read whole (`PoolView.drifting`). The
     nodes' shapes are `fleet`'s where given (the whole fleet's, read already)."""
     pools = list(pools)
-    if fleet:
+    if fleet is not None:
         desired, found = fleet.desired, fleet.shapes
     else:
         desired = fleet_desired(pool_ids=[pool.pk for pool in pools])
@@ -441,7 +444,7 @@ def pool_views(
         ]
         rank = Window(RowNumber(), partition_by="pool_id", order_by="pk")
         first = shapes_nodes(node_list().filter(pool__in=pools), drift, desired)
-        for node in first.annotate(rank=rank).filter(rank__lte=DRIFTING_SHOWN).order_by("pk"):
+        for node in first.annotate(rank=rank).filter(rank__lte=DRIFTING_SHOWN):
             drifting[node.pool_id].append(node_row(node, desired))
     deployments: dict[int, list[Deployment]] = {pool.pk: [] for pool in pools}
     for deployment in Deployment.objects.filter(pool__in=pools).select_related("model"):

@@ -73,7 +73,9 @@ def scaling_tick() -> int:
                 )
             row.wanted, row.nodes, row.reasons = signal.wanted, nodes, signal.reasons
             row.held, row.computed_at = signal.held, now
-        Scaling.objects.bulk_update(rows, COMPUTED)
+        Scaling.objects.bulk_create(
+            rows, update_conflicts=True, unique_fields=["pool"], update_fields=COMPUTED
+        )
         audit_append(events)
     return len(events)
 

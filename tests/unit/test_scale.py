@@ -40,6 +40,8 @@ def pages() -> list[str]:
         "/",
         "/nodes/",
         "/nodes/?drift=1",
+        "/nodes/?model=a-model-000",
+        "/nodes/?drift=1&page=2",
         "/nodes/serving/?model=a-model-000&version=3",
         f"/nodes/{node.name}/",
         "/deployments/",
